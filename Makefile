@@ -1,0 +1,43 @@
+# Two commands: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Rego unit tests run under the reference OPA (regopy crashes on `with`; see docs/policy.md).
+OPA_VERSION := v1.22.4
+OPA := $(BIN)/opa
+
+.PHONY: demo test lint typecheck pytest policy-test bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/broker demo
+
+test: $(STAMP) $(OPA) lint typecheck policy-test pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check broker tests bench
+	$(BIN)/ruff check broker tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+$(OPA): | $(STAMP)
+	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/open-policy-agent/opa@$(OPA_VERSION)
+
+policy-test: $(STAMP) $(OPA)
+	$(BIN)/broker policy test policies --opa $(OPA)
+
+pytest: $(STAMP) $(OPA)
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/release_bench.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,137 @@
+"""aiohttp application factory: wiring only.
+
+``create_app(settings)`` builds the app; every resource (HTTP client session, decision log, key
+store, policy engine) is opened in a cleanup context and closed on shutdown. ``/readyz`` turns
+ready only after all of them opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from datetime import UTC, datetime, timedelta
+
+import aiohttp
+from aiohttp import web
+
+from broker.api.middleware import METRICS, request_context
+from broker.api.routes import register
+from broker.api.state import STATE, BrokerState, Clock
+from broker.attestation.jwks import FileJwksSource, JwksSource, UrlJwksSource
+from broker.attestation.service import EvidenceVerifier, TrustedIssuer
+from broker.audit.log import DecisionLog
+from broker.config import Settings
+from broker.errors import ConfigError
+from broker.keys.factory import open_key_service
+from broker.metrics import Metrics
+from broker.nonces import MemoryNonceStore
+from broker.policy.bundle import load_policy_dir
+from broker.policy.embedded import EmbeddedPolicyEngine
+from broker.release import ReleaseService
+
+log = logging.getLogger(__name__)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def create_app(settings: Settings, *, clock: Clock = utc_now) -> web.Application:
+    """Build the broker application for ``settings``."""
+    app = web.Application(
+        middlewares=[request_context], client_max_size=settings.server.max_body_bytes
+    )
+    app[METRICS] = Metrics()
+    app[STATE] = BrokerState(
+        settings=settings,
+        clock=clock,
+        nonces=MemoryNonceStore(
+            ttl=timedelta(seconds=settings.server.nonce_ttl_seconds),
+            capacity=settings.server.max_outstanding_nonces,
+        ),
+    )
+    app.cleanup_ctx.append(_resources)
+    register(app)
+    return app
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    settings = state.settings
+    async with AsyncExitStack() as stack:
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        keys = await stack.enter_async_context(open_key_service(settings.keys))
+        audit = DecisionLog(settings.audit.log)
+        await audit.open()
+        stack.push_async_callback(audit.close)
+        bundle = await asyncio.to_thread(load_policy_dir, settings.policy.dir)
+        engine = await asyncio.to_thread(
+            EmbeddedPolicyEngine,
+            bundle,
+            eval_timeout_seconds=settings.policy.eval_timeout_ms / 1000,
+        )
+        stack.callback(engine.close)
+        verifier = EvidenceVerifier(
+            _issuers(settings, session),
+            audience=settings.server.audience,
+            leeway=timedelta(seconds=settings.server.clock_leeway_seconds),
+        )
+        state.release = ReleaseService(
+            nonces=state.nonces,
+            verifier=verifier,
+            keys=keys,
+            policy=engine,
+            audit=audit,
+            metrics=app[METRICS],
+        )
+        state.checks = {
+            "policy": engine.digest,
+            "keys": settings.keys.store.split(":", 1)[0],
+            "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
+            "audit_log": f"{audit.head.size} records",
+        }
+        log.info("broker ready: %s", state.checks)
+        try:
+            yield
+        finally:
+            state.release = None
+
+
+def _issuers(settings: Settings, session: aiohttp.ClientSession) -> dict[str, TrustedIssuer]:
+    issuers: dict[str, TrustedIssuer] = {}
+    for entry in settings.issuers:
+        source: JwksSource
+        if entry.jwks_file is not None:
+            source = FileJwksSource(entry.jwks_file)
+        else:
+            if entry.jwks_url is None:
+                raise ConfigError("issuers", f"{entry.issuer}: jwks_file or jwks_url is required")
+            source = UrlJwksSource(
+                entry.jwks_url,
+                session,
+                cache_seconds=entry.jwks_cache_seconds,
+                refresh_min_seconds=entry.jwks_refresh_min_seconds,
+            )
+        issuers[entry.issuer] = TrustedIssuer(settings=entry, keys=source)
+    return issuers
+
+
+def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """TLS context for ``serve``; ``None`` only when plain HTTP was explicitly allowed."""
+    server = settings.server
+    if server.insecure_http:
+        log.warning(
+            "INSECURE: serving plain HTTP on %s (allowed only on loopback); "
+            "do not use this outside development",
+            server.listen,
+        )
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if server.tls_cert is None or server.tls_key is None:
+        raise ConfigError("server.tls_cert", "TLS needs tls_cert and tls_key")
+    context.load_cert_chain(server.tls_cert, server.tls_key)
+    return context

@@ -1,0 +1,69 @@
+"""Binding of evidence to one release: the broker's nonce and the runner's key. Pure.
+
+Protocol v1 (DESIGN.md §2): a Confidential Space runner asks the launcher for a token with
+``nonces = [broker_nonce, runner_key_thumbprint]``; Google echoes them in ``eat_nonce``
+(a string when there is one nonce, an array otherwise). Both values must be present. A token
+without the broker's nonce would be a bearer token anyone could replay; a token without the
+thumbprint would let a thief who saw the token wrap the key to their own key.
+
+Values are compared as exact strings (EVIDENCE.md §1.2: nonces are echoed verbatim).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from broker.errors import AttestationError, ErrorCode
+
+MAX_EAT_NONCES = 16
+
+
+def eat_nonce_values(claim: Any) -> list[str]:
+    """Normalise ``eat_nonce`` (string or array of strings) to a list.
+
+    Raises:
+        AttestationError: ``nonce_missing`` when absent or empty, ``token_claim_invalid`` when
+            it has another shape.
+    """
+    if claim in (None, [], ""):
+        raise AttestationError(
+            "token carries no eat_nonce; request it with the broker nonce",
+            code=ErrorCode.NONCE_MISSING,
+        )
+    values = [claim] if isinstance(claim, str) else claim
+    if (
+        not isinstance(values, list)
+        or len(values) > MAX_EAT_NONCES
+        or not all(isinstance(v, str) for v in values)
+    ):
+        raise AttestationError(
+            "token eat_nonce is not a string or an array of strings",
+            code=ErrorCode.TOKEN_CLAIM_INVALID,
+        )
+    return values
+
+
+def check_eat_nonce(claim: Any, *, nonce: str, thumbprint: str) -> None:
+    """Require both the broker nonce and the runner key thumbprint in ``eat_nonce``.
+
+    Raises:
+        AttestationError: ``nonce_missing``, ``nonce_mismatch`` or ``key_binding_mismatch``.
+    """
+    values = eat_nonce_values(claim)
+    if not _contains(values, nonce):
+        raise AttestationError(
+            "token eat_nonce does not contain this request's nonce", code=ErrorCode.NONCE_MISMATCH
+        )
+    if not _contains(values, thumbprint):
+        raise AttestationError(
+            "token eat_nonce does not bind runner_key (RFC 7638 thumbprint missing)",
+            code=ErrorCode.KEY_BINDING_MISMATCH,
+        )
+
+
+def _contains(values: list[str], expected: str) -> bool:
+    found = False
+    for value in values:
+        found |= hmac.compare_digest(value.encode(), expected.encode())
+    return found

@@ -1,0 +1,203 @@
+"""The one place that verifies JWS/JWT signatures and times.
+
+PyJWT reads the wall clock itself; our verifiers take ``now`` as a value so that a year-old real
+token can be verified at its issue time. This module therefore turns PyJWT's time checks off,
+requires the time claims, and checks ``exp``/``nbf``/``iat`` against the injected ``now`` with
+one named leeway. No other module may turn those flags off.
+
+Header rules (DESIGN.md §2, "rules that never bend"):
+
+1. The header is a JSON object of bounded size, parsed by us before any key is chosen.
+2. ``alg`` must be in the caller's allow-list (never ``none``, never HMAC for these issuers).
+3. ``jku``, ``x5u``, ``jwk`` (keys named by the token) and ``crit`` are refused outright.
+4. The key comes only from the caller-provided trust anchors, chosen by ``kid``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import jwt
+
+from broker.errors import AttestationError, ErrorCode
+
+MAX_TOKEN_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 16 * 1024
+DEFAULT_LEEWAY = timedelta(seconds=30)
+FORBIDDEN_HEADERS = frozenset({"jku", "x5u", "jwk", "crit"})
+TIME_CLAIMS = ("exp", "iat", "nbf")
+
+
+@dataclass(frozen=True)
+class UnverifiedHeader:
+    """A parsed, not yet trusted JOSE header."""
+
+    alg: str
+    kid: str | None
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class VerifiedJws:
+    """A token whose signature verified with a trusted key; times checked."""
+
+    header: Mapping[str, Any]
+    claims: Mapping[str, Any]
+
+
+def b64url_decode(text: str) -> bytes:
+    """Decode unpadded base64url strictly.
+
+    Raises:
+        ValueError: on characters outside the base64url alphabet or a bad length.
+    """
+    if "=" in text or "+" in text or "/" in text:
+        raise ValueError("not unpadded base64url")
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError("not base64url") from exc
+
+
+def b64url_encode(data: bytes) -> str:
+    """Unpadded base64url."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def parse_header(token: str, allowed_algorithms: Collection[str]) -> UnverifiedHeader:
+    """Split a compact JWS and parse its header under the header rules above.
+
+    Raises:
+        AttestationError: ``token_too_large``, ``token_malformed``,
+            ``token_header_forbidden`` or ``token_algorithm_forbidden``.
+    """
+    if len(token) > MAX_TOKEN_BYTES:
+        raise AttestationError("token exceeds the size limit", code=ErrorCode.TOKEN_TOO_LARGE)
+    parts = token.split(".")
+    if len(parts) != 3 or not all(parts[:2]):
+        raise AttestationError("token is not a compact JWS (three dot-separated parts)")
+    if len(parts[0]) > MAX_HEADER_BYTES:
+        raise AttestationError("token header exceeds the size limit")
+    try:
+        header = json.loads(b64url_decode(parts[0]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AttestationError("token header is not base64url JSON") from exc
+    if not isinstance(header, dict):
+        raise AttestationError("token header is not a JSON object")
+    forbidden = sorted(FORBIDDEN_HEADERS.intersection(header))
+    if forbidden:
+        raise AttestationError(
+            f"token header parameters are refused: {', '.join(forbidden)}",
+            code=ErrorCode.TOKEN_HEADER_FORBIDDEN,
+        )
+    alg = header.get("alg")
+    if not isinstance(alg, str) or alg not in allowed_algorithms:
+        raise AttestationError(
+            f"token algorithm {alg!r} is not allowed for this issuer",
+            code=ErrorCode.TOKEN_ALGORITHM_FORBIDDEN,
+        )
+    kid = header.get("kid")
+    if kid is not None and not isinstance(kid, str):
+        raise AttestationError("token header kid is not a string")
+    return UnverifiedHeader(alg=alg, kid=kid, fields=header)
+
+
+def verify_jws(
+    token: str,
+    header: UnverifiedHeader,
+    key: Any,
+    *,
+    now: datetime,
+    leeway: timedelta = DEFAULT_LEEWAY,
+    required_claims: Collection[str] = TIME_CLAIMS,
+) -> VerifiedJws:
+    """Verify the signature with a trusted ``key`` and the time claims against ``now``.
+
+    Args:
+        token: the compact JWS whose header was parsed by ``parse_header``.
+        header: that parsed header; its ``alg`` was checked against the allow-list.
+        key: a public key object from the configured trust anchors.
+        now: the one clock reading of this request (timezone-aware).
+        leeway: tolerated clock skew for ``exp``, ``nbf`` and ``iat``.
+        required_claims: claims that must be present.
+
+    Raises:
+        AttestationError: ``token_signature_invalid``, ``token_malformed``,
+            ``token_claim_missing``, ``token_expired``, ``token_not_yet_valid`` or
+            ``token_issued_in_future``.
+    """
+    try:
+        decoded = jwt.decode_complete(
+            token,
+            key=key,
+            algorithms=[header.alg],
+            options={
+                "verify_signature": True,
+                "verify_exp": False,
+                "verify_nbf": False,
+                "verify_iat": False,
+                "verify_aud": False,
+                "verify_iss": False,
+                "require": list(required_claims),
+            },
+        )
+    except jwt.MissingRequiredClaimError as exc:
+        raise AttestationError(
+            f"token lacks the required claim {exc.claim!r}", code=ErrorCode.TOKEN_CLAIM_MISSING
+        ) from exc
+    except jwt.InvalidSignatureError as exc:
+        raise AttestationError(
+            "token signature does not verify", code=ErrorCode.TOKEN_SIGNATURE_INVALID
+        ) from exc
+    except jwt.InvalidTokenError as exc:
+        raise AttestationError("token could not be decoded") from exc
+    claims = decoded["payload"]
+    if not isinstance(claims, dict):
+        raise AttestationError("token payload is not a JSON object")
+    check_times(claims, now=now, leeway=leeway)
+    return VerifiedJws(header=decoded["header"], claims=claims)
+
+
+def check_times(claims: Mapping[str, Any], *, now: datetime, leeway: timedelta) -> None:
+    """Check ``exp``, ``nbf`` and ``iat`` (those present) against ``now``.
+
+    Raises:
+        AttestationError: ``token_claim_invalid``, ``token_expired``, ``token_not_yet_valid``
+            or ``token_issued_in_future``.
+    """
+    moment = now.timestamp()
+    slack = leeway.total_seconds()
+    times: dict[str, float] = {}
+    for name in TIME_CLAIMS:
+        if name in claims:
+            value = claims[name]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise AttestationError(
+                    f"token claim {name!r} is not a NumericDate",
+                    code=ErrorCode.TOKEN_CLAIM_INVALID,
+                )
+            times[name] = float(value)
+    checks: list[tuple[str, Callable[[float], bool], ErrorCode, str]] = [
+        ("exp", lambda t: moment >= t + slack, ErrorCode.TOKEN_EXPIRED, "token has expired"),
+        (
+            "nbf",
+            lambda t: moment < t - slack,
+            ErrorCode.TOKEN_NOT_YET_VALID,
+            "token is not yet valid",
+        ),
+        (
+            "iat",
+            lambda t: moment < t - slack,
+            ErrorCode.TOKEN_ISSUED_IN_FUTURE,
+            "token iat is in the future",
+        ),
+    ]
+    for name, failed, code, message in checks:
+        if name in times and failed(times[name]):
+            raise AttestationError(message, code=code)

@@ -1,0 +1,247 @@
+"""Hash-chained, durable decision log (JSON lines).
+
+Each line is one record: canonical JSON (sorted keys, no spaces, UTF-8) with ``seq`` (0, 1, …),
+``prev`` (the previous record's ``hash``; 64 zeros for the first) and ``hash`` =
+SHA-256 over the canonical JSON of the record without ``hash``. Changing, removing or reordering
+a record breaks the chain at that point; a final line without its newline is a truncated write.
+Removing records from the end leaves a shorter valid chain: compare with a head you trust
+(``broker audit verify --head``); signed Merkle checkpoints will close that gap.
+
+Appends are group-committed: records arriving while a write is in flight share the next
+``write`` + ``fsync``. ``append`` returns only after the record is on disk; if writing fails,
+the log refuses every later append until a restart (the file's state is then unknown), and the
+caller must not release anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from broker.errors import ErrorCode, UpstreamError
+
+log = logging.getLogger(__name__)
+GENESIS = "0" * 64
+TAIL_READ_BYTES = 1024 * 1024
+
+
+class LogCorrupt(Exception):
+    """The log on disk does not verify; names the first bad record (1-based line)."""
+
+    def __init__(self, line: int, problem: str) -> None:
+        super().__init__(f"record {line}: {problem}")
+        self.line = line
+        self.problem = problem
+
+
+def canonical(record: Mapping[str, Any]) -> bytes:
+    return json.dumps(
+        record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def record_hash(record: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in record.items() if k != "hash"}
+    return hashlib.sha256(canonical(body)).hexdigest()
+
+
+@dataclass(frozen=True)
+class ChainHead:
+    size: int  # number of records
+    hash: str  # hash of the last record (GENESIS when empty)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    head: ChainHead
+
+
+def iter_records(data: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, record) for each complete line.
+
+    Raises:
+        LogCorrupt: for a line that is not a JSON object or a final line without newline.
+    """
+    if not data:
+        return
+    lines = data.split(b"\n")
+    if lines[-1] != b"":
+        raise LogCorrupt(len(lines), "truncated mid-record (no final newline)")
+    for number, line in enumerate(lines[:-1], start=1):
+        try:
+            record = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise LogCorrupt(number, "not valid JSON") from exc
+        if not isinstance(record, dict):
+            raise LogCorrupt(number, "not a JSON object")
+        yield number, record
+
+
+def check_link(number: int, record: Mapping[str, Any], previous: ChainHead) -> ChainHead:
+    """Check one record against the chain so far and return the new head.
+
+    Raises:
+        LogCorrupt: naming what does not match.
+    """
+    if record.get("seq") != previous.size:
+        raise LogCorrupt(number, f"seq {record.get('seq')!r}, expected {previous.size}")
+    if record.get("prev") != previous.hash:
+        raise LogCorrupt(number, "prev does not match the previous record (removed or reordered)")
+    if record.get("hash") != record_hash(record):
+        raise LogCorrupt(number, "hash does not match the content (record changed)")
+    return ChainHead(size=previous.size + 1, hash=str(record["hash"]))
+
+
+def verify_bytes(data: bytes, *, expected_head: str | None = None) -> VerifyReport:
+    """Verify a whole log.
+
+    Args:
+        data: the log file's bytes.
+        expected_head: a record hash known from earlier; the log must contain it.
+
+    Raises:
+        LogCorrupt: for the first bad record, or when ``expected_head`` is absent.
+    """
+    head = ChainHead(size=0, hash=GENESIS)
+    seen_expected = expected_head is None
+    for number, record in iter_records(data):
+        head = check_link(number, record, head)
+        seen_expected = seen_expected or head.hash == expected_head
+    if not seen_expected:
+        raise LogCorrupt(head.size + 1, "the expected head record is missing (log truncated)")
+    return VerifyReport(head=head)
+
+
+def verify_file(path: Path, *, expected_head: str | None = None) -> VerifyReport:
+    """``verify_bytes`` over a file."""
+    return verify_bytes(path.read_bytes(), expected_head=expected_head)
+
+
+def read_head(path: Path) -> ChainHead:
+    """The chain head from the last record, reading only the end of the file.
+
+    Raises:
+        LogCorrupt: when the last record is truncated or does not verify on its own.
+    """
+    if not path.exists() or path.stat().st_size == 0:
+        return ChainHead(size=0, hash=GENESIS)
+    with path.open("rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        handle.seek(max(0, size - TAIL_READ_BYTES))
+        tail = handle.read()
+    if not tail.endswith(b"\n"):
+        raise LogCorrupt(0, "the last record is truncated; run `broker audit verify` and repair")
+    last_line = tail[:-1].rsplit(b"\n", 1)[-1]
+    try:
+        record = json.loads(last_line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise LogCorrupt(0, "the last record is not JSON") from exc
+    if not isinstance(record, dict) or record.get("hash") != record_hash(record):
+        raise LogCorrupt(0, "the last record does not verify")
+    return ChainHead(size=int(record["seq"]) + 1, hash=str(record["hash"]))
+
+
+class DecisionLog:
+    """Append-only, group-committed, fsync'd decision log."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._fd: int | None = None
+        self._head = ChainHead(size=0, hash=GENESIS)
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[str]]] = []
+        self._writer: asyncio.Task[None] | None = None
+        self._broken = False
+
+    @property
+    def head(self) -> ChainHead:
+        return self._head
+
+    async def open(self) -> None:
+        """Recover the chain head and open the file for appending.
+
+        Raises:
+            LogCorrupt: when the log's last record is damaged (the broker refuses to start).
+        """
+        self._head = await asyncio.to_thread(read_head, self._path)
+        self._fd = await asyncio.to_thread(self._open_fd)
+
+    def _open_fd(self) -> int:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        directory = os.open(self._path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the file's directory entry is durable too
+        finally:
+            os.close(directory)
+        return fd
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await asyncio.shield(self._writer)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    async def append(self, entry: Mapping[str, Any]) -> str:
+        """Append a record durably and return its hash.
+
+        Raises:
+            UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
+        """
+        if self._broken or self._fd is None:
+            raise _unavailable()
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pending.append((dict(entry), future))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._drain())
+        return await asyncio.shield(future)
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            head = self._head
+            lines: list[bytes] = []
+            hashes: list[str] = []
+            for entry, _ in batch:
+                record = {**entry, "seq": head.size, "prev": head.hash}
+                record["hash"] = record_hash(record)
+                lines.append(canonical(record) + b"\n")
+                hashes.append(record["hash"])
+                head = ChainHead(size=head.size + 1, hash=record["hash"])
+            try:
+                await asyncio.to_thread(self._write_durably, b"".join(lines))
+            except OSError as exc:
+                log.critical("decision log write failed; refusing all releases: %s", exc)
+                self._broken = True
+                for _, future in batch + self._pending:
+                    if not future.done():
+                        future.set_exception(_unavailable())
+                self._pending = []
+                return
+            self._head = head
+            for (_, future), digest in zip(batch, hashes, strict=True):
+                if not future.done():
+                    future.set_result(digest)
+
+    def _write_durably(self, data: bytes) -> None:
+        if self._fd is None:
+            raise OSError("decision log is closed")
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        os.fsync(self._fd)
+
+
+def _unavailable() -> UpstreamError:
+    return UpstreamError(
+        "the decision could not be logged durably; nothing was released",
+        code=ErrorCode.AUDIT_LOG_UNAVAILABLE,
+    )

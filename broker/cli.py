@@ -1,0 +1,166 @@
+"""``broker`` command line: serve | demo | keys | audit | policy.
+
+Exit codes: 0 success; 1 the command ran and the answer is "no" (a log that does not verify,
+failing policy tests, a demo step that did not happen); 2 bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from aiohttp import web
+
+from broker.app import create_app, server_ssl_context
+from broker.audit.log import LogCorrupt, verify_file
+from broker.config import load_settings
+from broker.errors import BrokerError, ConfigError
+from broker.keys.factory import open_key_service
+from broker.keys.store.base import KeyVersionRecord, Purpose
+from broker.policy.testing import find_opa, run_policy_tests
+
+EXIT_NO = 1
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.run(args))
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokerError as exc:
+        print(f"error: {exc.code.value}: {exc.message}", file=sys.stderr)
+        return EXIT_NO
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="broker", description="Sealed-runner key broker")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the broker service")
+    serve.add_argument("--config", type=Path, required=True)
+    serve.set_defaults(run=_serve)
+
+    demo = commands.add_parser("demo", help="run the end-to-end demo on loopback")
+    demo.add_argument("--workdir", type=Path, help="keep the demo's files here")
+    demo.set_defaults(run=_demo)
+
+    keys = commands.add_parser("keys", help="manage data keys").add_subparsers(
+        required=True, metavar="ACTION"
+    )
+    create = keys.add_parser("create", help="create a key (random AES-256 DEK, version 1)")
+    create.add_argument("name")
+    create.add_argument("--purpose", choices=[p.value for p in Purpose], required=True)
+    create.add_argument("--config", type=Path, required=True)
+    create.set_defaults(run=_keys_create)
+    listing = keys.add_parser("list", help="list keys and versions (never key material)")
+    listing.add_argument("--config", type=Path, required=True)
+    listing.set_defaults(run=_keys_list)
+
+    audit = commands.add_parser("audit", help="review the decision log").add_subparsers(
+        required=True, metavar="ACTION"
+    )
+    verify = audit.add_parser("verify", help="verify a decision log's hash chain")
+    verify.add_argument("path", type=Path)
+    verify.add_argument("--head", help="a record hash known from earlier that must be present")
+    verify.set_defaults(run=_audit_verify)
+
+    policy = commands.add_parser("policy", help="work on Rego policies").add_subparsers(
+        required=True, metavar="ACTION"
+    )
+    test = policy.add_parser("test", help="run the *_test.rego unit tests with OPA")
+    test.add_argument("dir", type=Path, nargs="?", default=Path("policies"))
+    test.add_argument("--opa", help="path of the opa binary")
+    test.set_defaults(run=_policy_test)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    app = create_app(settings)
+    web.run_app(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        ssl_context=server_ssl_context(settings),
+        access_log=logging.getLogger("broker.access"),
+        print=lambda message: print(message, file=sys.stderr),
+    )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from broker.demo import run_demo  # noqa: PLC0415 - the dev issuer loads only on this path
+
+    return 0 if asyncio.run(run_demo(args.workdir)) else EXIT_NO
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+
+    async def create() -> dict[str, object]:
+        async with open_key_service(settings.keys, create_missing_kek=True) as keys:
+            record = await keys.create(args.name, Purpose(args.purpose), now=datetime.now(UTC))
+        return _describe(record)
+
+    print(json.dumps(asyncio.run(create())))
+    return 0
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+
+    async def listing() -> list[dict[str, object]]:
+        async with open_key_service(settings.keys) as keys:
+            return [_describe(record) for record in await keys.list()]
+
+    print(json.dumps(asyncio.run(listing()), indent=2))
+    return 0
+
+
+def _describe(record: KeyVersionRecord) -> dict[str, object]:
+    return {
+        "name": record.name,
+        "version": record.version,
+        "purpose": record.purpose.value,
+        "state": record.state.value,
+        "kek": record.kek_ref,
+        "created_at": record.created_at.isoformat(),
+    }
+
+
+def _audit_verify(args: argparse.Namespace) -> int:
+    try:
+        report = verify_file(args.path, expected_head=args.head)
+    except OSError as exc:
+        print(f"error: cannot read {args.path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except LogCorrupt as exc:
+        print(json.dumps({"ok": False, "first_bad_record": exc.line, "problem": exc.problem}))
+        return EXIT_NO
+    print(json.dumps({"ok": True, "records": report.head.size, "head": report.head.hash}))
+    return 0
+
+
+def _policy_test(args: argparse.Namespace) -> int:
+    run = run_policy_tests(args.dir, opa=find_opa(args.opa))
+    print(run.output, end="")
+    return 0 if run.passed else EXIT_NO
+
+
+if __name__ == "__main__":
+    sys.exit(main())

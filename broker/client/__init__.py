@@ -1,0 +1,23 @@
+"""Sealed-runner SDK: challenge, ephemeral key, attestation token, release, unwrap.
+
+Typical use inside a Confidential Space workload::
+
+    async with BrokerClient("https://broker.example:8443", ssl=ctx) as client:
+        released = await client.release("models/llama", ConfidentialSpaceTokenSource())
+        dek = released.dek  # 32 bytes, for this process only
+
+The ephemeral key pair is made in process memory (inside the TEE) for each release and its
+thumbprint is bound into the attestation token together with the broker's nonce, so the
+wrapped key is useful only to this process.
+"""
+
+from broker.client.sdk import BrokerClient, BrokerClientError, ReleasedDek
+from broker.client.tokens import ConfidentialSpaceTokenSource, TokenSource
+
+__all__ = [
+    "BrokerClient",
+    "BrokerClientError",
+    "ConfidentialSpaceTokenSource",
+    "ReleasedDek",
+    "TokenSource",
+]

@@ -1,0 +1,301 @@
+"""One typed configuration, loaded from TOML plus ``BROKER_…`` environment overrides.
+
+Loaded and validated once at start-up; a bad value raises ``ConfigError`` naming the key (the CLI
+prints it and exits non-zero). Relative paths are resolved against the directory of the config
+file, so a config file and the files it names can move together.
+
+Environment overrides: ``BROKER_<SECTION>_<KEY>`` (upper case) replaces ``[section] key``, e.g.
+``BROKER_SERVER_LISTEN=127.0.0.1:9443`` or ``BROKER_KEYS_KEK=local:/srv/kek.key``. The
+``[[issuers]]`` list has no environment form: trust anchors come from the file only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from broker.errors import ConfigError
+
+ENV_PREFIX = "BROKER_"
+ISSUER_KINDS = frozenset({"gca"})
+# Algorithms an issuer entry may allow. Asymmetric only: HMAC with a public key is a classic
+# confusion attack, and `none` is never a signature.
+ALLOWED_TOKEN_ALGORITHMS = frozenset({"RS256", "PS384", "ES384"})
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    listen: str = "127.0.0.1:8443"
+    audience: str = ""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    insecure_http: bool = False
+    max_body_bytes: int = 256 * 1024
+    nonce_ttl_seconds: int = 120
+    max_outstanding_nonces: int = 100_000
+    clock_leeway_seconds: int = 30
+
+    @property
+    def host(self) -> str:
+        return split_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        return split_listen(self.listen)[1]
+
+
+@dataclass(frozen=True)
+class IssuerSettings:
+    kind: str
+    issuer: str
+    jwks_file: Path | None = None
+    jwks_url: str | None = None
+    algorithms: tuple[str, ...] = ("RS256",)
+    jwks_refresh_min_seconds: int = 30
+    jwks_cache_seconds: int = 3600
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    dir: Path = Path("policies")
+    eval_timeout_ms: int = 500
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    store: str = "sqlite:///var/lib/broker/keys.db"
+    kek: str = "local:/var/lib/broker/kek.key"
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    log: Path = Path("/var/lib/broker/decisions.log")
+
+
+@dataclass(frozen=True)
+class Settings:
+    server: ServerSettings
+    issuers: tuple[IssuerSettings, ...]
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    keys: KeySettings = field(default_factory=KeySettings)
+    audit: AuditSettings = field(default_factory=AuditSettings)
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6) into its parts.
+
+    Raises:
+        ValueError: when the form or the port is wrong.
+    """
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError("expected host:port")
+    port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise ValueError("port out of range")
+    return host.strip("[]"), port
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` names only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read, override from the environment, and validate a config file.
+
+    Raises:
+        ConfigError: naming the first bad key.
+    """
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read config file ({exc.strerror})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), f"not valid TOML: {exc}") from exc
+    return settings_from_mapping(raw, base_dir=path.parent, environ=environ)
+
+
+def settings_from_mapping(
+    raw: Mapping[str, Any], *, base_dir: Path, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Build validated ``Settings`` from a parsed TOML document.
+
+    Raises:
+        ConfigError: naming the first bad key.
+    """
+    env = os.environ if environ is None else environ
+    known = {"server", "issuers", "policy", "keys", "audit"}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(key, "unknown section")
+    server = _section(ServerSettings, "server", raw, env, base_dir)
+    policy = _section(PolicySettings, "policy", raw, env, base_dir)
+    keys = _section(KeySettings, "keys", raw, env, base_dir)
+    audit = _section(AuditSettings, "audit", raw, env, base_dir)
+    issuers = _issuers(raw.get("issuers", []), base_dir)
+    settings = Settings(server=server, issuers=issuers, policy=policy, keys=keys, audit=audit)
+    _validate(settings)
+    return settings
+
+
+def _section(
+    cls: type[Any], name: str, raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path
+) -> Any:
+    table = raw.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(name, "must be a table")
+    allowed = {f.name: f for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in allowed:
+            raise ConfigError(f"{name}.{key}", "unknown key")
+        values[key] = value
+    for key in allowed:
+        env_name = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
+        if env_name in env:
+            values[key] = env[env_name]
+    converted = {
+        key: _convert(f"{name}.{key}", value, allowed[key].type, base_dir)
+        for key, value in values.items()
+    }
+    return cls(**converted)
+
+
+def _convert(key: str, value: Any, type_name: Any, base_dir: Path) -> Any:  # noqa: PLR0911
+    type_text = str(type_name)
+    if type_text == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in {"true", "1", "yes", "false", "0", "no"}:
+            return value.lower() in {"true", "1", "yes"}
+        raise ConfigError(key, "must be a boolean")
+    if type_text == "int":
+        if isinstance(value, bool):
+            raise ConfigError(key, "must be an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        raise ConfigError(key, "must be an integer")
+    if "Path" in type_text:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(key, "must be a non-empty path")
+        return _resolve(base_dir, value)
+    if "tuple" in type_text:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(key, "must be a list of strings")
+        return tuple(value)
+    if not isinstance(value, str):
+        raise ConfigError(key, "must be a string")
+    return value
+
+
+def _resolve(base_dir: Path, value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base_dir / path).resolve()
+
+
+def _issuers(raw: Any, base_dir: Path) -> tuple[IssuerSettings, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError("issuers", "must be an array of tables ([[issuers]])")
+    allowed = {f.name: f for f in fields(IssuerSettings)}
+    result = []
+    for index, table in enumerate(raw):
+        name = f"issuers[{index}]"
+        if not isinstance(table, dict):
+            raise ConfigError(name, "must be a table")
+        for key in table:
+            if key not in allowed:
+                raise ConfigError(f"{name}.{key}", "unknown key")
+        for required in ("kind", "issuer"):
+            if required not in table:
+                raise ConfigError(f"{name}.{required}", "is required")
+        values = {
+            key: _convert(f"{name}.{key}", value, allowed[key].type, base_dir)
+            for key, value in table.items()
+        }
+        result.append(IssuerSettings(**values))
+    return tuple(result)
+
+
+def _validate(settings: Settings) -> None:
+    _validate_server(settings.server)
+    if not settings.issuers:
+        raise ConfigError("issuers", "at least one [[issuers]] entry is required")
+    seen: set[str] = set()
+    for index, issuer in enumerate(settings.issuers):
+        _validate_issuer(f"issuers[{index}]", issuer)
+        if issuer.issuer in seen:
+            raise ConfigError(f"issuers[{index}].issuer", "duplicate issuer")
+        seen.add(issuer.issuer)
+    if settings.policy.eval_timeout_ms <= 0:
+        raise ConfigError("policy.eval_timeout_ms", "must be positive")
+    if not settings.policy.dir.is_dir():
+        raise ConfigError("policy.dir", f"not a directory: {settings.policy.dir}")
+    if not settings.keys.store.startswith("sqlite:///"):
+        raise ConfigError("keys.store", "unsupported URI (expected sqlite:///PATH)")
+    if not settings.keys.kek.startswith("local:"):
+        raise ConfigError("keys.kek", "unsupported URI (expected local:PATH)")
+
+
+def _validate_server(server: ServerSettings) -> None:
+    try:
+        host, _ = split_listen(server.listen)
+    except ValueError as exc:
+        raise ConfigError("server.listen", str(exc)) from exc
+    if not server.audience:
+        raise ConfigError("server.audience", "is required (the audience runners request)")
+    if server.insecure_http:
+        if not is_loopback(host):
+            raise ConfigError(
+                "server.insecure_http", "plain HTTP is refused unless listen is a loopback address"
+            )
+    else:
+        for key, path in (("server.tls_cert", server.tls_cert), ("server.tls_key", server.tls_key)):
+            if path is None:
+                raise ConfigError(key, "is required (TLS is the default; see insecure_http)")
+            if not path.is_file():
+                raise ConfigError(key, f"no such file: {path}")
+    limits = {
+        "server.max_body_bytes": server.max_body_bytes,
+        "server.nonce_ttl_seconds": server.nonce_ttl_seconds,
+        "server.max_outstanding_nonces": server.max_outstanding_nonces,
+    }
+    for key, value in limits.items():
+        if value <= 0:
+            raise ConfigError(key, "must be positive")
+    if not 0 <= server.clock_leeway_seconds <= 300:
+        raise ConfigError("server.clock_leeway_seconds", "must be between 0 and 300")
+
+
+def _validate_issuer(name: str, issuer: IssuerSettings) -> None:
+    if issuer.kind not in ISSUER_KINDS:
+        raise ConfigError(f"{name}.kind", f"unknown kind (supported: {sorted(ISSUER_KINDS)})")
+    if (issuer.jwks_file is None) == (issuer.jwks_url is None):
+        raise ConfigError(name, "exactly one of jwks_file or jwks_url is required")
+    if issuer.jwks_file is not None and not issuer.jwks_file.is_file():
+        raise ConfigError(f"{name}.jwks_file", f"no such file: {issuer.jwks_file}")
+    if issuer.jwks_url is not None:
+        url = urlsplit(issuer.jwks_url)
+        loopback_http = url.scheme == "http" and is_loopback(url.hostname or "")
+        if url.scheme != "https" and not loopback_http:
+            raise ConfigError(f"{name}.jwks_url", "must be https (http only on loopback)")
+    if not issuer.algorithms:
+        raise ConfigError(f"{name}.algorithms", "must not be empty")
+    for alg in issuer.algorithms:
+        if alg not in ALLOWED_TOKEN_ALGORITHMS:
+            raise ConfigError(f"{name}.algorithms", f"algorithm {alg!r} is not allowed")
+    if issuer.jwks_refresh_min_seconds < 1 or issuer.jwks_cache_seconds < 1:
+        raise ConfigError(name, "JWKS cache and refresh intervals must be positive")

@@ -1,0 +1,145 @@
+"""Runner public keys as JWKs: strict parsing and RFC 7638 thumbprints.
+
+A runner key is the ephemeral public key made inside the TEE. Releases are wrapped to it, and the
+evidence binds its thumbprint, so this parser is strict: public members only, known key types and
+curves, RSA of at least 2048 bits, and no extra private members.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
+
+from broker.attestation.jose import b64url_decode, b64url_encode
+from broker.errors import ErrorCode, InputError
+
+MIN_RSA_BITS = 2048
+MAX_RSA_BITS = 8192
+EC_CURVES: dict[str, tuple[ec.EllipticCurve, int]] = {
+    "P-256": (ec.SECP256R1(), 32),
+    "P-384": (ec.SECP384R1(), 48),
+}
+PRIVATE_MEMBERS = frozenset({"d", "p", "q", "dp", "dq", "qi", "oth", "k"})
+RunnerPublicKeyObject = rsa.RSAPublicKey | ec.EllipticCurvePublicKey | x25519.X25519PublicKey
+
+
+@dataclass(frozen=True)
+class RunnerKey:
+    """A validated runner public key with its RFC 7638 thumbprint."""
+
+    jwk: Mapping[str, str]  # only the required public members, canonical
+    key: RunnerPublicKeyObject
+    thumbprint: str  # base64url(SHA-256(canonical JWK))
+
+
+def _invalid(message: str) -> InputError:
+    return InputError(message, code=ErrorCode.RUNNER_KEY_INVALID)
+
+
+def parse_runner_key(unverified_jwk: Any) -> RunnerKey:
+    """Validate a runner's public JWK and compute its thumbprint.
+
+    Raises:
+        InputError: ``runner_key_invalid`` naming what is wrong.
+    """
+    if not isinstance(unverified_jwk, dict):
+        raise _invalid("runner_key must be a JWK object")
+    if PRIVATE_MEMBERS.intersection(unverified_jwk):
+        raise _invalid("runner_key contains private key members; send the public key only")
+    kty = unverified_jwk.get("kty")
+    try:
+        if kty == "EC":
+            members, key = _parse_ec(unverified_jwk)
+        elif kty == "RSA":
+            members, key = _parse_rsa(unverified_jwk)
+        elif kty == "OKP":
+            members, key = _parse_okp(unverified_jwk)
+        else:
+            raise _invalid("runner_key kty must be EC, RSA or OKP")
+    except ValueError as exc:
+        raise _invalid("runner_key members are not valid base64url key values") from exc
+    return RunnerKey(jwk=members, key=key, thumbprint=thumbprint(members))
+
+
+def thumbprint(required_members: Mapping[str, str]) -> str:
+    """RFC 7638 SHA-256 thumbprint over the required members, base64url."""
+    canonical = json.dumps(dict(sorted(required_members.items())), separators=(",", ":"))
+    return b64url_encode(hashlib.sha256(canonical.encode("utf-8")).digest())
+
+
+def _member(jwk: Mapping[str, Any], name: str) -> str:
+    value = jwk.get(name)
+    if not isinstance(value, str) or not value:
+        raise _invalid(f"runner_key member {name!r} is missing")
+    return value
+
+
+def _parse_ec(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyObject]:
+    crv = _member(jwk, "crv")
+    if crv not in EC_CURVES:
+        raise _invalid("runner_key EC curve must be P-256 or P-384")
+    curve, size = EC_CURVES[crv]
+    x, y = _member(jwk, "x"), _member(jwk, "y")
+    x_bytes, y_bytes = b64url_decode(x), b64url_decode(y)
+    if len(x_bytes) != size or len(y_bytes) != size:
+        raise _invalid("runner_key EC coordinates have the wrong length")
+    point = b"\x04" + x_bytes + y_bytes
+    # from_encoded_point checks that the point is on the curve (invalid-curve attacks).
+    key = ec.EllipticCurvePublicKey.from_encoded_point(curve, point)
+    return {"crv": crv, "kty": "EC", "x": x, "y": y}, key
+
+
+def _parse_rsa(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyObject]:
+    n, e = _member(jwk, "n"), _member(jwk, "e")
+    n_int = int.from_bytes(b64url_decode(n), "big")
+    e_int = int.from_bytes(b64url_decode(e), "big")
+    if not MIN_RSA_BITS <= n_int.bit_length() <= MAX_RSA_BITS:
+        raise _invalid(f"runner_key RSA modulus must be {MIN_RSA_BITS}..{MAX_RSA_BITS} bits")
+    if e_int < 3 or e_int % 2 == 0:
+        raise _invalid("runner_key RSA exponent is not valid")
+    key = rsa.RSAPublicNumbers(e_int, n_int).public_key()
+    return {"e": e, "kty": "RSA", "n": n}, key
+
+
+def _parse_okp(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyObject]:
+    crv = _member(jwk, "crv")
+    if crv != "X25519":
+        raise _invalid("runner_key OKP curve must be X25519")
+    x = _member(jwk, "x")
+    raw = b64url_decode(x)
+    if len(raw) != 32:
+        raise _invalid("runner_key X25519 key must be 32 bytes")
+    return {"crv": crv, "kty": "OKP", "x": x}, x25519.X25519PublicKey.from_public_bytes(raw)
+
+
+def public_jwk(key: RunnerPublicKeyObject) -> dict[str, str]:
+    """The public JWK (required members only) of a key object; used by the runner SDK."""
+    if isinstance(key, x25519.X25519PublicKey):
+        raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return {"crv": "X25519", "kty": "OKP", "x": b64url_encode(raw)}
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        numbers = key.public_numbers()
+        crv = {"secp256r1": "P-256", "secp384r1": "P-384"}[key.curve.name]
+        size = EC_CURVES[crv][1]
+        return {
+            "crv": crv,
+            "kty": "EC",
+            "x": b64url_encode(numbers.x.to_bytes(size, "big")),
+            "y": b64url_encode(numbers.y.to_bytes(size, "big")),
+        }
+    rsa_numbers = key.public_numbers()
+    return {
+        "e": b64url_encode(_int_bytes(rsa_numbers.e)),
+        "kty": "RSA",
+        "n": b64url_encode(_int_bytes(rsa_numbers.n)),
+    }
+
+
+def _int_bytes(value: int) -> bytes:
+    return value.to_bytes((value.bit_length() + 7) // 8, "big")

@@ -1,0 +1,163 @@
+"""The one error tree of the broker.
+
+Every error the broker can show a client has a stable code (``ErrorCode``, spelled once, here) and
+an HTTP status. The tree is split by who is at fault:
+
+* ``InputError`` (4xx): bad or hostile input from the caller, including failed attestation.
+* ``PolicyDenied`` (403): the evidence verified, the policy said no.
+* ``UpstreamError`` (502/503): a dependency (JWKS source, KEK, key store, nonce store, policy
+  engine, decision log) could not answer. Nothing is released.
+* ``ConfigError``: bad configuration; raised at start-up, never rendered to a client.
+
+Messages are written for the client and must never contain secrets; exception chains and
+tracebacks go to the server log only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Any
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes. Clients and auditors match on these; never rename one."""
+
+    # request shape
+    BAD_REQUEST = "bad_request"
+    MALFORMED_JSON = "malformed_json"
+    BODY_TOO_LARGE = "body_too_large"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    RUNNER_KEY_INVALID = "runner_key_invalid"
+    EVIDENCE_UNSUPPORTED = "evidence_unsupported"
+    # attestation token
+    TOKEN_MALFORMED = "token_malformed"
+    TOKEN_TOO_LARGE = "token_too_large"
+    TOKEN_ALGORITHM_FORBIDDEN = "token_algorithm_forbidden"
+    TOKEN_HEADER_FORBIDDEN = "token_header_forbidden"
+    TOKEN_KEY_UNKNOWN = "token_key_unknown"
+    TOKEN_SIGNATURE_INVALID = "token_signature_invalid"
+    TOKEN_CLAIM_MISSING = "token_claim_missing"
+    TOKEN_CLAIM_INVALID = "token_claim_invalid"
+    TOKEN_EXPIRED = "token_expired"
+    TOKEN_NOT_YET_VALID = "token_not_yet_valid"
+    TOKEN_ISSUED_IN_FUTURE = "token_issued_in_future"
+    ISSUER_UNKNOWN = "issuer_unknown"
+    AUDIENCE_MISMATCH = "audience_mismatch"
+    # binding of evidence to this request
+    NONCE_UNKNOWN = "nonce_unknown"
+    NONCE_REUSED = "nonce_reused"
+    NONCE_MISSING = "nonce_missing"
+    NONCE_MISMATCH = "nonce_mismatch"
+    KEY_BINDING_MISMATCH = "key_binding_mismatch"
+    # keys
+    KEY_UNKNOWN = "key_unknown"
+    KEY_VERSION_UNAVAILABLE = "key_version_unavailable"
+    KEY_EXISTS = "key_exists"
+    # policy
+    POLICY_DENIED = "policy_denied"
+    # upstreams (nothing released)
+    NONCE_STORE_UNAVAILABLE = "nonce_store_unavailable"
+    NONCE_STORE_FULL = "nonce_store_full"
+    JWKS_UNAVAILABLE = "jwks_unavailable"
+    POLICY_UNAVAILABLE = "policy_unavailable"
+    KEK_UNAVAILABLE = "kek_unavailable"
+    KEY_STORE_UNAVAILABLE = "key_store_unavailable"
+    AUDIT_LOG_UNAVAILABLE = "audit_log_unavailable"
+    NOT_READY = "not_ready"
+    # the one code for our own bugs; the message never carries details
+    INTERNAL = "internal_error"
+
+
+class BrokerError(Exception):
+    """Root of every error the broker raises on purpose.
+
+    Attributes:
+        code: the stable error code.
+        status: the HTTP status used when this error reaches a client.
+        message: a client-safe sentence (no secrets, no exception text of dependencies).
+        details: extra client-safe fields rendered next to ``code`` and ``message``.
+    """
+
+    status: int = 500
+    default_code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.details: dict[str, Any] = details
+
+
+class InputError(BrokerError):
+    """The caller sent something we refuse (400 unless a subclass says otherwise)."""
+
+    status = 400
+    default_code = ErrorCode.BAD_REQUEST
+
+
+class BodyTooLarge(InputError):
+    status = 413
+    default_code = ErrorCode.BODY_TOO_LARGE
+
+
+class UnsupportedMediaType(InputError):
+    status = 415
+    default_code = ErrorCode.UNSUPPORTED_MEDIA_TYPE
+
+
+class NotFound(InputError):
+    status = 404
+    default_code = ErrorCode.NOT_FOUND
+
+
+class Conflict(InputError):
+    status = 409
+    default_code = ErrorCode.KEY_EXISTS
+
+
+class AttestationError(InputError):
+    """Evidence did not verify or is not bound to this request (401)."""
+
+    status = 401
+    default_code = ErrorCode.TOKEN_MALFORMED
+
+
+class KeyUnavailable(InputError):
+    """The key exists but the requested version cannot be released (409)."""
+
+    status = 409
+    default_code = ErrorCode.KEY_VERSION_UNAVAILABLE
+
+
+class PolicyDenied(BrokerError):
+    """The policy evaluated and did not allow the release (403)."""
+
+    status = 403
+    default_code = ErrorCode.POLICY_DENIED
+
+    def __init__(self, reasons: Sequence[str], decision_id: str) -> None:
+        super().__init__(
+            "the release policy denied this request",
+            reasons=sorted(reasons),
+            decision_id=decision_id,
+        )
+
+
+class UpstreamError(BrokerError):
+    """A dependency could not answer; fail closed (503)."""
+
+    status = 503
+    default_code = ErrorCode.NOT_READY
+
+
+class ConfigError(BrokerError):
+    """Invalid configuration; raised at start-up and reported naming the key."""
+
+    default_code = ErrorCode.INTERNAL
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"config {key}: {problem}")
+        self.key = key

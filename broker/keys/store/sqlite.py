@@ -1,0 +1,165 @@
+"""SQLite DEK store (the default): WAL journal, ``synchronous=FULL`` so a commit is durable.
+
+All database work runs on one dedicated thread that owns the connection, so the event loop never
+blocks on disk and the connection is never shared between threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
+from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
+
+T = TypeVar("T")
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS key_versions (
+    name TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    purpose TEXT NOT NULL,
+    state TEXT NOT NULL,
+    wrapped_dek BLOB NOT NULL,
+    kek_ref TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    PRIMARY KEY (name, version)
+) STRICT;
+"""
+COLUMNS = "name, version, purpose, state, wrapped_dek, kek_ref, created_at"
+
+
+def sqlite_path(uri: str) -> Path:
+    """The file path of a ``sqlite:///PATH`` URI.
+
+    Raises:
+        ConfigError: ``keys.store`` for another form.
+    """
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or len(uri) == len(prefix):
+        raise ConfigError("keys.store", "expected sqlite:///PATH")
+    return Path("/" + uri[len(prefix) :].lstrip("/"))
+
+
+class SqliteKeyStore:
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keystore")
+        self._conn: sqlite3.Connection | None = None
+
+    async def open(self) -> None:
+        await self._run(self._open_sync)
+
+    def _open_sync(self) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self._path, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.executescript(SCHEMA)
+        self._conn = conn
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._run(self._conn.close)
+            self._conn = None
+        self._executor.shutdown(wait=True)
+
+    async def add_version(self, record: KeyVersionRecord) -> None:
+        def insert() -> None:
+            try:
+                self._db().execute(
+                    f"INSERT INTO key_versions ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
+                    (
+                        record.name,
+                        record.version,
+                        record.purpose.value,
+                        record.state.value,
+                        record.wrapped_dek,
+                        record.kek_ref,
+                        record.created_at.isoformat(),
+                    ),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise Conflict(f"key {record.name} version {record.version} exists") from exc
+
+        await self._run(insert)
+
+    async def get_version(self, name: str, version: int | None) -> KeyVersionRecord | None:
+        def select() -> KeyVersionRecord | None:
+            if version is None:
+                row = (
+                    self._db()
+                    .execute(
+                        f"SELECT {COLUMNS} FROM key_versions WHERE name = ? AND state = ? "  # noqa: S608
+                        "ORDER BY version DESC LIMIT 1",
+                        (name, VersionState.ENABLED.value),
+                    )
+                    .fetchone()
+                )
+                if row is None:
+                    row = (
+                        self._db()
+                        .execute(
+                            f"SELECT {COLUMNS} FROM key_versions WHERE name = ? "  # noqa: S608
+                            "ORDER BY version DESC LIMIT 1",
+                            (name,),
+                        )
+                        .fetchone()
+                    )
+            else:
+                row = (
+                    self._db()
+                    .execute(
+                        f"SELECT {COLUMNS} FROM key_versions WHERE name = ? AND version = ?",  # noqa: S608
+                        (name, version),
+                    )
+                    .fetchone()
+                )
+            return None if row is None else _record(row)
+
+        return await self._run(select)
+
+    async def list_versions(self) -> list[KeyVersionRecord]:
+        def select_all() -> list[KeyVersionRecord]:
+            rows = (
+                self._db()
+                .execute(
+                    f"SELECT {COLUMNS} FROM key_versions ORDER BY name, version"  # noqa: S608
+                )
+                .fetchall()
+            )
+            return [_record(row) for row in rows]
+
+        return await self._run(select_all)
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise UpstreamError("key store is not open", code=ErrorCode.KEY_STORE_UNAVAILABLE)
+        return self._conn
+
+    async def _run(self, work: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, work)
+        except sqlite3.Error as exc:
+            raise UpstreamError(
+                "key store is unavailable", code=ErrorCode.KEY_STORE_UNAVAILABLE
+            ) from exc
+
+
+def _record(row: tuple[object, ...]) -> KeyVersionRecord:
+    name, version, purpose, state, wrapped, kek_ref, created = row
+    return KeyVersionRecord(
+        name=str(name),
+        version=int(str(version)),
+        purpose=Purpose(str(purpose)),
+        state=VersionState(str(state)),
+        wrapped_dek=bytes(wrapped) if isinstance(wrapped, bytes | bytearray) else b"",
+        kek_ref=str(kek_ref),
+        created_at=datetime.fromisoformat(str(created)),
+    )

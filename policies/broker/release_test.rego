@@ -1,0 +1,86 @@
+package broker.release_test
+
+import rego.v1
+
+import data.broker.release
+
+digest := "sha256:1111111111111111111111111111111111111111111111111111111111111111"
+
+images := {"models/llama": [digest]}
+
+good := {
+	"schema": "broker.input/v1",
+	"request": {"key": "models/llama", "version": 1, "purpose": "model-weights"},
+	"tee": {
+		"verifier": "gca",
+		"technology": "tdx",
+		"debug": false,
+		"secure_boot": true,
+		"software": {"name": "CONFIDENTIAL_SPACE", "version": "250301", "support": ["STABLE", "LATEST"]},
+		"workload": {"image_digest": digest},
+	},
+}
+
+test_production_image_with_allowed_digest_is_released if {
+	release.allow with input as good with data.broker.images as images
+	count(release.reasons) == 0 with input as good with data.broker.images as images
+}
+
+test_debug_image_denied if {
+	bad := json.patch(good, [{"op": "replace", "path": "/tee/debug", "value": true}])
+	not release.allow with input as bad with data.broker.images as images
+	"debug image: a production Confidential Space image is required" in release.reasons with input as bad
+		with data.broker.images as images
+}
+
+test_unlisted_digest_denied if {
+	bad := json.patch(good, [{"op": "replace", "path": "/tee/workload/image_digest", "value": "sha256:22"}])
+	not release.allow with input as bad with data.broker.images as images
+	some reason in release.reasons with input as bad with data.broker.images as images
+	startswith(reason, "image sha256:22 is not allowed")
+}
+
+test_digest_allowed_for_another_key_denied if {
+	other := json.patch(good, [{"op": "replace", "path": "/request/key", "value": "models/other"}])
+	not release.allow with input as other with data.broker.images as images
+}
+
+test_empty_allow_list_denies_everything if {
+	not release.allow with input as good with data.broker.images as {}
+}
+
+test_missing_support_attributes_denied if {
+	bad := json.remove(good, ["/tee/software/support"])
+	not release.allow with input as bad with data.broker.images as images
+}
+
+test_usable_only_image_denied if {
+	bad := json.patch(good, [{"op": "replace", "path": "/tee/software/support", "value": ["USABLE"]}])
+	not release.allow with input as bad with data.broker.images as images
+}
+
+test_shielded_vm_is_not_a_hardware_tee if {
+	bad := json.patch(good, [{"op": "replace", "path": "/tee/technology", "value": "none"}])
+	not release.allow with input as bad with data.broker.images as images
+	"technology \"none\" is not an allowed hardware TEE" in release.reasons with input as bad
+		with data.broker.images as images
+}
+
+test_secure_boot_off_denied if {
+	bad := json.patch(good, [{"op": "replace", "path": "/tee/secure_boot", "value": false}])
+	not release.allow with input as bad with data.broker.images as images
+}
+
+test_other_verifier_denied if {
+	bad := json.patch(good, [{"op": "replace", "path": "/tee/verifier", "value": "ita"}])
+	not release.allow with input as bad with data.broker.images as images
+}
+
+test_missing_debug_field_denied if {
+	bad := json.remove(good, ["/tee/debug"])
+	not release.allow with input as bad with data.broker.images as images
+}
+
+test_empty_input_denied if {
+	not release.allow with input as {} with data.broker.images as images
+}
