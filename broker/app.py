@@ -20,7 +20,7 @@ from aiohttp import web
 from broker.api.middleware import METRICS, request_context
 from broker.api.routes import register
 from broker.api.state import STATE, BrokerState, Clock
-from broker.attestation.jwks import FileJwksSource, JwksSource, UrlJwksSource
+from broker.attestation.jwks import FileJwksSource, JwksError, JwksSource, UrlJwksSource
 from broker.attestation.service import EvidenceVerifier, TrustedIssuer
 from broker.audit.log import DecisionLog
 from broker.config import Settings
@@ -75,7 +75,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         )
         stack.callback(engine.close)
         verifier = EvidenceVerifier(
-            _issuers(settings, session),
+            await _issuers(settings, session),
             audience=settings.server.audience,
             leeway=timedelta(seconds=settings.server.clock_leeway_seconds),
         )
@@ -100,12 +100,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             state.release = None
 
 
-def _issuers(settings: Settings, session: aiohttp.ClientSession) -> dict[str, TrustedIssuer]:
+async def _issuers(settings: Settings, session: aiohttp.ClientSession) -> dict[str, TrustedIssuer]:
     issuers: dict[str, TrustedIssuer] = {}
     for entry in settings.issuers:
         source: JwksSource
         if entry.jwks_file is not None:
-            source = FileJwksSource(entry.jwks_file)
+            try:
+                source = await FileJwksSource.load(entry.jwks_file)
+            except JwksError as exc:
+                raise ConfigError("issuers", f"{entry.issuer}: {exc}") from exc
         else:
             if entry.jwks_url is None:
                 raise ConfigError("issuers", f"{entry.issuer}: jwks_file or jwks_url is required")

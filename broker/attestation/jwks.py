@@ -113,8 +113,17 @@ class JwksSource(Protocol):
 class FileJwksSource:
     """A key set pinned in a file, read once at start-up (refreshed by restart)."""
 
-    def __init__(self, path: Path) -> None:
-        self._keys = parse_jwks(path.read_bytes())
+    def __init__(self, keys: TrustedKeySet) -> None:
+        self._keys = keys
+
+    @classmethod
+    async def load(cls, path: Path) -> FileJwksSource:
+        """Read and parse the file off the event loop.
+
+        Raises:
+            JwksError: when the file is not a usable key set.
+        """
+        return cls(parse_jwks(await asyncio.to_thread(path.read_bytes)))
 
     async def key_set(self, *, unknown_kid: str | None = None) -> TrustedKeySet:
         return self._keys

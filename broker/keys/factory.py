@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -45,15 +46,21 @@ async def open_key_service(
     await store.open()
     try:
         kek_path = local_kek_path(settings.kek)
-        if not kek_path.exists():
-            if not create_missing_kek:
-                raise ConfigError("keys.kek", f"KEK file {kek_path} does not exist")
-            if await store.list_versions():
-                raise ConfigError(
-                    "keys.kek", f"KEK file {kek_path} is missing but the store holds wrapped keys"
-                )
-            create_kek_file(kek_path)
-            log.warning("created a new development KEK at %s", kek_path)
-        yield KeyService(store, LocalKek(kek_path))
+        may_create = create_missing_kek and not await store.list_versions()
+        kek = await asyncio.to_thread(_local_kek, kek_path, may_create=may_create)
+        yield KeyService(store, kek)
     finally:
         await store.close()
+
+
+def _local_kek(path: Path, *, may_create: bool) -> LocalKek:
+    if not path.exists():
+        if not may_create:
+            raise ConfigError(
+                "keys.kek",
+                f"KEK file {path} does not exist (only `broker keys create` on an empty store "
+                "makes a new development KEK)",
+            )
+        create_kek_file(path)
+        log.warning("created a new development KEK at %s", path)
+    return LocalKek(path)

@@ -48,7 +48,7 @@ reasons contains msg if {
 
 reasons contains msg if {
 	not hardware_tee
-	msg := sprintf("technology %q is not an allowed hardware TEE", [input.tee.technology])
+	msg := sprintf("technology '%v' is not an allowed hardware TEE", [input.tee.technology])
 }
 
 reasons contains msg if {

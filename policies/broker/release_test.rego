@@ -62,7 +62,7 @@ test_usable_only_image_denied if {
 test_shielded_vm_is_not_a_hardware_tee if {
 	bad := json.patch(good, [{"op": "replace", "path": "/tee/technology", "value": "none"}])
 	not release.allow with input as bad with data.broker.images as images
-	"technology \"none\" is not an allowed hardware TEE" in release.reasons with input as bad
+	"technology 'none' is not an allowed hardware TEE" in release.reasons with input as bad
 		with data.broker.images as images
 }
 

@@ -67,7 +67,7 @@ class SqliteKeyStore:
         if self._conn is not None:
             await self._run(self._conn.close)
             self._conn = None
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=False)  # the close above already ran on it
 
     async def add_version(self, record: KeyVersionRecord) -> None:
         def insert() -> None:

@@ -1,0 +1,141 @@
+"""A real broker on 127.0.0.1 (TLS, SQLite, local KEK, regopy, decision log) per test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from blockbuster import BlockBuster, blockbuster_ctx
+
+from broker.app import create_app, server_ssl_context
+from broker.client import BrokerClient
+from broker.config import Settings, load_settings
+from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
+from broker.dev.tls import make_dev_tls
+from broker.keys.factory import open_key_service
+from broker.keys.store.base import Purpose
+
+SHIPPED_POLICIES = Path(__file__).parents[2] / "policies"
+AUDIENCE = "https://broker.it.invalid"
+KEY = "models/llama"
+ALLOWED = "sha256:" + "a1" * 32
+DENIED = "sha256:" + "d0" * 32
+
+
+@pytest.fixture(autouse=True)
+def blockbuster() -> Iterator[BlockBuster]:
+    """Fail any test in which the event loop makes a blocking call."""
+    with blockbuster_ctx("broker") as detector:
+        yield detector
+
+
+@dataclass
+class RunningBroker:
+    url: str
+    settings: Settings
+    issuer: DevIssuer
+    client_tls: ssl.SSLContext
+    workdir: Path
+
+    def client(self) -> BrokerClient:
+        return BrokerClient(self.url, ssl_context=self.client_tls)
+
+    def token_source(self, digest: str = ALLOWED, **workload: object) -> DevTokenSource:
+        return DevTokenSource(
+            self.issuer,
+            Workload(image_digest=digest, **workload),
+            lambda: datetime.now(UTC),  # type: ignore[arg-type]
+        )
+
+    def records(self) -> list[dict[str, object]]:
+        return [json.loads(line) for line in self.settings.audit.log.read_text().splitlines()]
+
+
+def write_config(
+    workdir: Path, issuer: DevIssuer, *, jwks_url: str | None = None, **server: object
+) -> Path:
+    workdir.mkdir()
+    make_dev_tls(workdir / "tls", now=datetime.now(UTC))
+    issuer.write_jwks(workdir / "jwks.json")
+    policies = workdir / "policies"
+    (policies / "broker").mkdir(parents=True)
+    (policies / "broker" / "release.rego").write_bytes(
+        (SHIPPED_POLICIES / "broker" / "release.rego").read_bytes()
+    )
+    data = json.loads((SHIPPED_POLICIES / "broker" / "data.json").read_text())
+    data["images"] = {KEY: [ALLOWED]}
+    (policies / "broker" / "data.json").write_text(json.dumps(data))
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in server.items())
+    config = workdir / "broker.toml"
+    config.write_text(
+        f"""
+[server]
+listen = "127.0.0.1:0"
+audience = "{AUDIENCE}"
+tls_cert = "tls/server.pem"
+tls_key = "tls/server.key"
+{extra}
+[[issuers]]
+kind = "gca"
+issuer = "{issuer.issuer}"
+{f'jwks_url = "{jwks_url}"' if jwks_url else 'jwks_file = "jwks.json"'}
+
+[policy]
+dir = "policies"
+
+[keys]
+store = "sqlite:///{workdir / "keys.db"}"
+kek = "local:{workdir / "kek.key"}"
+
+[audit]
+log = "decisions.log"
+"""
+    )
+    return config
+
+
+StartBroker = Callable[..., "AsyncIterator[RunningBroker]"]
+
+
+@pytest.fixture
+async def start_broker(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
+    runners: list[web.AppRunner] = []
+
+    async def start(
+        environ: dict[str, str] | None = None, jwks_url: str | None = None, **server: object
+    ) -> RunningBroker:
+        workdir = tmp_path / f"broker{len(runners)}"
+        issuer = DevIssuer(dev_mode=True)
+        config = await asyncio.to_thread(write_config, workdir, issuer, jwks_url=jwks_url, **server)
+        settings = await asyncio.to_thread(load_settings, config, environ or {})
+        async with open_key_service(settings.keys, create_missing_kek=True) as keys:
+            await keys.create(KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+        runner = web.AppRunner(create_app(settings), access_log=None)
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl_context(settings))
+        await site.start()
+        port = runner.addresses[0][1]
+        return RunningBroker(
+            url=f"https://127.0.0.1:{port}",
+            settings=settings,
+            issuer=issuer,
+            client_tls=ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem")),
+            workdir=workdir,
+        )
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def broker(start_broker: Callable[..., object]) -> RunningBroker:
+    return await start_broker()  # type: ignore[no-any-return, misc]

@@ -1,0 +1,73 @@
+"""Health, readiness, metrics, and failing closed when the decision log cannot write."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import Any
+
+import aiohttp
+import pytest
+
+from broker.client import BrokerClientError
+from tests.integration.conftest import KEY, RunningBroker
+
+
+async def get(broker: RunningBroker, path: str) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(broker.url + path, ssl=broker.client_tls) as response,
+    ):
+        return response.status, await response.text()
+
+
+async def test_health_and_readiness(broker: RunningBroker) -> None:
+    assert await get(broker, "/healthz") == (200, '{"status": "ok"}')
+    status, body = await get(broker, "/readyz")
+    assert status == 200
+    assert '"kek": "local (DEVELOPMENT ONLY)"' in body
+    assert '"policy": "sha256:' in body
+
+
+async def test_metrics_count_requests_and_decisions(broker: RunningBroker) -> None:
+    async with broker.client() as client:
+        await client.release(KEY, broker.token_source())
+    status, text = await get(broker, "/metrics")
+    assert status == 200
+    assert 'broker_release_decisions_total{code="ok",outcome="allow"} 1.0' in text
+    assert 'broker_http_requests_total{route="/v1/release",status="200"} 1.0' in text
+    assert "broker_release_seconds_bucket" in text
+
+
+async def test_release_fails_closed_when_the_decision_log_cannot_write(
+    start_broker: Any,
+) -> None:
+    # /dev/full: every write fails with ENOSPC, a real I/O error.
+    broker: RunningBroker = await start_broker(environ={"BROKER_AUDIT_LOG": "/dev/full"})
+    async with broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(KEY, broker.token_source())
+        assert (caught.value.status, caught.value.code) == (503, "audit_log_unavailable")
+        assert "wrapped_key" not in caught.value.details
+        with pytest.raises(BrokerClientError) as again:
+            await client.release(KEY, broker.token_source())
+        assert again.value.code == "audit_log_unavailable"
+
+
+async def test_kek_that_cannot_unwrap_fails_closed_with_503(broker: RunningBroker) -> None:
+    # Version 2 carries a wrapped DEK this KEK did not make: the KEK cannot answer for it.
+    def add_foreign_version() -> None:
+        with sqlite3.connect(broker.workdir / "keys.db") as db:
+            db.execute(
+                "INSERT INTO key_versions SELECT name, 2, purpose, state, ?, kek_ref, created_at "
+                "FROM key_versions WHERE name = ? AND version = 1",
+                (b"\x01" + bytes(60), KEY),
+            )
+
+    await asyncio.to_thread(add_foreign_version)
+    async with broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(KEY, broker.token_source())
+    assert (caught.value.status, caught.value.code) == (503, "kek_unavailable")
+    assert broker.records()[-1]["result"] == "error"
+    assert broker.records()[-1]["code"] == "kek_unavailable"

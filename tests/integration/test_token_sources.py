@@ -1,0 +1,157 @@
+"""The Confidential Space launcher socket client and JWKS fetched over HTTP, on real servers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from broker.attestation.jwks import UrlJwksSource
+from broker.client import ConfidentialSpaceTokenSource
+from broker.client.tokens import TokenSourceError
+from broker.dev.issuer import DevIssuer, Workload
+from broker.errors import ErrorCode, UpstreamError
+from tests.integration.conftest import ALLOWED, KEY, RunningBroker
+
+
+class FakeLauncher:
+    """A teeserver stand-in on a Unix socket: same path, body and reply shape as the launcher."""
+
+    def __init__(self, issuer: DevIssuer) -> None:
+        self.issuer = issuer
+        self.requests: list[dict[str, Any]] = []
+
+    async def token(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        if set(body) - {"audience", "nonces", "token_type"} or not body.get("audience"):
+            return web.Response(status=400, text="bad TokenOptions")
+        jwt = self.issuer.mint(
+            audience=body["audience"],
+            nonces=body["nonces"],
+            workload=Workload(image_digest=ALLOWED),
+            now=datetime.now(UTC),
+        )
+        return web.Response(text=jwt, content_type="text/html")  # as the real launcher does
+
+
+@pytest.fixture
+async def launcher(
+    broker: RunningBroker, tmp_path: Path
+) -> AsyncIterator[tuple[FakeLauncher, str]]:
+    fake = FakeLauncher(broker.issuer)
+    app = web.Application()
+    app.router.add_post("/v1/token", fake.token)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    socket_path = str(tmp_path / "teeserver.sock")
+    await web.UnixSite(runner, socket_path).start()
+    yield fake, socket_path
+    await runner.cleanup()
+
+
+async def test_release_with_launcher_token(
+    broker: RunningBroker, launcher: tuple[FakeLauncher, str]
+) -> None:
+    fake, socket_path = launcher
+    async with broker.client() as client:
+        released = await client.release(KEY, ConfidentialSpaceTokenSource(socket_path))
+    assert len(released.dek) == 32
+    (request,) = fake.requests
+    assert request["token_type"] == "OIDC"
+    assert request["audience"] == broker.settings.server.audience
+    assert len(request["nonces"]) == 2
+
+
+async def test_launcher_limits_enforced_before_asking(launcher: tuple[FakeLauncher, str]) -> None:
+    _, socket_path = launcher
+    source = ConfidentialSpaceTokenSource(socket_path)
+    with pytest.raises(TokenSourceError):
+        await source.token("aud", ["short"])
+    with pytest.raises(TokenSourceError):
+        await source.token("aud", ["n" * 20] * 7)
+
+
+async def test_missing_launcher_socket_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(TokenSourceError, match="launcher socket"):
+        await ConfidentialSpaceTokenSource(str(tmp_path / "absent.sock")).token("a", ["n" * 20])
+
+
+class JwksServer:
+    def __init__(self, issuer: DevIssuer) -> None:
+        self.documents = [issuer.jwks()]
+        self.hits = 0
+        self.fail = False
+
+    async def jwks(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        if self.fail:
+            return web.Response(status=500)
+        return web.json_response(self.documents[-1])
+
+
+@pytest.fixture
+async def jwks_server() -> AsyncIterator[tuple[JwksServer, str, DevIssuer]]:
+    issuer = DevIssuer(dev_mode=True)
+    server = JwksServer(issuer)
+    app = web.Application()
+    app.router.add_get("/jwks", server.jwks)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield server, f"http://127.0.0.1:{runner.addresses[0][1]}/jwks", issuer
+    await runner.cleanup()
+
+
+async def test_jwks_url_cached_and_refreshed_on_unknown_kid_with_rate_limit(
+    jwks_server: tuple[JwksServer, str, DevIssuer],
+) -> None:
+    server, url, issuer = jwks_server
+    async with aiohttp.ClientSession() as session:
+        source = UrlJwksSource(url, session, cache_seconds=3600, refresh_min_seconds=3600)
+        first = await source.key_set()
+        assert first.get(issuer.kid) is not None
+        await source.key_set()
+        assert server.hits == 1  # cached
+        await source.key_set(unknown_kid="rotated")
+        assert server.hits == 1  # refresh refused: inside the rate limit
+
+        eager = UrlJwksSource(url, session, cache_seconds=3600, refresh_min_seconds=0.0)
+        await eager.key_set()
+        rotated = DevIssuer(dev_mode=True)
+        server.documents.append(rotated.jwks())
+        keys = await eager.key_set(unknown_kid=rotated.kid)
+        assert keys.get(rotated.kid) is not None  # rotation picked up
+
+
+async def test_jwks_outage_keeps_last_good_keys_and_fails_closed_without_any(
+    jwks_server: tuple[JwksServer, str, DevIssuer],
+) -> None:
+    server, url, issuer = jwks_server
+    async with aiohttp.ClientSession() as session:
+        source = UrlJwksSource(url, session, cache_seconds=3600, refresh_min_seconds=0.0)
+        await source.key_set()
+        server.fail = True
+        assert (await source.key_set(unknown_kid="x")).get(issuer.kid) is not None
+        cold = UrlJwksSource(url, session, cache_seconds=3600, refresh_min_seconds=0.0)
+        with pytest.raises(UpstreamError) as caught:
+            await cold.key_set()
+        assert caught.value.code is ErrorCode.JWKS_UNAVAILABLE
+
+
+async def test_broker_with_jwks_url_releases(
+    start_broker: Any, jwks_server: tuple[JwksServer, str, DevIssuer]
+) -> None:
+    server, url, _ = jwks_server
+    broker: RunningBroker = await start_broker(jwks_url=url)
+    server.documents.append(broker.issuer.jwks())  # fetched lazily, on the first token
+    async with broker.client() as client:
+        released = await client.release(KEY, broker.token_source())
+    assert len(released.dek) == 32
+    assert server.hits == 1

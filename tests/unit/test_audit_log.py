@@ -1,0 +1,128 @@
+"""Decision log: durability, group commit, and detection of every kind of tampering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from broker.audit.log import DecisionLog, LogCorrupt, read_head, verify_file
+from broker.errors import ErrorCode, UpstreamError
+
+
+async def write_log(path: Path, count: int) -> list[str]:
+    log = DecisionLog(path)
+    await log.open()
+    hashes = [await log.append({"decision_id": f"d{i}", "result": "deny"}) for i in range(count)]
+    await log.close()
+    return hashes
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines(keepends=True)
+
+
+async def test_intact_log_verifies_and_reopens_at_its_head(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    hashes = await write_log(path, 5)
+    report = verify_file(path)
+    assert report.head.size == 5
+    assert report.head.hash == hashes[-1]
+    more = await write_log(path, 2)  # reopen continues the chain
+    assert verify_file(path).head.size == 7
+    assert json.loads(lines(path)[5])["prev"] == hashes[-1]
+    assert more[-1] == read_head(path).hash
+
+
+async def test_concurrent_appends_share_one_chain(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    log = DecisionLog(path)
+    await log.open()
+    results = await asyncio.gather(*(log.append({"n": i}) for i in range(200)))
+    await log.close()
+    assert len(set(results)) == 200
+    assert verify_file(path).head.size == 200
+    assert [json.loads(line)["seq"] for line in lines(path)] == list(range(200))
+
+
+async def test_changed_record_detected(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 4)
+    content = lines(path)
+    content[2] = content[2].replace('"result":"deny"', '"result":"allow"')
+    path.write_text("".join(content))
+    with pytest.raises(LogCorrupt) as caught:
+        verify_file(path)
+    assert caught.value.line == 3
+    assert "changed" in caught.value.problem
+
+
+async def test_removed_record_detected(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 4)
+    content = lines(path)
+    del content[1]
+    path.write_text("".join(content))
+    with pytest.raises(LogCorrupt) as caught:
+        verify_file(path)
+    assert caught.value.line == 2
+
+
+async def test_reordered_records_detected(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 4)
+    content = lines(path)
+    content[1], content[2] = content[2], content[1]
+    path.write_text("".join(content))
+    with pytest.raises(LogCorrupt) as caught:
+        verify_file(path)
+    assert caught.value.line == 2
+
+
+async def test_truncated_mid_record_detected(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 3)
+    data = path.read_bytes()
+    path.write_bytes(data[:-20])
+    with pytest.raises(LogCorrupt) as caught:
+        verify_file(path)
+    assert caught.value.line == 3
+    assert "truncated" in caught.value.problem
+
+
+async def test_broker_refuses_to_open_a_log_with_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 2)
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(LogCorrupt):
+        await DecisionLog(path).open()
+
+
+async def test_removed_tail_detected_against_known_head(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    hashes = await write_log(path, 4)
+    path.write_text("".join(lines(path)[:3]))
+    assert verify_file(path).head.size == 3  # a shorter chain is still a chain …
+    with pytest.raises(LogCorrupt):
+        verify_file(path, expected_head=hashes[3])  # … but not the one the auditor saw
+
+
+async def test_write_failure_fails_closed_and_stays_closed() -> None:
+    # /dev/full accepts open() and fails every write with ENOSPC: a real I/O failure.
+    log = DecisionLog(Path("/dev/full"))
+    await log.open()
+    with pytest.raises(UpstreamError) as caught:
+        await log.append({"decision_id": "d"})
+    assert caught.value.code is ErrorCode.AUDIT_LOG_UNAVAILABLE
+    assert caught.value.status == 503
+    with pytest.raises(UpstreamError):
+        await log.append({"decision_id": "e"})
+    await log.close()
+
+
+async def test_log_file_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 1)
+    assert path.stat().st_mode & 0o077 == 0

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker.config import load_settings
+from broker.errors import ConfigError
+
+BASE = """
+[server]
+listen = "127.0.0.1:8443"
+audience = "https://broker.example"
+tls_cert = "cert.pem"
+tls_key = "key.pem"
+
+[[issuers]]
+kind = "gca"
+issuer = "https://confidentialcomputing.googleapis.com"
+jwks_file = "jwks.json"
+
+[policy]
+dir = "policies"
+
+[keys]
+store = "sqlite:///tmp/keys.db"
+kek = "local:/tmp/kek.key"
+
+[audit]
+log = "decisions.log"
+"""
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path) -> Path:
+    for name in ("cert.pem", "key.pem", "jwks.json"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "policies").mkdir()
+    return tmp_path
+
+
+def load(directory: Path, text: str, environ: dict[str, str] | None = None) -> object:
+    path = directory / "broker.toml"
+    path.write_text(text)
+    return load_settings(path, environ=environ or {})
+
+
+def error_key(directory: Path, text: str, environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load(directory, text, environ)
+    return caught.value.key
+
+
+def test_valid_config_resolves_paths_against_its_directory(config_dir: Path) -> None:
+    settings = load(config_dir, BASE)
+    assert settings.server.tls_cert == config_dir / "cert.pem"  # type: ignore[attr-defined]
+    assert settings.audit.log == config_dir / "decisions.log"  # type: ignore[attr-defined]
+    assert settings.server.nonce_ttl_seconds == 120  # type: ignore[attr-defined]
+
+
+def test_environment_overrides_file(config_dir: Path) -> None:
+    settings = load(
+        config_dir,
+        BASE,
+        {"BROKER_SERVER_LISTEN": "127.0.0.1:9000", "BROKER_SERVER_NONCE_TTL_SECONDS": "30"},
+    )
+    assert settings.server.port == 9000  # type: ignore[attr-defined]
+    assert settings.server.nonce_ttl_seconds == 30  # type: ignore[attr-defined]
+
+
+def test_bad_environment_value_names_the_key(config_dir: Path) -> None:
+    key = error_key(config_dir, BASE, {"BROKER_SERVER_MAX_BODY_BYTES": "lots"})
+    assert key == "server.max_body_bytes"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ('listen = "127.0.0.1:8443"', 'listen = "nonsense"', "server.listen"),
+        ('audience = "https://broker.example"', 'audience = ""', "server.audience"),
+        ('tls_cert = "cert.pem"', 'tls_cert = "missing.pem"', "server.tls_cert"),
+        ('kind = "gca"', 'kind = "tpm"', "issuers[0].kind"),
+        ('jwks_file = "jwks.json"', 'jwks_url = "http://keys.example/jwks"', "issuers[0].jwks_url"),
+        (
+            'jwks_file = "jwks.json"',
+            'jwks_file = "jwks.json"\nalgorithms = ["HS256"]',
+            "issuers[0].algorithms",
+        ),
+        ('jwks_file = "jwks.json"', 'jwks_file = "jwks.json"\ncolour = "red"', "issuers[0].colour"),
+        ('store = "sqlite:///tmp/keys.db"', 'store = "mongodb://x"', "keys.store"),
+        ('dir = "policies"', 'dir = "nowhere"', "policy.dir"),
+    ],
+)
+def test_bad_values_name_the_key(config_dir: Path, old: str, new: str, key: str) -> None:
+    assert old in BASE
+    assert error_key(config_dir, BASE.replace(old, new)) == key
+
+
+def test_tls_required_by_default(config_dir: Path) -> None:
+    text = BASE.replace('tls_cert = "cert.pem"\n', "")
+    assert error_key(config_dir, text) == "server.tls_cert"
+
+
+def test_insecure_http_refused_off_loopback(config_dir: Path) -> None:
+    text = BASE.replace(
+        'listen = "127.0.0.1:8443"', 'listen = "0.0.0.0:8080"\ninsecure_http = true'
+    )
+    assert error_key(config_dir, text) == "server.insecure_http"
+
+
+def test_insecure_http_allowed_on_loopback(config_dir: Path) -> None:
+    text = BASE.replace('tls_cert = "cert.pem"\ntls_key = "key.pem"', "insecure_http = true")
+    assert load(config_dir, text).server.insecure_http is True  # type: ignore[attr-defined]
+
+
+def test_no_issuers_refused(config_dir: Path) -> None:
+    text = BASE.split("[[issuers]]", maxsplit=1)[0] + "[policy]" + BASE.split("[policy]")[1]
+    assert error_key(config_dir, text) == "issuers"

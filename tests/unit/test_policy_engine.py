@@ -1,0 +1,129 @@
+"""The embedded (regopy) engine with the shipped default policy, and fail-closed decisions."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.errors import ConfigError, ErrorCode, UpstreamError
+from broker.policy.bundle import load_policy_dir
+from broker.policy.embedded import EmbeddedPolicyEngine
+from broker.policy.engine import Decision
+
+SHIPPED = Path(__file__).parents[2] / "policies"
+DIGEST = "sha256:" + "11" * 32
+GOOD: dict[str, Any] = {
+    "schema": "broker.input/v1",
+    "request": {"key": "models/llama", "version": 1, "purpose": "model-weights"},
+    "tee": {
+        "verifier": "gca",
+        "technology": "tdx",
+        "debug": False,
+        "secure_boot": True,
+        "software": {"name": "CONFIDENTIAL_SPACE", "version": "250301", "support": ["STABLE"]},
+        "workload": {"image_digest": DIGEST},
+    },
+}
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> EmbeddedPolicyEngine:
+    policies = tmp_path / "policies"
+    shutil.copytree(SHIPPED, policies)
+    data_path = policies / "broker" / "data.json"
+    data = json.loads(data_path.read_text())
+    data["images"] = {"models/llama": [DIGEST]}
+    data_path.write_text(json.dumps(data))
+    return EmbeddedPolicyEngine(load_policy_dir(policies), eval_timeout_seconds=5)
+
+
+def variant(path: str, value: object) -> dict[str, Any]:
+    changed = copy.deepcopy(GOOD)
+    node = changed
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    return changed
+
+
+async def test_production_image_with_allowed_digest_allowed(engine: EmbeddedPolicyEngine) -> None:
+    decision = await engine.evaluate(GOOD)
+    assert decision.allowed is True
+    assert decision.reasons == ()
+    assert decision.policy_digest.startswith("sha256:")
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "reason"),
+    [
+        ("tee.debug", True, "debug image: a production Confidential Space image is required"),
+        ("tee.technology", "none", "technology 'none' is not an allowed hardware TEE"),
+        ("tee.software.support", ["USABLE"], "image lacks the STABLE support attribute"),
+        ("request.key", "models/other", f"image {DIGEST} is not allowed for key models/other"),
+        ("tee.secure_boot", False, "secure boot is not on"),
+    ],
+)
+async def test_denials_carry_reasons(
+    engine: EmbeddedPolicyEngine, path: str, value: object, reason: str
+) -> None:
+    decision = await engine.evaluate(variant(path, value))
+    assert decision.allowed is False
+    assert reason in decision.reasons
+
+
+async def test_empty_input_denied(engine: EmbeddedPolicyEngine) -> None:
+    assert (await engine.evaluate({})).allowed is False
+
+
+def test_decision_has_no_truth_value() -> None:
+    decision = Decision(True, (), "sha256:x")
+    with pytest.raises(TypeError):
+        bool(decision)
+
+
+@pytest.mark.parametrize("result", [None, {}, {"allow": "true"}, {"allow": 1}, {"allow": [True]}])
+def test_anything_but_boolean_true_denies(result: object) -> None:
+    assert Decision.from_result(result, "d").allowed is False
+
+
+async def test_conflicting_rules_fail_closed_with_503(tmp_path: Path) -> None:
+    (tmp_path / "p.rego").write_text(
+        "package broker.release\nimport rego.v1\n"
+        "allow := true if input.a\nallow := false if input.b\n"
+    )
+    engine = EmbeddedPolicyEngine(load_policy_dir(tmp_path), eval_timeout_seconds=5)
+    with pytest.raises(UpstreamError) as caught:
+        await engine.evaluate({"a": True, "b": True})
+    assert caught.value.code is ErrorCode.POLICY_UNAVAILABLE
+
+
+def test_policy_without_release_package_refused(tmp_path: Path) -> None:
+    (tmp_path / "p.rego").write_text("package other\nx := 1\n")
+    with pytest.raises(ConfigError):
+        EmbeddedPolicyEngine(load_policy_dir(tmp_path), eval_timeout_seconds=5)
+
+
+def test_empty_policy_dir_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        load_policy_dir(tmp_path)
+
+
+def test_unparsable_policy_refused(tmp_path: Path) -> None:
+    (tmp_path / "p.rego").write_text("package broker.release\nallow if {\n")
+    with pytest.raises(ConfigError):
+        EmbeddedPolicyEngine(load_policy_dir(tmp_path), eval_timeout_seconds=5)
+
+
+def test_digest_changes_with_data(tmp_path: Path) -> None:
+    shutil.copytree(SHIPPED, tmp_path / "p")
+    before = load_policy_dir(tmp_path / "p").digest
+    (tmp_path / "p" / "broker" / "data.json").write_text(
+        json.dumps({"hardware_tees": [], "required_support": "STABLE", "images": {}})
+    )
+    assert load_policy_dir(tmp_path / "p").digest != before
