@@ -13,15 +13,23 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from cryptography import x509
 
 from broker.api.middleware import METRICS, request_context
 from broker.api.routes import register
 from broker.api.state import STATE, BrokerState, Clock
 from broker.attestation.jwks import FileJwksSource, JwksError, JwksSource, UrlJwksSource
-from broker.attestation.service import EvidenceVerifier, TrustedIssuer
+from broker.attestation.nvidia.sources import (
+    CachingRimSource,
+    HttpOcspChecker,
+    NoOcsp,
+    OcspChecker,
+)
+from broker.attestation.service import EvidenceVerifier, LocalGpuTrust, TrustedIssuer
 from broker.audit.log import DecisionLog
 from broker.config import Settings
 from broker.errors import ConfigError
@@ -78,6 +86,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             await _issuers(settings, session),
             audience=settings.server.audience,
             leeway=timedelta(seconds=settings.server.clock_leeway_seconds),
+            local_gpu=await _local_gpu(settings, session),
         )
         state.release = ReleaseService(
             nonces=state.nonces,
@@ -102,24 +111,57 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 async def _issuers(settings: Settings, session: aiohttp.ClientSession) -> dict[str, TrustedIssuer]:
     issuers: dict[str, TrustedIssuer] = {}
-    for entry in settings.issuers:
-        source: JwksSource
+    for index, entry in enumerate(settings.issuers):
+        source: JwksSource | None = None
         if entry.jwks_file is not None:
             try:
                 source = await FileJwksSource.load(entry.jwks_file)
             except JwksError as exc:
-                raise ConfigError("issuers", f"{entry.issuer}: {exc}") from exc
-        else:
-            if entry.jwks_url is None:
-                raise ConfigError("issuers", f"{entry.issuer}: jwks_file or jwks_url is required")
+                raise ConfigError(f"issuers[{index}].jwks_file", str(exc)) from exc
+        elif entry.jwks_url is not None:
             source = UrlJwksSource(
                 entry.jwks_url,
                 session,
                 cache_seconds=entry.jwks_cache_seconds,
                 refresh_min_seconds=entry.jwks_refresh_min_seconds,
             )
-        issuers[entry.issuer] = TrustedIssuer(settings=entry, keys=source)
+        roots = await _certificates(f"issuers[{index}].root_cert", entry.root_cert)
+        issuers[entry.issuer] = TrustedIssuer(settings=entry, keys=source, roots=roots)
     return issuers
+
+
+async def _local_gpu(settings: Settings, session: aiohttp.ClientSession) -> LocalGpuTrust | None:
+    nvidia = settings.nvidia
+    if not nvidia.enabled:
+        return None
+    rims = CachingRimSource(
+        directory=nvidia.rim_dir,
+        url=nvidia.rim_url,
+        session=session,
+        cache_seconds=nvidia.rim_cache_seconds,
+        timeout_seconds=nvidia.upstream_timeout_seconds,
+    )
+    ocsp: OcspChecker = (
+        HttpOcspChecker(nvidia.ocsp_url, session, timeout_seconds=nvidia.upstream_timeout_seconds)
+        if nvidia.ocsp_url
+        else NoOcsp()
+    )
+    return LocalGpuTrust(
+        device_roots=await _certificates("nvidia.device_root", nvidia.device_root),
+        rim_roots=await _certificates("nvidia.rim_root", nvidia.rim_root),
+        rims=rims,
+        ocsp=ocsp,
+    )
+
+
+async def _certificates(key: str, path: Path | None) -> list[x509.Certificate]:
+    """Pinned anchors from a PEM file (configuration and certs/ only)."""
+    if path is None:
+        return []
+    try:
+        return x509.load_pem_x509_certificates(await asyncio.to_thread(path.read_bytes))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"not a readable PEM certificate file: {path}") from exc
 
 
 def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:

@@ -23,7 +23,10 @@ from urllib.parse import urlsplit
 from broker.errors import ConfigError
 
 ENV_PREFIX = "BROKER_"
-ISSUER_KINDS = frozenset({"gca"})
+ISSUER_KINDS = frozenset({"gca", "ita", "nras"})
+# Signature algorithms each kind of issuer uses when the entry does not list its own.
+DEFAULT_ALGORITHMS = {"gca": ("RS256",), "ita": ("PS384", "RS256"), "nras": ("ES384",)}
+TOKEN_TYPES = frozenset({"oidc", "pki"})
 # Algorithms an issuer entry may allow. Asymmetric only: HMAC with a public key is a classic
 # confusion attack, and `none` is never a signature.
 ALLOWED_TOKEN_ALGORITHMS = frozenset({"RS256", "PS384", "ES384"})
@@ -56,9 +59,39 @@ class IssuerSettings:
     issuer: str
     jwks_file: Path | None = None
     jwks_url: str | None = None
-    algorithms: tuple[str, ...] = ("RS256",)
+    algorithms: tuple[str, ...] = ()  # empty: DEFAULT_ALGORITHMS[kind]
+    token_types: tuple[str, ...] = ("oidc",)  # gca only: "oidc" (JWKS) and/or "pki" (x5c)
+    root_cert: Path | None = None  # gca pki: CS root; ita: Intel root; nras: pinned intermediate
+    tolerated_jku: tuple[str, ...] = ()  # a jku header equal to one of these is ignored
     jwks_refresh_min_seconds: int = 30
     jwks_cache_seconds: int = 3600
+
+    @property
+    def effective_algorithms(self) -> tuple[str, ...]:
+        return self.algorithms or DEFAULT_ALGORITHMS[self.kind]
+
+    @property
+    def uses_jwks(self) -> bool:
+        return self.kind != "gca" or "oidc" in self.token_types
+
+
+@dataclass(frozen=True)
+class NvidiaSettings:
+    """Local verification of raw NVIDIA GPU evidence (evidence kind ``nvidia``)."""
+
+    device_root: Path | None = None  # NVIDIA Device Identity CA; unset: local GPU path off
+    rim_root: Path | None = None  # NVIDIA CoRIM signing root
+    rim_dir: Path | None = None  # <dir>/<RIM id>.swidtag, read first
+    rim_url: str | None = (
+        None  # NVIDIA RIM service base, e.g. https://rim.attestation.nvidia.com/v1/rim
+    )
+    ocsp_url: str | None = None  # e.g. https://ocsp.ndis.nvidia.com/ ; unset: OCSP "unknown"
+    upstream_timeout_seconds: int = 10
+    rim_cache_seconds: int = 86400
+
+    @property
+    def enabled(self) -> bool:
+        return self.device_root is not None
 
 
 @dataclass(frozen=True)
@@ -85,6 +118,7 @@ class Settings:
     policy: PolicySettings = field(default_factory=PolicySettings)
     keys: KeySettings = field(default_factory=KeySettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
+    nvidia: NvidiaSettings = field(default_factory=NvidiaSettings)
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -136,7 +170,7 @@ def settings_from_mapping(
         ConfigError: naming the first bad key.
     """
     env = os.environ if environ is None else environ
-    known = {"server", "issuers", "policy", "keys", "audit"}
+    known = {"server", "issuers", "policy", "keys", "audit", "nvidia"}
     for key in raw:
         if key not in known:
             raise ConfigError(key, "unknown section")
@@ -144,8 +178,11 @@ def settings_from_mapping(
     policy = _section(PolicySettings, "policy", raw, env, base_dir)
     keys = _section(KeySettings, "keys", raw, env, base_dir)
     audit = _section(AuditSettings, "audit", raw, env, base_dir)
+    nvidia = _section(NvidiaSettings, "nvidia", raw, env, base_dir)
     issuers = _issuers(raw.get("issuers", []), base_dir)
-    settings = Settings(server=server, issuers=issuers, policy=policy, keys=keys, audit=audit)
+    settings = Settings(
+        server=server, issuers=issuers, policy=policy, keys=keys, audit=audit, nvidia=nvidia
+    )
     _validate(settings)
     return settings
 
@@ -248,6 +285,31 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("keys.store", "unsupported URI (expected sqlite:///PATH)")
     if not settings.keys.kek.startswith("local:"):
         raise ConfigError("keys.kek", "unsupported URI (expected local:PATH)")
+    _validate_nvidia(settings.nvidia)
+    if sum(1 for i in settings.issuers if i.kind == "nras") > 1:
+        raise ConfigError("issuers", "at most one nras issuer entry")
+
+
+def _validate_nvidia(nvidia: NvidiaSettings) -> None:
+    for key in ("device_root", "rim_root", "rim_dir"):
+        path = getattr(nvidia, key)
+        if path is not None and not path.exists():
+            raise ConfigError(f"nvidia.{key}", f"no such file or directory: {path}")
+    if nvidia.enabled and nvidia.rim_root is None:
+        raise ConfigError("nvidia.rim_root", "is required with device_root")
+    if nvidia.enabled and nvidia.rim_dir is None and nvidia.rim_url is None:
+        raise ConfigError("nvidia", "rim_dir or rim_url is required with device_root")
+    for key in ("rim_url", "ocsp_url"):
+        url = getattr(nvidia, key)
+        if url is not None and not _url_allowed(url):
+            raise ConfigError(f"nvidia.{key}", "must be https (http only on loopback)")
+    if nvidia.upstream_timeout_seconds <= 0 or nvidia.rim_cache_seconds <= 0:
+        raise ConfigError("nvidia", "timeouts and cache lifetimes must be positive")
+
+
+def _url_allowed(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname or ""))
 
 
 def _validate_server(server: ServerSettings) -> None:
@@ -283,19 +345,25 @@ def _validate_server(server: ServerSettings) -> None:
 def _validate_issuer(name: str, issuer: IssuerSettings) -> None:
     if issuer.kind not in ISSUER_KINDS:
         raise ConfigError(f"{name}.kind", f"unknown kind (supported: {sorted(ISSUER_KINDS)})")
-    if (issuer.jwks_file is None) == (issuer.jwks_url is None):
+    if not issuer.token_types or set(issuer.token_types) - TOKEN_TYPES:
+        raise ConfigError(f"{name}.token_types", f"must be a subset of {sorted(TOKEN_TYPES)}")
+    if issuer.kind != "gca" and issuer.token_types != ("oidc",):
+        raise ConfigError(f"{name}.token_types", "applies to gca issuers only")
+    if issuer.uses_jwks and (issuer.jwks_file is None) == (issuer.jwks_url is None):
         raise ConfigError(name, "exactly one of jwks_file or jwks_url is required")
     if issuer.jwks_file is not None and not issuer.jwks_file.is_file():
         raise ConfigError(f"{name}.jwks_file", f"no such file: {issuer.jwks_file}")
-    if issuer.jwks_url is not None:
-        url = urlsplit(issuer.jwks_url)
-        loopback_http = url.scheme == "http" and is_loopback(url.hostname or "")
-        if url.scheme != "https" and not loopback_http:
-            raise ConfigError(f"{name}.jwks_url", "must be https (http only on loopback)")
-    if not issuer.algorithms:
-        raise ConfigError(f"{name}.algorithms", "must not be empty")
-    for alg in issuer.algorithms:
+    if issuer.jwks_url is not None and not _url_allowed(issuer.jwks_url):
+        raise ConfigError(f"{name}.jwks_url", "must be https (http only on loopback)")
+    needs_root = issuer.kind != "gca" or "pki" in issuer.token_types
+    if needs_root and issuer.root_cert is None:
+        raise ConfigError(f"{name}.root_cert", "is required (the pinned trust anchor)")
+    if issuer.root_cert is not None and not issuer.root_cert.is_file():
+        raise ConfigError(f"{name}.root_cert", f"no such file: {issuer.root_cert}")
+    for alg in issuer.effective_algorithms:
         if alg not in ALLOWED_TOKEN_ALGORITHMS:
             raise ConfigError(f"{name}.algorithms", f"algorithm {alg!r} is not allowed")
+        if alg not in DEFAULT_ALGORITHMS[issuer.kind]:
+            raise ConfigError(f"{name}.algorithms", f"{alg} is not an algorithm {issuer.kind} uses")
     if issuer.jwks_refresh_min_seconds < 1 or issuer.jwks_cache_seconds < 1:
         raise ConfigError(name, "JWKS cache and refresh intervals must be positive")

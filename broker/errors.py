@@ -45,6 +45,15 @@ class ErrorCode(StrEnum):
     TOKEN_NOT_YET_VALID = "token_not_yet_valid"
     TOKEN_ISSUED_IN_FUTURE = "token_issued_in_future"
     ISSUER_UNKNOWN = "issuer_unknown"
+    CERT_CHAIN_INVALID = "cert_chain_invalid"
+    KID_MISMATCH = "kid_mismatch"
+    # raw evidence (NVIDIA GPUs and tokens' evidence members)
+    EVIDENCE_MALFORMED = "evidence_malformed"
+    EVIDENCE_SIGNATURE_INVALID = "evidence_signature_invalid"
+    SUBMOD_DIGEST_MISMATCH = "submod_digest_mismatch"
+    FWID_MISMATCH = "fwid_mismatch"
+    RIM_INVALID = "rim_invalid"
+    RIM_UNAVAILABLE = "rim_unavailable"
     AUDIENCE_MISMATCH = "audience_mismatch"
     # binding of evidence to this request
     NONCE_UNKNOWN = "nonce_unknown"

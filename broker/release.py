@@ -147,7 +147,11 @@ class ReleaseService:
             runner_key_thumbprint=request.runner_key.thumbprint,
         )
         policy_input = build_input(
-            request=facts, tee=outcome.evidence.tee, raw_claims=outcome.evidence.raw_claims, now=now
+            request=facts,
+            tee=outcome.evidence.tee,
+            raw_claims=outcome.evidence.raw_claims,
+            gpus=outcome.evidence.gpus,
+            now=now,
         )
         outcome.input_digest = "sha256:" + hashlib.sha256(canonical(policy_input)).hexdigest()
         outcome.decision = decision = await self._policy.evaluate(policy_input)

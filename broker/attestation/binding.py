@@ -7,10 +7,16 @@ without the broker's nonce would be a bearer token anyone could replay; a token 
 thumbprint would let a thief who saw the token wrap the key to their own key.
 
 Values are compared as exact strings (EVIDENCE.md §1.2: nonces are echoed verbatim).
+
+Evidence that carries one opaque value instead of a list of nonces (Intel Trust Authority held
+data, NVIDIA GPU SPDM nonces) binds ``binding_digest(nonce, thumbprint)``: SHA-256 over the
+ASCII of the broker nonce followed by the ASCII of the runner key thumbprint (both 43-character
+base64url strings, so the concatenation is unambiguous).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Any
 
@@ -67,3 +73,12 @@ def _contains(values: list[str], expected: str) -> bool:
     for value in values:
         found |= hmac.compare_digest(value.encode(), expected.encode())
     return found
+
+
+def binding_digest(nonce: str, thumbprint: str) -> bytes:
+    """SHA-256(nonce || thumbprint): the 32 bytes a runner puts in ITA user data / GPU nonces."""
+    return hashlib.sha256(nonce.encode("ascii") + thumbprint.encode("ascii")).digest()
+
+
+def same_bytes(left: bytes, right: bytes) -> bool:
+    return hmac.compare_digest(left, right)

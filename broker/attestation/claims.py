@@ -7,12 +7,15 @@ true only for the JSON boolean ``true``; an unknown ``hwmodel`` maps to technolo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from broker.attestation.gca import VerifiedGcaToken
+from broker.attestation.ita import VerifiedItaToken, tdx_claims
+from broker.attestation.nvidia.local import VerifiedGpuReport
+from broker.attestation.nvidia.nras import VerifiedNrasResult
 
 SCHEMA = "broker.input/v1"
 
@@ -84,6 +87,7 @@ def build_input(
     tee: Mapping[str, Any],
     raw_claims: Mapping[str, Mapping[str, Any]],
     now: datetime,
+    gpus: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Assemble the versioned policy input."""
     return {
@@ -95,7 +99,7 @@ def build_input(
             "runner_key_thumbprint": request.runner_key_thumbprint,
         },
         "tee": dict(tee),
-        "gpus": [],
+        "gpus": [dict(gpu) for gpu in gpus],
         "claims": {name: dict(values) for name, values in raw_claims.items()},
         "time": now.isoformat(),
     }
@@ -111,3 +115,140 @@ def _str(value: Any) -> str:
 
 def _str_list(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def ita_tee(token: VerifiedItaToken) -> dict[str, Any]:
+    """The ``tee`` section for a verified Intel Trust Authority token.
+
+    Tokens ITA issues for Confidential Space carry Google's claim set: they are normalised as
+    such, with ITA as verifier. Plain TDX tokens carry ``tdx_*`` claims (flat in v1, under
+    ``tdx`` in v2).
+    """
+    claims = token.claims
+    if "submods" in claims:
+        tee = gca_tee(VerifiedGcaToken(issuer=token.issuer, kid=token.kid, claims=claims))
+        tdx = _obj(claims.get("tdx"))
+        tee.update(
+            verifier="ita",
+            technology="tdx" if claims.get("hwmodel") == "INTEL_TDX" else tee["technology"],
+        )
+        tee["tcb_status"] = _str(tdx.get("attester_tcb_status")) or tee["tcb_status"]
+        return tee
+    tdx = tdx_claims(claims)
+    debug_flags = (tdx.get("tdx_td_attributes_debug"), tdx.get("tdx_is_debuggable"))
+    return {
+        "verifier": "ita",
+        "issuer": token.issuer,
+        "technology": "tdx"
+        if _str(claims.get("attester_type") or tdx.get("attester_type") or "TDX").upper() == "TDX"
+        else "unknown",
+        "debug": debug_flags != (False, False),
+        "secure_boot": claims.get("secboot") is True,
+        "software": {"name": "", "version": "", "support": []},
+        "workload": {
+            "image_reference": "",
+            "image_digest": "",
+            "image_id": "",
+            "restart_policy": "",
+            "service_accounts": [],
+        },
+        "platform": {
+            "project_id": "",
+            "project_number": "",
+            "zone": "",
+            "instance_id": "",
+            "instance_name": "",
+        },
+        "measurements": {
+            "mrtd": _str(tdx.get("tdx_mrtd")),
+            "rtmr": [_str(tdx.get(f"tdx_rtmr{i}")) for i in range(4)],
+            "mrseam": _str(tdx.get("tdx_mrseam")),
+            "mrsignerseam": _str(tdx.get("tdx_mrsignerseam")),
+            "mrconfigid": _str(tdx.get("tdx_mrconfigid")),
+            "mrowner": _str(tdx.get("tdx_mrowner")),
+            "report_data": _str(tdx.get("tdx_report_data")),
+        },
+        "tcb_status": _str(claims.get("attester_tcb_status") or tdx.get("attester_tcb_status")),
+        "advisory_ids": _str_list(claims.get("attester_advisory_ids")),
+    }
+
+
+def gpu_cc_mode(raw_claims: Mapping[str, Mapping[str, Any]]) -> str:
+    """CC mode as the CPU evidence states it (Confidential Space ``submods.nvidia_gpu``).
+
+    GPU evidence itself does not say whether confidential computing is on, so without a CPU
+    claim the mode is ``unknown``.
+    """
+    for claims in raw_claims.values():
+        mode = _obj(_obj(claims.get("submods")).get("nvidia_gpu")).get("cc_mode")
+        if isinstance(mode, str):
+            return mode.lower()
+    return "unknown"
+
+
+def nras_gpu_entries(result: VerifiedNrasResult, *, cc_mode: str) -> list[dict[str, Any]]:
+    """One ``gpus[]`` entry per detached NRAS token."""
+    entries = []
+    for name, claims in sorted(result.gpus.items()):
+        chain = _obj(claims.get("x-nvidia-gpu-attestation-report-cert-chain"))
+        validated = claims.get("x-nvidia-gpu-attestation-report-cert-chain-validated")
+        cert_status = _str(chain.get("x-nvidia-cert-status")) or (
+            "valid" if validated is True else "invalid"
+        )
+        hwmodel = _str(claims.get("hwmodel"))
+        entries.append(
+            {
+                "id": name,
+                "verifier": "nras",
+                "arch": _arch(hwmodel),
+                "hwmodel": hwmodel,
+                "cc_mode": cc_mode,
+                "debug": claims.get("dbgstat") != "disabled",
+                "secure_boot": claims.get("secboot") is True,
+                "measurements": "match" if claims.get("measres") == "success" else "mismatch",
+                "overall_result": result.overall.get("x-nvidia-overall-att-result") is True,
+                "driver_version": _str(claims.get("x-nvidia-gpu-driver-version")),
+                "vbios_version": _str(claims.get("x-nvidia-gpu-vbios-version")),
+                "ueid": _str(claims.get("ueid")),
+                "cert_chain": cert_status,
+                "ocsp": _str(chain.get("x-nvidia-cert-ocsp-status")) or "unknown",
+            }
+        )
+    return entries
+
+
+def local_gpu_entry(
+    index: int,
+    report: VerifiedGpuReport,
+    *,
+    measurements: str,
+    problems: list[str],
+    ocsp: str,
+    cc_mode: str,
+) -> dict[str, Any]:
+    """The ``gpus[]`` entry for a GPU whose raw evidence the broker verified itself."""
+    return {
+        "id": f"GPU-{index}",
+        "verifier": "local",
+        "arch": report.arch,
+        "hwmodel": report.chain[1].subject.rfc4514_string() if len(report.chain) > 1 else "",
+        "cc_mode": cc_mode,
+        # Debug state is not in the SPDM report; RIM-matching firmware is the production image.
+        "debug": measurements != "match",
+        "secure_boot": measurements == "match",
+        "measurements": measurements,
+        "problems": problems,
+        "driver_version": report.report.driver_version,
+        "vbios_version": report.report.vbios_version,
+        "ueid": report.ueid,
+        "cert_chain": "valid",
+        "ocsp": ocsp,
+    }
+
+
+def _arch(hwmodel: str) -> str:
+    if hwmodel.startswith("GH100"):
+        return "HOPPER"
+    if hwmodel.startswith(("GB100", "GB2")):
+        return "BLACKWELL"
+    return "unknown"

@@ -1,11 +1,15 @@
-"""Google Cloud Attestation (Confidential Space) OIDC token verifier. Pure.
+"""Google Cloud Attestation (Confidential Space) token verifier, OIDC and PKI. Pure.
 
-Checklist (../shared/EVIDENCE.md §1.4, Google "Attestation token validation endpoint fields"):
+Checklist (../shared/EVIDENCE.md §1.4; Google "Attestation token validation endpoint fields"):
 
 1. Parse the JOSE header: ``alg`` in the issuer's allow-list (RS256 for Google), no
-   ``jku``/``x5u``/``jwk``/``crit``; ``kid`` present; no ``x5c`` (PKI tokens are a separate path).
-2. Select the signing key by ``kid`` from the configured key set only; a key whose own ``alg``
-   differs from the header's is refused.
+   ``jku``/``x5u``/``jwk``/``crit``. A header with ``x5c`` is a PKI token, one without an OIDC
+   token; each kind is accepted only if the issuer entry enables it.
+2. OIDC: select the signing key by ``kid`` from the configured key set only; a key whose own
+   ``alg`` differs from the header's is refused.
+   PKI: ``x5c`` holds leaf, intermediate, root (standard base64 DER); the chain must validate at
+   ``now`` to the pinned Confidential Space root (never to a root the token brings), the leaf
+   key must be RSA, and ``kid`` must equal the RFC 7638 thumbprint of the leaf key.
 3. Verify the RSASSA-PKCS1-v1_5/SHA-256 signature over ``header.payload``.
 4. Check ``exp``/``nbf``/``iat`` against the injected ``now`` with one leeway.
 5. ``iss`` equals the configured issuer exactly.
@@ -17,16 +21,23 @@ Binding to the broker nonce and the runner key is checked by ``binding.check_eat
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import rsa
+
 from broker.attestation import jose
-from broker.attestation.jwks import TrustedKeySet
+from broker.attestation.jwks import TrustedKey, TrustedKeySet
+from broker.attestation.x509chain import load_b64_der, verify_chain
+from broker.crypto.jwk import public_jwk, thumbprint
 from broker.errors import AttestationError, ErrorCode
 
 REQUIRED_CLAIMS = ("iss", "aud", "exp", "iat")
+MAX_X5C = 4
+TOKEN_TYPES = frozenset({"oidc", "pki"})
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,18 @@ class VerifiedGcaToken:
     issuer: str
     kid: str
     claims: Mapping[str, Any]
+    token_type: str = "oidc"  # noqa: S105 - a token kind
+
+
+@dataclass(frozen=True)
+class GcaTrust:
+    """What an issuer entry trusts: an OIDC key set, PKI roots, or both."""
+
+    issuer: str
+    algorithms: Collection[str]
+    keys: TrustedKeySet | None = None  # OIDC
+    roots: Sequence[x509.Certificate] = ()  # PKI
+    tolerated_jku: Collection[str] = ()
 
 
 def unverified_issuer(token: str) -> str | None:
@@ -53,19 +76,15 @@ def unverified_issuer(token: str) -> str | None:
     return iss if isinstance(iss, str) else None
 
 
-def parse_gca_header(token: str, algorithms: Collection[str]) -> jose.UnverifiedHeader:
+def parse_gca_header(
+    token: str, algorithms: Collection[str], *, tolerated_jku: Collection[str] = ()
+) -> jose.UnverifiedHeader:
     """Step 1: the header checks. The async layer calls it to learn which ``kid`` to fetch.
 
     Raises:
-        AttestationError: as ``jose.parse_header``, or ``token_malformed`` without a kid, or
-            ``token_header_forbidden`` for a PKI (``x5c``) token.
+        AttestationError: as ``jose.parse_header``, or ``token_malformed`` without a kid.
     """
-    header = jose.parse_header(token, algorithms)
-    if "x5c" in header.fields:
-        raise AttestationError(
-            "x5c (PKI) tokens are not accepted by this issuer entry",
-            code=ErrorCode.TOKEN_HEADER_FORBIDDEN,
-        )
+    header = jose.parse_header(token, algorithms, tolerated_jku=tolerated_jku)
     if not header.kid:
         raise AttestationError("token header has no kid")
     return header
@@ -74,20 +93,16 @@ def parse_gca_header(token: str, algorithms: Collection[str]) -> jose.Unverified
 def verify_gca_token(
     token: str,
     *,
-    issuer: str,
-    algorithms: Collection[str],
-    keys: TrustedKeySet,
+    trust: GcaTrust,
     audience: str,
     now: datetime,
     leeway: timedelta = jose.DEFAULT_LEEWAY,
 ) -> VerifiedGcaToken:
-    """Verify a Confidential Space OIDC token (steps 1-6 above).
+    """Verify a Confidential Space token (steps 1-6 above).
 
     Args:
         token: the compact JWT as presented by the runner.
-        issuer: the configured issuer URL, compared exactly with ``iss``.
-        algorithms: the issuer's allowed signature algorithms.
-        keys: the issuer's trusted key set (from configuration, never from the token).
+        trust: the issuer entry's trust material (from configuration, never from the token).
         audience: the broker's audience.
         now: the one clock reading of this request.
         leeway: clock skew tolerated on the time claims.
@@ -95,34 +110,97 @@ def verify_gca_token(
     Raises:
         AttestationError: with the specific code of the first failed step.
     """
-    header = parse_gca_header(token, algorithms)
-    trusted = keys.get(header.kid)
-    if trusted is None:
+    header = parse_gca_header(token, trust.algorithms, tolerated_jku=trust.tolerated_jku)
+    if "x5c" in header.fields:
+        if not trust.roots:
+            raise AttestationError(
+                "x5c (PKI) tokens are not accepted by this issuer entry",
+                code=ErrorCode.TOKEN_HEADER_FORBIDDEN,
+            )
+        key: Any = pki_signing_key(header, trust.roots, now=now)
+        token_type = "pki"  # noqa: S105 - a token kind
+    else:
+        if trust.keys is None:
+            raise AttestationError(
+                "OIDC tokens are not accepted by this issuer entry; send a PKI token",
+                code=ErrorCode.TOKEN_HEADER_FORBIDDEN,
+            )
+        key = select_key(trust.keys, header).key
+        token_type = "oidc"  # noqa: S105 - a token kind
+    verified = jose.verify_jws(
+        token, header, key, now=now, leeway=leeway, required_claims=REQUIRED_CLAIMS
+    )
+    check_issuer_and_audience(verified.claims, issuer=trust.issuer, audience=audience)
+    return VerifiedGcaToken(
+        issuer=trust.issuer, kid=str(header.kid), claims=verified.claims, token_type=token_type
+    )
+
+
+def pki_signing_key(
+    header: jose.UnverifiedHeader, roots: Sequence[x509.Certificate], *, now: datetime
+) -> rsa.RSAPublicKey:
+    """Step 2 (PKI): validate ``x5c`` to the pinned roots and return the leaf's key.
+
+    Raises:
+        AttestationError: ``token_malformed``, ``cert_chain_invalid`` or ``kid_mismatch``.
+    """
+    x5c = header.fields.get("x5c")
+    if not isinstance(x5c, list) or not 2 <= len(x5c) <= MAX_X5C:
+        raise AttestationError("x5c must list the leaf, intermediate and root certificates")
+    chain = [load_b64_der(str(entry)) for entry in x5c]
+    # The root the token brings is only a hint: validation ends at the pinned root or fails.
+    intermediates = [c for c in chain[1:] if c not in roots]
+    verify_chain(chain[0], intermediates, roots, now=now)
+    leaf_key = chain[0].public_key()
+    if not isinstance(leaf_key, rsa.RSAPublicKey) or leaf_key.key_size < 2048:
         raise AttestationError(
-            "token is signed by a key the issuer does not publish",
-            code=ErrorCode.TOKEN_KEY_UNKNOWN,
+            "PKI token leaf key is not RSA-2048 or larger", code=ErrorCode.CERT_CHAIN_INVALID
         )
-    if trusted.alg is not None and trusted.alg != header.alg:
+    if header.kid != thumbprint(public_jwk(leaf_key)):
+        raise AttestationError(
+            "kid is not the RFC 7638 thumbprint of the leaf key", code=ErrorCode.KID_MISMATCH
+        )
+    return leaf_key
+
+
+def select_key(keys: TrustedKeySet, header: jose.UnverifiedHeader) -> TrustedKey:
+    """The configured key named by ``kid`` whose own ``alg`` (if any) is the header's.
+
+    Raises:
+        AttestationError: ``token_key_unknown`` or ``token_algorithm_forbidden``.
+    """
+    trusted = keys.get(header.kid, header.alg)
+    if trusted is not None:
+        return trusted
+    if keys.has_kid(header.kid):
         raise AttestationError(
             "token alg differs from the alg of its signing key",
             code=ErrorCode.TOKEN_ALGORITHM_FORBIDDEN,
         )
-    verified = jose.verify_jws(
-        token, header, trusted.key, now=now, leeway=leeway, required_claims=REQUIRED_CLAIMS
+    raise AttestationError(
+        "token is signed by a key the issuer does not publish", code=ErrorCode.TOKEN_KEY_UNKNOWN
     )
-    claims = verified.claims
+
+
+def check_issuer_and_audience(
+    claims: Mapping[str, Any], *, issuer: str, audience: str | None
+) -> None:
+    """Steps 5 and 6 (``audience=None``: the caller decided ``aud`` is not required).
+
+    Raises:
+        AttestationError: ``issuer_unknown`` or ``audience_mismatch``.
+    """
     if claims.get("iss") != issuer:
         raise AttestationError(
             "token issuer is not the configured one", code=ErrorCode.ISSUER_UNKNOWN
         )
-    if not _audience_matches(claims.get("aud"), audience):
+    if audience is None:
+        return
+    aud = claims.get("aud")
+    matches = aud == audience or (
+        isinstance(aud, list) and audience in aud and all(isinstance(a, str) for a in aud)
+    )
+    if not matches:
         raise AttestationError(
             "token audience is not this broker", code=ErrorCode.AUDIENCE_MISMATCH
         )
-    return VerifiedGcaToken(issuer=issuer, kid=trusted.kid, claims=claims)
-
-
-def _audience_matches(aud: Any, expected: str) -> bool:
-    if isinstance(aud, str):
-        return aud == expected
-    return isinstance(aud, list) and expected in aud and all(isinstance(a, str) for a in aud)

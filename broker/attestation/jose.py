@@ -70,8 +70,15 @@ def b64url_encode(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
-def parse_header(token: str, allowed_algorithms: Collection[str]) -> UnverifiedHeader:
+def parse_header(
+    token: str, allowed_algorithms: Collection[str], *, tolerated_jku: Collection[str] = ()
+) -> UnverifiedHeader:
     """Split a compact JWS and parse its header under the header rules above.
+
+    ``tolerated_jku`` is the one narrow exception: Intel Trust Authority stamps every token with
+    ``jku: https://portal.trustauthority.intel.com/certs``. A ``jku`` exactly equal to a value
+    the issuer's configuration lists is tolerated and ignored (never fetched); any other is
+    refused.
 
     Raises:
         AttestationError: ``token_too_large``, ``token_malformed``,
@@ -91,6 +98,8 @@ def parse_header(token: str, allowed_algorithms: Collection[str]) -> UnverifiedH
     if not isinstance(header, dict):
         raise AttestationError("token header is not a JSON object")
     forbidden = sorted(FORBIDDEN_HEADERS.intersection(header))
+    if forbidden == ["jku"] and header["jku"] in tolerated_jku:
+        forbidden = []
     if forbidden:
         raise AttestationError(
             f"token header parameters are refused: {', '.join(forbidden)}",

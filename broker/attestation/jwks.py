@@ -9,6 +9,7 @@ refetches when a token names an unknown ``kid`` (keys rotate), at most once per
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 MAX_JWKS_BYTES = 256 * 1024
 MAX_JWKS_KEYS = 64
 MIN_RSA_BITS = 2048
+MAX_X5C = 10
 JWKS_FETCH_TIMEOUT_SECONDS = 5.0
 
 
@@ -40,14 +42,22 @@ class TrustedKey:
     kid: str
     alg: str | None
     key: Any  # a cryptography public key object
+    x5c: tuple[bytes, ...] = ()  # DER certificates as published (leaf first); unverified
 
 
 @dataclass(frozen=True)
 class TrustedKeySet:
-    keys: Mapping[str, TrustedKey]
+    keys: Mapping[str, tuple[TrustedKey, ...]]
 
-    def get(self, kid: str | None) -> TrustedKey | None:
-        return None if kid is None else self.keys.get(kid)
+    def get(self, kid: str | None, alg: str | None = None) -> TrustedKey | None:
+        """The key with this ``kid`` whose own ``alg`` (if it names one) equals ``alg``."""
+        for entry in self.keys.get(kid or "", ()):
+            if alg is None or entry.alg in (None, alg):
+                return entry
+        return None
+
+    def has_kid(self, kid: str | None) -> bool:
+        return bool(self.keys.get(kid or ""))
 
 
 def parse_jwks(data: bytes) -> TrustedKeySet:
@@ -70,11 +80,11 @@ def parse_jwks(data: bytes) -> TrustedKeySet:
         raise JwksError("JWKS has no keys")
     if len(entries) > MAX_JWKS_KEYS:
         raise JwksError("JWKS has too many keys")
-    keys: dict[str, TrustedKey] = {}
+    keys: dict[str, tuple[TrustedKey, ...]] = {}
     for entry in entries:
         trusted = _parse_entry(entry)
-        # The same kid may appear once per algorithm (Intel does this); keep the first.
-        keys.setdefault(trusted.kid, trusted)
+        # The same kid may appear once per algorithm (Intel publishes PS384 and RS256 twins).
+        keys[trusted.kid] = (*keys.get(trusted.kid, ()), trusted)
     return TrustedKeySet(keys=keys)
 
 
@@ -99,7 +109,14 @@ def _parse_entry(entry: Any) -> TrustedKey:
     if not isinstance(key, rsa.RSAPublicKey | ec.EllipticCurvePublicKey):
         raise JwksError(f"JWKS entry {kid}: not a public key")
     alg = entry.get("alg")
-    return TrustedKey(kid=kid, alg=alg if isinstance(alg, str) else None, key=key)
+    x5c = entry.get("x5c", [])
+    if not isinstance(x5c, list) or len(x5c) > MAX_X5C or not all(isinstance(c, str) for c in x5c):
+        raise JwksError(f"JWKS entry {kid}: x5c is not a short list of certificates")
+    try:
+        ders = tuple(base64.b64decode(c, validate=True) for c in x5c)
+    except ValueError as exc:
+        raise JwksError(f"JWKS entry {kid}: x5c is not base64") from exc
+    return TrustedKey(kid=kid, alg=alg if isinstance(alg, str) else None, key=key, x5c=ders)
 
 
 class JwksSource(Protocol):

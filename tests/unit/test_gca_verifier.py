@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from broker.attestation.gca import verify_gca_token
+from broker.attestation.gca import GcaTrust, verify_gca_token
 from broker.attestation.jwks import parse_jwks
 from broker.errors import AttestationError, ErrorCode
 from tests.vectors import tokens as v
@@ -19,16 +19,18 @@ KEYS = parse_jwks(json.dumps(v.jwks()).encode())
 
 
 def verify(token: str, **overrides: object) -> object:
+    trust = GcaTrust(
+        issuer=v.ISSUER,
+        algorithms=overrides.pop("algorithms", ("RS256",)),  # type: ignore[arg-type]
+        keys=overrides.pop("keys", KEYS),  # type: ignore[arg-type]
+    )
     params: dict[str, object] = {
-        "issuer": v.ISSUER,
-        "algorithms": ("RS256",),
-        "keys": KEYS,
         "audience": v.AUDIENCE,
         "now": v.NOW,
         "leeway": timedelta(seconds=30),
     }
     params.update(overrides)
-    return verify_gca_token(token, **params)  # type: ignore[arg-type]
+    return verify_gca_token(token, trust=trust, **params)  # type: ignore[arg-type]
 
 
 def rejected(token: str, code: ErrorCode, **overrides: object) -> None:

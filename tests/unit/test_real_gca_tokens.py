@@ -10,7 +10,7 @@ import pytest
 
 from broker.attestation import binding
 from broker.attestation.claims import gca_tee
-from broker.attestation.gca import VerifiedGcaToken, verify_gca_token
+from broker.attestation.gca import GcaTrust, VerifiedGcaToken, verify_gca_token
 from broker.attestation.jose import b64url_decode, b64url_encode
 from broker.attestation.jwks import parse_jwks
 from broker.errors import AttestationError, ErrorCode
@@ -20,6 +20,7 @@ SAMPLES = json.loads((REAL / "cs_oidc_samples_2025-12-02.json").read_text())
 JWKS = parse_jwks((REAL / "google_cs_jwks_2025-12-02.json").read_bytes())
 GOOGLE = "https://confidentialcomputing.googleapis.com"
 TODAY = datetime(2026, 11, 30, tzinfo=UTC)
+OIDC = GcaTrust(issuer=GOOGLE, algorithms=("RS256",), keys=JWKS)
 
 
 def at_issue(sample: dict[str, object]) -> datetime:
@@ -28,12 +29,7 @@ def at_issue(sample: dict[str, object]) -> datetime:
 
 def verify(sample: dict[str, object], now: datetime) -> VerifiedGcaToken:
     return verify_gca_token(
-        str(sample["raw_token"]),
-        issuer=GOOGLE,
-        algorithms=("RS256",),
-        keys=JWKS,
-        audience=str(sample["audience"]),
-        now=now,
+        str(sample["raw_token"]), trust=OIDC, audience=str(sample["audience"]), now=now
     )
 
 
@@ -105,9 +101,7 @@ def test_rotated_key_token_rejected_as_unknown_kid() -> None:
     with pytest.raises(AttestationError) as caught:
         verify_gca_token(
             token,
-            issuer=GOOGLE,
-            algorithms=("RS256",),
-            keys=JWKS,
+            trust=OIDC,
             audience="https://sts.google.com",
             now=datetime(2025, 2, 10, 10, 15, tzinfo=UTC),
         )
@@ -130,9 +124,7 @@ def test_pki_token_refused_by_oidc_issuer_entry() -> None:
     with pytest.raises(AttestationError) as caught:
         verify_gca_token(
             token,
-            issuer=GOOGLE,
-            algorithms=("RS256",),
-            keys=JWKS,
+            trust=OIDC,
             audience="x",
             now=datetime(2025, 4, 23, tzinfo=UTC),
         )

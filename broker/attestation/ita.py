@@ -1,0 +1,175 @@
+"""Intel Trust Authority token verifier. Pure.
+
+Checklist (EVIDENCE.md §2; intel/trustauthority-client-for-go token.go VerifyToken):
+
+1. Parse the header: ``alg`` PS384 or RS256 (as configured); ``jku`` tolerated only when it is
+   exactly the configured Intel certs URL (never fetched); no ``x5u``/``jwk``/``crit``.
+2. Select the key by ``kid`` (and ``alg``: Intel publishes each key twice) from the configured
+   ITA key set. The key must carry ``x5c``; that chain must validate at ``now`` to the pinned
+   Intel Trust Authority root (Intel's clients trust the root inside the JWKS; we do not), and
+   the leaf's public key must be the JWK's key.
+3. Verify the signature (RSASSA-PSS SHA-384 salt 48, or PKCS#1 v1.5 SHA-256) and the times.
+4. ``iss`` equals the configured issuer. ``aud``, when present (tokens issued through
+   Confidential Space carry it), equals the broker's audience; ITA's own TDX tokens have none,
+   so for them the nonce binding below is what stops replay.
+5. Binding (``check_ita_binding``): a Confidential Space-shaped token binds through
+   ``eat_nonce`` like a Google token; a TDX token binds through held data:
+   ``attester_held_data == SHA-256(nonce || thumbprint)`` and
+   ``tdx_report_data[0:64] == SHA-512(verifier_nonce.val || verifier_nonce.iat || held data)``
+   (``SHA-512(held data)`` without a verifier nonce) — the formula Intel's clients use to fill
+   REPORTDATA, checked here again so the quote, not just the token, carries the binding.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from cryptography import x509
+
+from broker.attestation import binding, jose
+from broker.attestation.gca import check_issuer_and_audience, parse_gca_header, select_key
+from broker.attestation.jwks import TrustedKey, TrustedKeySet
+from broker.attestation.x509chain import load_der, verify_chain
+from broker.crypto.jwk import public_jwk
+from broker.errors import AttestationError, ErrorCode
+
+ITA_ALGORITHMS = ("PS384", "RS256")
+INTEL_CERTS_URL = "https://portal.trustauthority.intel.com/certs"
+
+
+@dataclass(frozen=True)
+class VerifiedItaToken:
+    issuer: str
+    kid: str
+    claims: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ItaTrust:
+    issuer: str
+    algorithms: Collection[str]
+    keys: TrustedKeySet
+    roots: Sequence[x509.Certificate]
+    tolerated_jku: Collection[str] = (INTEL_CERTS_URL,)
+
+
+def verify_ita_token(
+    token: str,
+    *,
+    trust: ItaTrust,
+    audience: str,
+    now: datetime,
+    leeway: timedelta = jose.DEFAULT_LEEWAY,
+) -> VerifiedItaToken:
+    """Steps 1-4 above.
+
+    Raises:
+        AttestationError: with the specific code of the first failed step.
+    """
+    header = parse_gca_header(token, trust.algorithms, tolerated_jku=trust.tolerated_jku)
+    trusted = select_key(trust.keys, header)
+    check_key_chain(trusted, trust.roots, now=now)
+    verified = jose.verify_jws(
+        token, header, trusted.key, now=now, leeway=leeway, required_claims=("iss", "exp", "iat")
+    )
+    claims = verified.claims
+    check_issuer_and_audience(
+        claims, issuer=trust.issuer, audience=audience if "aud" in claims else None
+    )
+    return VerifiedItaToken(issuer=trust.issuer, kid=str(header.kid), claims=claims)
+
+
+def check_key_chain(
+    trusted: TrustedKey, roots: Sequence[x509.Certificate], *, now: datetime
+) -> None:
+    """A published key is usable only if its ``x5c`` chains to a pinned root and names it.
+
+    Raises:
+        AttestationError: ``cert_chain_invalid``.
+    """
+    if not trusted.x5c:
+        raise AttestationError(
+            "the signing key carries no x5c chain", code=ErrorCode.CERT_CHAIN_INVALID
+        )
+    chain = [load_der(der) for der in trusted.x5c]
+    verify_chain(chain[0], [c for c in chain[1:] if c not in roots], roots, now=now)
+    if public_jwk(chain[0].public_key()) != public_jwk(trusted.key):  # type: ignore[arg-type]
+        raise AttestationError(
+            "the JWK is not the key of its x5c leaf", code=ErrorCode.CERT_CHAIN_INVALID
+        )
+
+
+def tdx_claims(claims: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The TDX claim set: top level in v1 tokens, under ``tdx`` in v2 tokens."""
+    nested = claims.get("tdx")
+    if isinstance(nested, dict) and any(str(k).startswith("tdx_") for k in nested):
+        return nested
+    return claims
+
+
+def check_ita_binding(claims: Mapping[str, Any], *, nonce: str, thumbprint: str) -> None:
+    """Step 5 above.
+
+    Raises:
+        AttestationError: ``nonce_missing``, ``nonce_mismatch``, ``key_binding_mismatch`` or
+            ``token_claim_invalid``.
+    """
+    if "eat_nonce" in claims or "submods" in claims:
+        binding.check_eat_nonce(claims.get("eat_nonce"), nonce=nonce, thumbprint=thumbprint)
+        return
+    tdx = tdx_claims(claims)
+    held = _b64(claims.get("attester_held_data") or tdx.get("attester_held_data"), "held data")
+    if held is None:
+        raise AttestationError(
+            "token carries no attester_held_data; send SHA-256(nonce || thumbprint) as user data",
+            code=ErrorCode.NONCE_MISSING,
+        )
+    if not binding.same_bytes(held, binding.binding_digest(nonce, thumbprint)):
+        raise AttestationError(
+            "held data is not SHA-256(nonce || runner key thumbprint)",
+            code=ErrorCode.KEY_BINDING_MISMATCH,
+        )
+    check_report_data(claims, held)
+
+
+def check_report_data(claims: Mapping[str, Any], held: bytes) -> None:
+    """REPORTDATA[0:64] must be Intel's hash over the verifier nonce and the held data.
+
+    Raises:
+        AttestationError: ``key_binding_mismatch`` or ``token_claim_invalid``.
+    """
+    tdx = tdx_claims(claims)
+    report_hex = tdx.get("tdx_report_data")
+    try:
+        report = bytes.fromhex(str(report_hex))
+    except ValueError as exc:
+        raise AttestationError(
+            "tdx_report_data is not hex", code=ErrorCode.TOKEN_CLAIM_INVALID
+        ) from exc
+    verifier_nonce = claims.get("verifier_nonce") or tdx.get("verifier_nonce")
+    prefix = b""
+    if isinstance(verifier_nonce, dict):
+        val = _b64(verifier_nonce.get("val"), "verifier_nonce.val") or b""
+        iat = _b64(verifier_nonce.get("iat"), "verifier_nonce.iat") or b""
+        prefix = val + iat
+    expected = hashlib.sha512(prefix + held).digest()
+    if len(report) != 64 or not binding.same_bytes(report, expected):
+        raise AttestationError(
+            "the TD quote's REPORTDATA does not carry the held data",
+            code=ErrorCode.KEY_BINDING_MISMATCH,
+        )
+
+
+def _b64(value: Any, name: str) -> bytes | None:
+    if value is None:
+        return None
+    try:
+        return base64.b64decode(str(value), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise AttestationError(f"{name} is not base64", code=ErrorCode.TOKEN_CLAIM_INVALID) from exc
