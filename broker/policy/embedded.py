@@ -105,7 +105,9 @@ class EmbeddedPolicyEngine:
         try:
             interpreter.set_input(Input(policy_input))
             output = interpreter.query_bundle(self._compiled)
-        except RegoError as exc:
+        # ValueError: regopy renders some results as invalid JSON (e.g. sprintf of a literal
+        # string default); an answer we cannot read is no answer.
+        except (RegoError, ValueError) as exc:
             log.exception("policy evaluation failed")
             raise UpstreamError(
                 "policy evaluation failed", code=ErrorCode.POLICY_UNAVAILABLE
@@ -115,4 +117,10 @@ class EmbeddedPolicyEngine:
             raise UpstreamError("policy evaluation failed", code=ErrorCode.POLICY_UNAVAILABLE)
         if str(output) == "undefined":
             return None
-        return json.loads(output.binding("result").json())
+        try:
+            return json.loads(output.binding("result").json())
+        except ValueError as exc:
+            log.exception("policy result is not valid JSON")
+            raise UpstreamError(
+                "policy evaluation failed", code=ErrorCode.POLICY_UNAVAILABLE
+            ) from exc

@@ -13,6 +13,7 @@ allow if {
 	production_image
 	hardware_tee
 	image_allowed
+	gpus_acceptable
 }
 
 # The evidence came from a verified Google Cloud Attestation token for Confidential Space.
@@ -57,4 +58,111 @@ reasons contains msg if {
 		input.tee.workload.image_digest,
 		input.request.key,
 	])
+}
+
+# --- GPUs --------------------------------------------------------------------------------------
+# Keys listed in data.broker.gpu_keys need attested GPUs (NRAS or local verification, the same
+# fields either way); other keys accept but do not need GPU evidence.
+
+gpu_policy := data.broker.gpu_keys[input.request.key]
+
+gpus_acceptable if not data.broker.gpu_keys[input.request.key]
+
+gpus_acceptable if {
+	gpu_policy
+	count(input.gpus) >= gpu_policy.min_gpus
+	every gpu in input.gpus {
+		gpu_ok(gpu)
+	}
+}
+
+# A GPU is acceptable only if every condition holds (a missing field fails its condition).
+gpu_ok(gpu) if {
+	gpu.arch in {"HOPPER", "BLACKWELL"}
+	gpu.cc_mode == "on"
+	gpu.debug == false
+	gpu.measurements == "match"
+	gpu.cert_chain == "valid"
+	gpu.ocsp in {"good", "unknown"}
+	version_at_least(gpu.driver_version, gpu_policy.min_driver)
+}
+
+# Reasons name what failed; they explain a deny, they never cause an allow.
+reasons contains msg if {
+	gpu_policy
+	some gpu in input.gpus
+	not gpu.arch in {"HOPPER", "BLACKWELL"}
+	msg := sprintf("GPU %v: architecture %v is not allowed", [object.get(gpu, "id", null), object.get(gpu, "arch", null)])
+}
+
+reasons contains msg if {
+	gpu_policy
+	some gpu in input.gpus
+	not gpu.cc_mode == "on"
+	msg := sprintf("GPU %v: confidential computing mode is %v, not on", [object.get(gpu, "id", null), object.get(gpu, "cc_mode", null)])
+}
+
+reasons contains msg if {
+	gpu_policy
+	some gpu in input.gpus
+	not gpu.debug == false
+	msg := sprintf("GPU %v: debug mode is %v", [object.get(gpu, "id", null), object.get(gpu, "debug", null)])
+}
+
+reasons contains msg if {
+	gpu_policy
+	some gpu in input.gpus
+	not gpu.measurements == "match"
+	msg := sprintf("GPU %v: measurements %v", [object.get(gpu, "id", null), object.get(gpu, "measurements", null)])
+}
+
+reasons contains msg if {
+	gpu_policy
+	some gpu in input.gpus
+	not gpu.cert_chain == "valid"
+	msg := sprintf("GPU %v: certificate chain %v", [object.get(gpu, "id", null), object.get(gpu, "cert_chain", null)])
+}
+
+reasons contains msg if {
+	gpu_policy
+	some gpu in input.gpus
+	not gpu.ocsp in {"good", "unknown"}
+	msg := sprintf("GPU %v: device certificate status %v", [object.get(gpu, "id", null), object.get(gpu, "ocsp", null)])
+}
+
+reasons contains msg if {
+	gpu_policy
+	some gpu in input.gpus
+	not version_at_least(gpu.driver_version, gpu_policy.min_driver)
+	msg := sprintf("GPU %v: driver %v is older than %v", [
+		object.get(gpu, "id", null),
+		object.get(gpu, "driver_version", null),
+		gpu_policy.min_driver,
+	])
+}
+
+# "550.90.07" >= "550.54" compared numerically, part by part (at most 3 parts of < 1000 each).
+version_at_least(have, want) if version_number(have) >= version_number(want)
+
+version_number(v) := n if {
+	parts := [to_number(p) | some p in split(v, ".")]
+	padded := array.concat(parts, [0, 0, 0])
+	n := (((padded[0] * 1000) + padded[1]) * 1000) + padded[2]
+}
+
+reasons contains msg if {
+	gpu_policy
+	count(input.gpus) < gpu_policy.min_gpus
+	msg := sprintf("key %v needs at least %v attested GPU(s), got %v", [
+		input.request.key,
+		gpu_policy.min_gpus,
+		count(input.gpus),
+	])
+}
+
+reasons contains msg if {
+	gpu_policy
+	some gpu in input.gpus
+	not gpu_ok(gpu)
+	msg := sprintf("GPU %v is not acceptable", [object.get(gpu, "id", null)])
 }

@@ -84,3 +84,66 @@ test_missing_debug_field_denied if {
 test_empty_input_denied if {
 	not release.allow with input as {} with data.broker.images as images
 }
+
+gpu := {
+	"id": "GPU-0", "verifier": "nras", "arch": "HOPPER", "cc_mode": "on", "debug": false,
+	"measurements": "match", "cert_chain": "valid", "ocsp": "good", "driver_version": "550.90.07",
+}
+
+gpu_keys := {"models/llama": {"min_gpus": 1, "min_driver": "550.54"}}
+
+with_gpus(gpus) := json.patch(good, [{"op": "add", "path": "/gpus", "value": gpus}])
+
+test_gpu_key_released_with_a_good_gpu if {
+	release.allow with input as with_gpus([gpu]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+}
+
+test_gpu_key_denied_without_gpus if {
+	not release.allow with input as with_gpus([]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+	"key models/llama needs at least 1 attested GPU(s), got 0" in release.reasons with input as with_gpus([])
+		with data.broker.images as images with data.broker.gpu_keys as gpu_keys
+}
+
+test_gpu_measurement_mismatch_denied if {
+	bad := json.patch(gpu, [{"op": "replace", "path": "/measurements", "value": "mismatch"}])
+	not release.allow with input as with_gpus([gpu, bad]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+	"GPU GPU-0: measurements mismatch" in release.reasons with input as with_gpus([bad])
+		with data.broker.images as images with data.broker.gpu_keys as gpu_keys
+}
+
+test_gpu_cc_off_or_unknown_denied if {
+	off := json.patch(gpu, [{"op": "replace", "path": "/cc_mode", "value": "unknown"}])
+	not release.allow with input as with_gpus([off]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+}
+
+test_gpu_old_driver_denied if {
+	old := json.patch(gpu, [{"op": "replace", "path": "/driver_version", "value": "535.104.05"}])
+	not release.allow with input as with_gpus([old]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+}
+
+test_gpu_revoked_denied if {
+	revoked := json.patch(gpu, [{"op": "replace", "path": "/ocsp", "value": "revoked"}])
+	not release.allow with input as with_gpus([revoked]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+}
+
+test_gpu_ocsp_unknown_tolerated if {
+	unknown := json.patch(gpu, [{"op": "replace", "path": "/ocsp", "value": "unknown"}])
+	release.allow with input as with_gpus([unknown]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+}
+
+test_unverified_measurements_denied if {
+	unverified := json.patch(gpu, [{"op": "replace", "path": "/measurements", "value": "unverified"}])
+	not release.allow with input as with_gpus([unverified]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+}
+
+test_keys_without_gpu_policy_ignore_gpus if {
+	release.allow with input as with_gpus([]) with data.broker.images as images
+}

@@ -127,3 +127,75 @@ def test_digest_changes_with_data(tmp_path: Path) -> None:
         json.dumps({"hardware_tees": [], "required_support": "STABLE", "images": {}})
     )
     assert load_policy_dir(tmp_path / "p").digest != before
+
+
+GPU: dict[str, Any] = {
+    "id": "GPU-0",
+    "verifier": "local",
+    "arch": "HOPPER",
+    "cc_mode": "on",
+    "debug": False,
+    "measurements": "match",
+    "cert_chain": "valid",
+    "ocsp": "unknown",
+    "driver_version": "550.90.07",
+}
+
+
+@pytest.fixture
+def gpu_engine(tmp_path: Path) -> EmbeddedPolicyEngine:
+    policies = tmp_path / "policies"
+    shutil.copytree(SHIPPED, policies)
+    data_path = policies / "broker" / "data.json"
+    data = json.loads(data_path.read_text())
+    data["images"] = {"models/llama": [DIGEST]}
+    data["gpu_keys"] = {"models/llama": {"min_gpus": 1, "min_driver": "550.54"}}
+    data_path.write_text(json.dumps(data))
+    return EmbeddedPolicyEngine(load_policy_dir(policies), eval_timeout_seconds=5)
+
+
+async def test_gpu_rule_allows_attested_gpus_in_regopy(gpu_engine: EmbeddedPolicyEngine) -> None:
+    decision = await gpu_engine.evaluate({**GOOD, "gpus": [GPU]})
+    assert decision.allowed is True
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("measurements", "unverified", "GPU GPU-0: measurements unverified"),
+        ("cc_mode", "unknown", "GPU GPU-0: confidential computing mode is unknown, not on"),
+        ("driver_version", "535.104.05", "GPU GPU-0: driver 535.104.05 is older than 550.54"),
+        ("ocsp", "revoked", "GPU GPU-0: device certificate status revoked"),
+    ],
+)
+async def test_gpu_rule_denies_with_reasons_in_regopy(
+    gpu_engine: EmbeddedPolicyEngine, field: str, value: str, reason: str
+) -> None:
+    decision = await gpu_engine.evaluate({**GOOD, "gpus": [{**GPU, field: value}]})
+    assert decision.allowed is False
+    assert reason in decision.reasons
+
+
+async def test_gpu_key_without_gpus_denied_in_regopy(gpu_engine: EmbeddedPolicyEngine) -> None:
+    decision = await gpu_engine.evaluate({**GOOD, "gpus": []})
+    assert decision.allowed is False
+    assert "key models/llama needs at least 1 attested GPU(s), got 0" in decision.reasons
+
+
+async def test_gpu_missing_field_denied_in_regopy(gpu_engine: EmbeddedPolicyEngine) -> None:
+    gpu = {k: v for k, v in GPU.items() if k != "cc_mode"}
+    decision = await gpu_engine.evaluate({**GOOD, "gpus": [gpu]})
+    assert decision.allowed is False
+
+
+async def test_unreadable_engine_output_fails_closed_with_503(tmp_path: Path) -> None:
+    # regopy renders sprintf("%v") of a literal string default with bare inner quotes: the
+    # result is not JSON. That must be a 503, never a 500 and never an allow.
+    (tmp_path / "p.rego").write_text(
+        "package broker.release\nimport rego.v1\ndefault allow := false\n"
+        'reasons contains sprintf("x %v", [object.get(input, "missing", "dflt")])\n'
+    )
+    engine = EmbeddedPolicyEngine(load_policy_dir(tmp_path), eval_timeout_seconds=5)
+    with pytest.raises(UpstreamError) as caught:
+        await engine.evaluate({})
+    assert caught.value.code is ErrorCode.POLICY_UNAVAILABLE
