@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from broker.attestation.claims import nras_gpu_entries
 from broker.attestation.jose import b64url_decode, b64url_encode
@@ -218,8 +219,6 @@ def test_real_report_single_byte_mutations_rejected(offset: int) -> None:
 @pytest.mark.parametrize("index", [0, 1, 2, 3])
 def test_real_chain_single_byte_mutations_rejected(index: int) -> None:
     certs = x509.load_pem_x509_certificates(HOPPER.chain_pem)
-    from cryptography.hazmat.primitives.serialization import Encoding
-
     ders = [c.public_bytes(Encoding.DER) for c in certs]
     ders[index] = flip(ders[index], len(ders[index]) - 20)  # inside the signature
     pem = b"".join(

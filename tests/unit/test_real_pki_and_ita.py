@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,7 +14,13 @@ from cryptography import x509
 from broker.attestation import binding
 from broker.attestation.claims import gca_tee, ita_tee
 from broker.attestation.gca import GcaTrust, verify_gca_token
-from broker.attestation.ita import ItaTrust, check_ita_binding, check_report_data, verify_ita_token
+from broker.attestation.ita import (
+    ItaTrust,
+    VerifiedItaToken,
+    check_ita_binding,
+    check_report_data,
+    verify_ita_token,
+)
 from broker.attestation.jose import b64url_decode, b64url_encode
 from broker.attestation.jwks import parse_jwks
 from broker.errors import AttestationError, ErrorCode
@@ -186,8 +193,6 @@ def test_ita_binding_accepts_the_documented_encoding() -> None:
     nonce, thumbprint = "N" * 43, "T" * 43
     held = binding.binding_digest(nonce, thumbprint)
     val, iat = b"verifier-nonce", b"2026-11-30"
-    import hashlib
-
     claims = {
         "attester_held_data": base64.b64encode(held).decode(),
         "verifier_nonce": {
@@ -203,8 +208,6 @@ def test_ita_binding_accepts_the_documented_encoding() -> None:
 
 def test_ita_via_confidential_space_claim_shape_normalises() -> None:
     # Signature not checkable offline (key set not archived): claim shape only.
-    from broker.attestation.ita import VerifiedItaToken
-
     token = (REAL / "ita" / "ita_token_via_confidential_space_tdx_2025-10.jwt").read_text().strip()
     tee = ita_tee(
         VerifiedItaToken(
