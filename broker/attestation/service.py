@@ -9,6 +9,7 @@ runner key: CPU tokens through ``eat_nonce`` or held data, GPU evidence through 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -237,8 +238,14 @@ class EvidenceVerifier:
         arch, items = local.parse_local_evidence(unverified)
         entries, summaries = [], []
         for index, item in enumerate(items):
-            report = local.verify_gpu_report(
-                item, arch=arch, device_roots=trust.device_roots, expected_nonce=gpu_nonce, now=now
+            # Chains and signatures are CPU work: off the event loop.
+            report = await asyncio.to_thread(
+                local.verify_gpu_report,
+                item,
+                arch=arch,
+                device_roots=trust.device_roots,
+                expected_nonce=gpu_nonce,
+                now=now,
             )
             measurements, problems = await self._compare(report, trust, now)
             ocsp = await trust.ocsp.status(report.chain)
@@ -261,8 +268,13 @@ class EvidenceVerifier:
         """Measurements against the RIMs: ``match``, ``mismatch`` or ``unverified``."""
         try:
             driver_id, vbios_id = report.rim_ids()
-            driver = rim.verify_rim(await trust.rims.get(driver_id), roots=trust.rim_roots, now=now)
-            vbios = rim.verify_rim(await trust.rims.get(vbios_id), roots=trust.rim_roots, now=now)
+            # XMLDSig verification parses, canonicalises and reads signxml's schema files.
+            driver, vbios = [
+                await asyncio.to_thread(
+                    rim.verify_rim, await trust.rims.get(rim_id), roots=trust.rim_roots, now=now
+                )
+                for rim_id in (driver_id, vbios_id)
+            ]
         except (RimUnavailable, AttestationError) as exc:
             log.warning("GPU %s: RIMs unusable: %s", report.ueid, exc)
             return "unverified", [f"RIMs unusable: {exc}"]

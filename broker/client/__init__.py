@@ -12,12 +12,13 @@ wrapped key is useful only to this process.
 """
 
 from broker.client.sdk import BrokerClient, BrokerClientError, ReleasedDek
-from broker.client.tokens import ConfidentialSpaceTokenSource, TokenSource
+from broker.client.tokens import ConfidentialSpaceTokenSource, GpuEvidenceSource, TokenSource
 
 __all__ = [
     "BrokerClient",
     "BrokerClientError",
     "ConfidentialSpaceTokenSource",
+    "GpuEvidenceSource",
     "ReleasedDek",
     "TokenSource",
 ]

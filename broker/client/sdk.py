@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
 
-from broker.client.tokens import TokenSource
+from broker.attestation.binding import binding_digest
+from broker.client.tokens import GpuEvidenceSource, TokenSource
 from broker.crypto import jwe
 from broker.crypto.jwk import public_jwk, thumbprint
 
@@ -103,6 +104,7 @@ class BrokerClient:
         *,
         version: int | None = None,
         key_type: str = "EC-P256",
+        gpu_source: GpuEvidenceSource | None = None,
     ) -> ReleasedDek:
         """Run protocol v1 end to end and return the unwrapped DEK.
 
@@ -116,10 +118,14 @@ class BrokerClient:
         issued = await self.challenge()
         audience = self._audience or issued.audience
         token = await token_source.token(audience, [issued.nonce, runner_thumbprint])
+        evidence: dict[str, Any] = {token_source.evidence_kind: token}
+        if gpu_source is not None:
+            gpu_nonce = binding_digest(issued.nonce, runner_thumbprint)
+            evidence[gpu_source.evidence_kind] = await gpu_source.evidence(gpu_nonce)
         request: dict[str, Any] = {
             "key": key,
             "nonce": issued.nonce,
-            "evidence": {token_source.evidence_kind: token},
+            "evidence": evidence,
             "runner_key": runner_jwk,
         }
         if version is not None:

@@ -35,6 +35,21 @@ class TokenSource(Protocol):
     async def token(self, audience: str, nonces: Sequence[str]) -> str: ...
 
 
+class GpuEvidenceSource(Protocol):
+    """Produces GPU evidence whose nonce is ``gpu_nonce`` (32 bytes).
+
+    ``gpu_nonce`` is ``SHA-256(broker nonce || runner key thumbprint)``; pass it as the SPDM nonce
+    when collecting the NVML attestation report (and, for NRAS, as the request nonce in hex).
+    """
+
+    @property
+    def evidence_kind(self) -> str:
+        """``nvidia`` (raw evidence verified by the broker) or ``nras`` (an NRAS result)."""
+        ...
+
+    async def evidence(self, gpu_nonce: bytes) -> object: ...
+
+
 class ConfidentialSpaceTokenSource:
     """Custom Confidential Space tokens from the launcher's ``teeserver`` socket."""
 

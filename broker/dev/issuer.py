@@ -45,6 +45,7 @@ class Workload:
     zone: str = "us-central1-a"
     instance_name: str = "sealed-runner-0"
     instance_id: str = "1234567890123456789"
+    gpu_cc_mode: str | None = None  # "ON" adds submods.nvidia_gpu.cc_mode, as on GPU VMs
     extra_claims: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -112,7 +113,9 @@ def _submods(workload: Workload) -> dict[str, Any]:
     space: dict[str, Any] = {"monitoring_enabled": {"memory": False}}
     if not workload.debug:  # real debug images carry no support attributes
         space["support_attributes"] = list(workload.support)
+    gpu = {"nvidia_gpu": {"cc_mode": workload.gpu_cc_mode}} if workload.gpu_cc_mode else {}
     return {
+        **gpu,
         "confidential_space": space,
         "container": {
             "image_reference": workload.image_reference,

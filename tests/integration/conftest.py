@@ -25,6 +25,7 @@ from broker.keys.store.base import Purpose
 SHIPPED_POLICIES = Path(__file__).parents[2] / "policies"
 AUDIENCE = "https://broker.it.invalid"
 KEY = "models/llama"
+GPU_KEY = "models/llama-gpu"
 ALLOWED = "sha256:" + "a1" * 32
 DENIED = "sha256:" + "d0" * 32
 
@@ -59,7 +60,13 @@ class RunningBroker:
 
 
 def write_config(
-    workdir: Path, issuer: DevIssuer, *, jwks_url: str | None = None, **server: object
+    workdir: Path,
+    issuer: DevIssuer,
+    *,
+    jwks_url: str | None = None,
+    extra_toml: str = "",
+    gpu_keys: dict[str, object] | None = None,
+    **server: object,
 ) -> Path:
     workdir.mkdir()
     make_dev_tls(workdir / "tls", now=datetime.now(UTC))
@@ -70,7 +77,8 @@ def write_config(
         (SHIPPED_POLICIES / "broker" / "release.rego").read_bytes()
     )
     data = json.loads((SHIPPED_POLICIES / "broker" / "data.json").read_text())
-    data["images"] = {KEY: [ALLOWED]}
+    data["images"] = {KEY: [ALLOWED], GPU_KEY: [ALLOWED]}
+    data["gpu_keys"] = gpu_keys or {}
     (policies / "broker" / "data.json").write_text(json.dumps(data))
     extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in server.items())
     config = workdir / "broker.toml"
@@ -96,6 +104,7 @@ kek = "local:{workdir / "kek.key"}"
 
 [audit]
 log = "decisions.log"
+{extra_toml}
 """
     )
     return config
@@ -109,14 +118,30 @@ async def start_broker(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
     runners: list[web.AppRunner] = []
 
     async def start(
-        environ: dict[str, str] | None = None, jwks_url: str | None = None, **server: object
+        environ: dict[str, str] | None = None,
+        jwks_url: str | None = None,
+        extra_toml: str = "",
+        gpu_keys: dict[str, object] | None = None,
+        workdir_setup: Callable[[Path], None] | None = None,
+        **server: object,
     ) -> RunningBroker:
         workdir = tmp_path / f"broker{len(runners)}"
         issuer = DevIssuer(dev_mode=True)
-        config = await asyncio.to_thread(write_config, workdir, issuer, jwks_url=jwks_url, **server)
+        config = await asyncio.to_thread(
+            write_config,
+            workdir,
+            issuer,
+            jwks_url=jwks_url,
+            extra_toml=extra_toml,
+            gpu_keys=gpu_keys,
+            **server,
+        )
+        if workdir_setup is not None:
+            await asyncio.to_thread(workdir_setup, workdir)
         settings = await asyncio.to_thread(load_settings, config, environ or {})
         async with open_key_service(settings.keys, create_missing_kek=True) as keys:
             await keys.create(KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+            await keys.create(GPU_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
         runner = web.AppRunner(create_app(settings), access_log=None)
         await runner.setup()
         runners.append(runner)

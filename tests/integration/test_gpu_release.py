@@ -1,0 +1,240 @@
+"""CPU + GPU evidence end to end: Confidential Space token plus NRAS or raw NVIDIA evidence.
+
+The simulated NVIDIA world (tests/vectors/gpu.py) stands in for NVIDIA's services, because real
+GPU evidence cannot be bound to a fresh broker nonce; the real artifacts are exercised by the
+unit tests with the same verifiers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.client import BrokerClientError
+from tests.integration.conftest import GPU_KEY, KEY, RunningBroker
+from tests.vectors.gpu import DRIVER, RimAuthority, SimulatedGpu, SimulatedNras, pem
+
+GPU_POLICY = {GPU_KEY: {"min_gpus": 1, "min_driver": "550.54"}}
+
+
+class LocalGpu:
+    evidence_kind = "nvidia"
+
+    def __init__(self, gpu: SimulatedGpu, **report: Any) -> None:
+        self.gpu, self.report = gpu, report
+
+    async def evidence(self, gpu_nonce: bytes) -> object:
+        return self.gpu.evidence(gpu_nonce, **self.report)
+
+
+class Nras:
+    evidence_kind = "nras"
+
+    def __init__(self, nras: SimulatedNras, **result: Any) -> None:
+        self.nras, self.result = nras, result
+
+    async def evidence(self, gpu_nonce: bytes) -> object:
+        return self.nras.result(gpu_nonce, **self.result)
+
+
+class FixedNonceGpu(LocalGpu):
+    async def evidence(self, gpu_nonce: bytes) -> object:
+        return self.gpu.evidence(bytes(32))  # evidence made for someone else's nonce
+
+
+@pytest.fixture
+def world() -> tuple[SimulatedGpu, RimAuthority, SimulatedNras]:
+    now = datetime.now(UTC)
+    return SimulatedGpu(now), RimAuthority(now), SimulatedNras(now)
+
+
+@pytest.fixture
+async def gpu_broker(
+    start_broker: Callable[..., Any], world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> RunningBroker:
+    gpu, authority, nras = world
+
+    def setup(workdir: Path) -> None:
+        (workdir / "gpu").mkdir()
+        (workdir / "gpu" / "device_root.pem").write_bytes(pem([gpu.root]))
+        (workdir / "gpu" / "rim_root.pem").write_bytes(pem([authority.root]))
+        (workdir / "gpu" / "nras_intermediate.pem").write_bytes(pem([nras.intermediate]))
+        (workdir / "gpu" / "nras_jwks.json").write_text(json.dumps(nras.jwks()))
+        rims = workdir / "gpu" / "rims"
+        rims.mkdir()
+        driver = {i - 1: v for i, v in gpu.measurements.items() if i <= 4}
+        vbios = {i - 1: v for i, v in gpu.measurements.items() if i > 4}
+        (rims / "NV_GPU_DRIVER_GH100_550.90.07.swidtag").write_bytes(authority.rim(DRIVER, driver))
+        (rims / "NV_GPU_VBIOS_1010_0200_882_96009F0001.swidtag").write_bytes(
+            authority.rim("96.00.9F.00.01", vbios)
+        )
+
+    extra = f"""
+[[issuers]]
+kind = "nras"
+issuer = "{nras.issuer}"
+jwks_file = "gpu/nras_jwks.json"
+root_cert = "gpu/nras_intermediate.pem"
+
+[nvidia]
+device_root = "gpu/device_root.pem"
+rim_root = "gpu/rim_root.pem"
+rim_dir = "gpu/rims"
+"""
+    return await start_broker(extra_toml=extra, gpu_keys=GPU_POLICY, workdir_setup=setup)  # type: ignore[no-any-return]
+
+
+async def test_cpu_plus_local_gpu_evidence_releases_gpu_key(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    async with gpu_broker.client() as client:
+        released = await client.release(
+            GPU_KEY, gpu_broker.token_source(gpu_cc_mode="ON"), gpu_source=LocalGpu(world[0])
+        )
+    assert len(released.dek) == 32
+    record = gpu_broker.records()[-1]
+    assert record["result"] == "allow"
+    assert set(record["evidence_digests"]) == {"gca", "nvidia"}  # type: ignore[arg-type]
+
+
+async def test_cpu_plus_nras_result_releases_gpu_key(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    async with gpu_broker.client() as client:
+        released = await client.release(
+            GPU_KEY, gpu_broker.token_source(gpu_cc_mode="ON"), gpu_source=Nras(world[2], gpus=2)
+        )
+    assert released.key == GPU_KEY
+
+
+async def test_gpu_key_denied_without_gpu_evidence(gpu_broker: RunningBroker) -> None:
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(GPU_KEY, gpu_broker.token_source(gpu_cc_mode="ON"))
+    assert caught.value.code == "policy_denied"
+    assert (
+        f"key {GPU_KEY} needs at least 1 attested GPU(s), got 0" in caught.value.details["reasons"]
+    )
+
+
+async def test_gpu_with_changed_firmware_denied_with_reason(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    gpu = world[0]
+    tampered = {**gpu.measurements, 3: b"\x66" * 48}
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY,
+                gpu_broker.token_source(gpu_cc_mode="ON"),
+                gpu_source=LocalGpu(gpu, measurements=tampered),
+            )
+    assert caught.value.code == "policy_denied"
+    assert "GPU GPU-0: measurements mismatch" in caught.value.details["reasons"]
+
+
+async def test_gpu_without_cc_mode_claim_denied(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(GPU_KEY, gpu_broker.token_source(), gpu_source=LocalGpu(world[0]))
+    assert (
+        "GPU GPU-0: confidential computing mode is unknown, not on"
+        in caught.value.details["reasons"]
+    )
+
+
+async def test_gpu_evidence_for_another_nonce_rejected(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY,
+                gpu_broker.token_source(gpu_cc_mode="ON"),
+                gpu_source=FixedNonceGpu(world[0]),
+            )
+    assert (caught.value.status, caught.value.code) == (401, "nonce_mismatch")
+
+
+async def test_nras_result_for_another_nonce_rejected(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    class StaleNras(Nras):
+        async def evidence(self, gpu_nonce: bytes) -> object:
+            return self.nras.result(bytes(32))
+
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY, gpu_broker.token_source(gpu_cc_mode="ON"), gpu_source=StaleNras(world[2])
+            )
+    assert caught.value.code == "nonce_mismatch"
+
+
+async def test_nras_failed_measurements_denied(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY,
+                gpu_broker.token_source(gpu_cc_mode="ON"),
+                gpu_source=Nras(world[2], measres="fail"),
+            )
+    assert "GPU GPU-0: measurements mismatch" in caught.value.details["reasons"]
+
+
+async def test_gpu_from_an_untrusted_device_root_rejected(gpu_broker: RunningBroker) -> None:
+    stranger = SimulatedGpu(datetime.now(UTC))
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY, gpu_broker.token_source(gpu_cc_mode="ON"), gpu_source=LocalGpu(stranger)
+            )
+    assert caught.value.code == "cert_chain_invalid"
+
+
+async def test_missing_rims_leave_measurements_unverified_and_deny(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    for rim in (gpu_broker.workdir / "gpu" / "rims").iterdir():
+        rim.unlink()
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY, gpu_broker.token_source(gpu_cc_mode="ON"), gpu_source=LocalGpu(world[0])
+            )
+    assert "GPU GPU-0: measurements unverified" in caught.value.details["reasons"]
+
+
+async def test_cpu_only_key_still_released_with_gpu_evidence(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    async with gpu_broker.client() as client:
+        released = await client.release(
+            KEY, gpu_broker.token_source(), gpu_source=LocalGpu(world[0])
+        )
+    assert released.key == KEY
+
+
+async def test_two_gpu_pieces_refused(gpu_broker: RunningBroker) -> None:
+    async with gpu_broker.client() as client:
+        challenge = await client.challenge()
+        with pytest.raises(BrokerClientError) as caught:
+            await client._post(
+                "/v1/release",
+                {
+                    "key": GPU_KEY,
+                    "nonce": challenge.nonce,
+                    "runner_key": {"kty": "OKP", "crv": "X25519", "x": "A" * 43},
+                    "evidence": {"gca": "x", "nras": [], "nvidia": {}},
+                },
+            )
+    assert (caught.value.status, caught.value.code) == (400, "evidence_unsupported")

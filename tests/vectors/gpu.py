@@ -1,0 +1,286 @@
+"""A simulated NVIDIA world for end-to-end tests: device PKI, SPDM reports, signed RIMs, NRAS.
+
+Real NVIDIA evidence cannot be bound to a fresh broker nonce, so the positive end-to-end paths
+use this generator: the same formats as the real artifacts (checked byte for byte by the
+real-artifact unit tests), signed by test authorities the test broker is configured to trust.
+Keys are generated per run; times come from the caller.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import struct
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import jwt
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+from cryptography.x509.oid import NameOID
+from lxml import etree
+from signxml import XMLSigner
+from signxml.algorithms import CanonicalizationMethod, DigestAlgorithm, SignatureMethod
+
+from broker.crypto.jwk import public_jwk
+
+SWID_NS = "http://standards.iso.org/iso/19770/-2/2015/schema.xsd"
+SHA384_NS = "http://www.w3.org/2001/04/xmlenc#sha384"
+VBIOS_BYTES = bytes.fromhex("009f009601000000")  # 96.00.9F.00.01, as in the real Hopper report
+DRIVER = "550.90.07"
+RIM_IDS = ("NV_GPU_DRIVER_GH100_550.90.07", "NV_GPU_VBIOS_1010_0200_882_96009F0001")
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
+    *,
+    now: datetime,
+    ca: bool,
+    extensions: list[x509.ExtensionType] | None = None,
+) -> x509.Certificate:
+    issuer_name, issuer_key = issuer if issuer else (_name(subject), key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(days=1))
+        .not_valid_after(now + timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    for extension in extensions or []:
+        builder = builder.add_extension(extension, critical=False)
+    return builder.sign(issuer_key, hashes.SHA384())
+
+
+def _chain(
+    names: list[str], now: datetime, leaf_extensions: list[x509.ExtensionType] | None = None
+) -> tuple[list[x509.Certificate], list[ec.EllipticCurvePrivateKey]]:
+    """Root first in ``names``; returns (certificates leaf first, keys leaf first)."""
+    keys = [ec.generate_private_key(ec.SECP384R1()) for _ in names]
+    certs: list[x509.Certificate] = []
+    for depth, (cn, key) in enumerate(zip(names, keys, strict=True)):
+        issuer = None if depth == 0 else (certs[-1].subject, keys[depth - 1])
+        last = depth == len(names) - 1
+        certs.append(
+            _cert(
+                cn, key, issuer, now=now, ca=not last, extensions=leaf_extensions if last else None
+            )
+        )
+    return certs[::-1], keys[::-1]
+
+
+def pem(certs: list[x509.Certificate]) -> bytes:
+    return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in certs)
+
+
+@dataclass
+class SimulatedGpu:
+    """One GPU with a device chain to ``root`` and firmware ``measurements`` (SPDM block -> value)."""
+
+    now: datetime
+    measurements: dict[int, bytes] = field(default_factory=dict)
+    chain: list[x509.Certificate] = field(default_factory=list)
+    leaf_key: ec.EllipticCurvePrivateKey | None = None
+    fwid: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not self.measurements:
+            self.measurements = {
+                i: hashlib.sha384(f"block-{i}".encode()).digest() for i in range(1, 9)
+            }
+        self.fwid = os.urandom(48)
+        tcb_info = x509.UnrecognizedExtension(
+            x509.ObjectIdentifier("2.23.133.5.4.1"), b"\x30\x35\x04\x33tcb-info-prefix" + self.fwid
+        )
+        names = [
+            "Test Device Identity CA",
+            "Test GH100 Identity",
+            "Test GH100 Provisioner ICA",
+            "Test GH100 A01 GSP BROM",
+            "Test GH100 A01 GSP FMC LF",
+        ]
+        self.chain, keys = _chain(names, self.now, [tcb_info])
+        self.leaf_key = keys[0]
+
+    @property
+    def root(self) -> x509.Certificate:
+        return self.chain[-1]
+
+    def report(self, nonce: bytes, *, measurements: dict[int, bytes] | None = None) -> bytes:
+        """A signed SPDM 1.1 GET_MEASUREMENTS request+response, as NVML returns it."""
+        values = measurements or self.measurements
+        request = bytes([0x11, 0xE0, 0x01, 0xFF]) + nonce + b"\x00"
+        record = b"".join(
+            bytes([index, 0x01])
+            + struct.pack("<H", 3 + len(v))
+            + b"\x01"
+            + struct.pack("<H", len(v))
+            + v
+            for index, v in sorted(values.items())
+        )
+        opaque = b"".join(
+            struct.pack("<HH", kind, len(value)) + value
+            for kind, value in [
+                (3, DRIVER.encode() + b"\0"),
+                (6, VBIOS_BYTES),
+                (15, b"882\0"),
+                (17, b"1010\0"),
+                (18, b"0200\0"),
+                (20, self.fwid),
+            ]
+        )
+        response = (
+            bytes([0x11, 0x60, 0x00, 0x00, len(values)])
+            + len(record).to_bytes(3, "little")
+            + record
+            + os.urandom(32)
+            + struct.pack("<H", len(opaque))
+            + opaque
+        )
+        assert self.leaf_key is not None
+        der = self.leaf_key.sign(request + response, ec.ECDSA(hashes.SHA384()))
+        r, s = decode_dss_signature(der)
+        return request + response + r.to_bytes(48, "big") + s.to_bytes(48, "big")
+
+    def evidence(self, nonce: bytes, **kwargs: Any) -> dict[str, Any]:
+        """The ``nvidia`` evidence member (NVIDIA's NRAS request shape)."""
+        return {
+            "arch": "HOPPER",
+            "evidence_list": [
+                {
+                    "evidence": base64.b64encode(self.report(nonce, **kwargs)).decode(),
+                    "certificate": base64.b64encode(pem(self.chain)).decode(),
+                }
+            ],
+        }
+
+
+@dataclass
+class RimAuthority:
+    """Signs RIMs like NVIDIA's CoRIM chain: signer -> L3 -> CA -> root."""
+
+    now: datetime
+    chain: list[x509.Certificate] = field(default_factory=list)
+    signer_key: ec.EllipticCurvePrivateKey | None = None
+
+    def __post_init__(self) -> None:
+        names = [
+            "Test CoRIM signing Root CA",
+            "Test Reference Value CA",
+            "Test Reference Value L3",
+            "Test RIM L4 Signer",
+        ]
+        self.chain, keys = _chain(names, self.now)
+        self.signer_key = keys[0]
+
+    @property
+    def root(self) -> x509.Certificate:
+        return self.chain[-1]
+
+    def rim(self, version: str, golden: dict[int, bytes]) -> bytes:
+        """A signed SWID tag; ``golden`` maps RIM index (0-based) to the expected value."""
+        identity = etree.Element(
+            f"{{{SWID_NS}}}SoftwareIdentity",
+            nsmap={None: SWID_NS, "SHA384": SHA384_NS},
+            name="GH100",
+            tagId=os.urandom(8).hex(),
+            version=version,
+        )
+        etree.SubElement(identity, f"{{{SWID_NS}}}Meta", colloquialVersion=version, product="GH100")
+        payload = etree.SubElement(identity, f"{{{SWID_NS}}}Payload")
+        for index, value in sorted(golden.items()):
+            resource = etree.SubElement(
+                payload,
+                f"{{{SWID_NS}}}Resource",
+                type="Measurement",
+                index=str(index),
+                active="True",
+                alternatives="1",
+                size=str(len(value)),
+            )
+            resource.set(f"{{{SHA384_NS}}}Hash0", value.hex())
+        signer = XMLSigner(
+            signature_algorithm=SignatureMethod.ECDSA_SHA384,
+            digest_algorithm=DigestAlgorithm.SHA384,
+            c14n_algorithm=CanonicalizationMethod.CANONICAL_XML_1_1,
+        )
+        assert self.signer_key is not None
+        signed = signer.sign(identity, key=self.signer_key, cert=pem(self.chain[:-1]).decode())
+        return bytes(etree.tostring(signed))
+
+
+@dataclass
+class SimulatedNras:
+    """Issues NRAS-shaped detached EATs (ES384) under a test intermediate."""
+
+    now: datetime
+    issuer: str = "https://nras.test.invalid"
+    kid: str = "nv-eat-kid-test-1"
+    chain: list[x509.Certificate] = field(default_factory=list)
+    key: ec.EllipticCurvePrivateKey | None = None
+
+    def __post_init__(self) -> None:
+        self.chain, keys = _chain(["Test NRAS Intermediate", "Test NRAS Signer"], self.now)
+        self.key = keys[0]
+
+    @property
+    def intermediate(self) -> x509.Certificate:
+        return self.chain[-1]
+
+    def jwks(self) -> dict[str, Any]:
+        assert self.key is not None
+        x5c = [
+            base64.b64encode(c.public_bytes(serialization.Encoding.DER)).decode()
+            for c in self.chain
+        ]
+        return {"keys": [{**public_jwk(self.key.public_key()), "kid": self.kid, "x5c": x5c}]}
+
+    def result(
+        self, nonce: bytes, *, gpus: int = 1, measres: str = "success", driver: str = DRIVER
+    ) -> list[Any]:
+        issued = int(self.now.timestamp())
+        times = {"iat": issued, "nbf": issued, "exp": issued + 3600, "iss": self.issuer}
+        detached = {}
+        for index in range(gpus):
+            detached[f"GPU-{index}"] = self._sign(
+                {
+                    **times,
+                    "eat_nonce": nonce.hex(),
+                    "hwmodel": "GH100",
+                    "dbgstat": "disabled",
+                    "secboot": True,
+                    "measres": measres,
+                    "ueid": str(1000 + index),
+                    "x-nvidia-gpu-driver-version": driver,
+                    "x-nvidia-gpu-vbios-version": "96.00.9F.00.01",
+                    "x-nvidia-gpu-attestation-report-cert-chain-validated": True,
+                }
+            )
+        overall = self._sign(
+            {
+                **times,
+                "sub": "NVIDIA-PLATFORM-ATTESTATION",
+                "eat_nonce": nonce.hex(),
+                "x-nvidia-overall-att-result": measres == "success",
+                "submods": {
+                    name: ["DIGEST", ["SHA-256", hashlib.sha256(token.encode()).hexdigest()]]
+                    for name, token in detached.items()
+                },
+            }
+        )
+        return [["JWT", overall], detached]
+
+    def _sign(self, claims: dict[str, Any]) -> str:
+        return jwt.encode(claims, self.key, algorithm="ES384", headers={"kid": self.kid})
