@@ -17,10 +17,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from broker import offline
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import LogCorrupt, verify_file
 from broker.config import load_settings
-from broker.errors import BrokerError, ConfigError
+from broker.errors import AttestationError, BrokerError, ConfigError
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import KeyVersionRecord, Purpose
 from broker.policy.testing import find_opa, run_policy_tests
@@ -78,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("path", type=Path)
     verify.add_argument("--head", help="a record hash known from earlier that must be present")
     verify.set_defaults(run=_audit_verify)
+
+    verify = commands.add_parser(
+        "verify", help="verify one piece of evidence offline and print the policy-input fragment"
+    )
+    offline.add_arguments(verify)
+    verify.set_defaults(run=_verify)
 
     policy = commands.add_parser("policy", help="work on Rego policies").add_subparsers(
         required=True, metavar="ACTION"
@@ -153,6 +160,25 @@ def _audit_verify(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": False, "first_bad_record": exc.line, "problem": exc.problem}))
         return EXIT_NO
     print(json.dumps({"ok": True, "records": report.head.size, "head": report.head.hash}))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    try:
+        result = offline.run(args)
+    except (AttestationError, ConfigError) as exc:
+        print(
+            json.dumps(
+                {
+                    "error": {
+                        "code": exc.code.value if not isinstance(exc, ConfigError) else "bad_input",
+                        "message": exc.message,
+                    }
+                }
+            )
+        )
+        return EXIT_NO
+    print(json.dumps(result, indent=2, default=str))
     return 0
 
 

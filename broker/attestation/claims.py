@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
 from broker.attestation.gca import VerifiedGcaToken
 from broker.attestation.ita import VerifiedItaToken, tdx_claims
 from broker.attestation.nvidia.local import VerifiedGpuReport
@@ -231,7 +234,7 @@ def local_gpu_entry(
         "id": f"GPU-{index}",
         "verifier": "local",
         "arch": report.arch,
-        "hwmodel": report.chain[1].subject.rfc4514_string() if len(report.chain) > 1 else "",
+        "hwmodel": _common_name(report.chain[1]) if len(report.chain) > 1 else "",
         "cc_mode": cc_mode,
         # Debug state is not in the SPDM report; RIM-matching firmware is the production image.
         "debug": measurements != "match",
@@ -244,6 +247,11 @@ def local_gpu_entry(
         "cert_chain": "valid",
         "ocsp": ocsp,
     }
+
+
+def _common_name(cert: x509.Certificate) -> str:
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(names[0].value) if names else ""
 
 
 def _arch(hwmodel: str) -> str:

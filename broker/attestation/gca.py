@@ -94,7 +94,7 @@ def verify_gca_token(
     token: str,
     *,
     trust: GcaTrust,
-    audience: str,
+    audience: str | None,
     now: datetime,
     leeway: timedelta = jose.DEFAULT_LEEWAY,
 ) -> VerifiedGcaToken:
@@ -103,7 +103,7 @@ def verify_gca_token(
     Args:
         token: the compact JWT as presented by the runner.
         trust: the issuer entry's trust material (from configuration, never from the token).
-        audience: the broker's audience.
+        audience: the broker's audience (``None`` skips the check: offline CLI only).
         now: the one clock reading of this request.
         leeway: clock skew tolerated on the time claims.
 

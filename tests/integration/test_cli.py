@@ -153,3 +153,113 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "denied 403 policy_denied" in result.stdout
     assert "decision log verified: 2 records (allow, deny)" in result.stdout
+
+
+REAL = ROOT / "tests" / "fixtures" / "real"
+
+
+def verify(*args: str) -> tuple[int, dict[str, object]]:
+    result = run("verify", *args)
+    return result.returncode, json.loads(result.stdout)
+
+
+def test_verify_real_oidc_token_with_all_checks(tmp_path: Path) -> None:
+    samples = json.loads((REAL / "gca" / "cs_oidc_samples_2025-12-02.json").read_text())
+    token = tmp_path / "t.jwt"
+    token.write_text(samples["samples"][1]["raw_token"])
+    code, out = verify(
+        "gca",
+        str(token),
+        "--jwks",
+        str(REAL / "gca" / "google_cs_jwks_2025-12-02.json"),
+        "--at",
+        "2025-12-02T20:50:40Z",
+        "--audience",
+        "https://synddb-sequencer.example.com",
+        "--nonce",
+        "sp1-test-nonce-1764708636",
+    )
+    assert code == 0
+    assert out["skipped"] == []
+    assert out["tee"]["technology"] == "sev"  # type: ignore[index]
+    code, out = verify(
+        "gca", str(token), "--jwks", str(REAL / "gca" / "google_cs_jwks_2025-12-02.json")
+    )
+    assert code == 1
+    assert out["error"]["code"] == "token_expired"  # type: ignore[index]
+
+
+def test_verify_real_pki_token_lists_skipped_checks() -> None:
+    code, out = verify(
+        "gca", str(REAL / "gca" / "cs_pki_token_tdx_2025-04.jwt"), "--at", "2025-04-23T16:27:20Z"
+    )
+    assert code == 0
+    assert out["token_type"] == "pki"
+    assert out["skipped"] == ["audience", "nonce"]
+
+
+def test_verify_real_ita_token() -> None:
+    code, out = verify(
+        "ita",
+        str(REAL / "ita" / "ita_tdx_token_2023-12.jwt"),
+        "--jwks",
+        str(REAL / "ita" / "ita_certs_jwks_2023-09.json"),
+        "--issuer",
+        "Intel Trust Authority",
+        "--at",
+        "2023-12-05T00:10:00Z",
+    )
+    assert code == 0
+    assert out["tee"]["tcb_status"] == "OutOfDate"  # type: ignore[index]
+
+
+def test_verify_real_nras_result_with_nonce() -> None:
+    evidence = json.loads((REAL / "nvidia" / "nras_gpu_evidence_2026-09-16.json").read_text())
+    args = [
+        "nras",
+        str(REAL / "nvidia" / "nras_response_2026-09-16.json"),
+        "--jwks",
+        str(REAL / "nvidia" / "nras_jwks_subset_2026-09-16.json"),
+        "--at",
+        "2026-09-16T20:51:00Z",
+    ]
+    code, out = verify(*args, "--nonce", evidence["nonce"])
+    assert code == 0
+    assert out["gpus"][0]["driver_version"] == "595.71.05"  # type: ignore[index]
+    code, out = verify(*args, "--nonce", "00" * 32)
+    assert (code, out["error"]["code"]) == (1, "nonce_mismatch")  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("rims", "at", "expected"),
+    [
+        (
+            [
+                "NV_GPU_DRIVER_GH100_550.90.07.swidtag",
+                "NV_GPU_VBIOS_1010_0200_882_96009F0001.swidtag",
+            ],
+            "2026-03-01T00:00:00Z",
+            "match",
+        ),
+        (
+            ["Driver_RIM_test_no_gpu.swidtag", "1010_0200_882_96005E0001_test_no_gpu.swidtag"],
+            "2025-01-01T00:00:00Z",
+            "mismatch",
+        ),
+    ],
+)
+def test_verify_real_hopper_report_against_rims(rims: list[str], at: str, expected: str) -> None:
+    code, out = verify(
+        "nvidia",
+        str(REAL / "nvidia" / "hopperAttestationReport.txt"),
+        "--chain",
+        str(REAL / "nvidia" / "hopperCertChain.txt"),
+        "--at",
+        at,
+        "--rim",
+        *(str(REAL / "nvidia" / r) for r in rims),
+    )
+    assert code == 0
+    (gpu,) = out["gpus"]  # type: ignore[misc]
+    assert gpu["measurements"] == expected
+    assert (gpu["driver_version"], gpu["vbios_version"]) == ("550.90.07", "96.00.9F.00.01")

@@ -87,7 +87,7 @@ def pem(certs: list[x509.Certificate]) -> bytes:
 
 @dataclass
 class SimulatedGpu:
-    """One GPU with a device chain to ``root`` and firmware ``measurements`` (SPDM block -> value)."""
+    """One GPU: a device chain to ``root`` and firmware ``measurements`` (SPDM block: value)."""
 
     now: datetime
     measurements: dict[int, bytes] = field(default_factory=dict)
