@@ -14,10 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from broker.client import BrokerClientError
 from tests.integration.conftest import GPU_KEY, KEY, RunningBroker
-from tests.vectors.gpu import DRIVER, RimAuthority, SimulatedGpu, SimulatedNras, pem
+from tests.vectors.gpu import (
+    DRIVER,
+    OcspResponder,
+    RimAuthority,
+    SimulatedGpu,
+    SimulatedNras,
+    pem,
+)
 
 GPU_POLICY = {GPU_KEY: {"min_gpus": 1, "min_driver": "550.54"}}
 
@@ -57,6 +65,14 @@ def world() -> tuple[SimulatedGpu, RimAuthority, SimulatedNras]:
 async def gpu_broker(
     start_broker: Callable[..., Any], world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
 ) -> RunningBroker:
+    return await start_gpu_broker(start_broker, world)
+
+
+async def start_gpu_broker(
+    start_broker: Callable[..., Any],
+    world: tuple[SimulatedGpu, RimAuthority, SimulatedNras],
+    ocsp_url: str | None = None,
+) -> RunningBroker:
     gpu, authority, nras = world
 
     def setup(workdir: Path) -> None:
@@ -86,6 +102,9 @@ device_root = "gpu/device_root.pem"
 rim_root = "gpu/rim_root.pem"
 rim_dir = "gpu/rims"
 """
+    if ocsp_url:
+        extra += f'ocsp_url = "{ocsp_url}"\n'
+
     return await start_broker(extra_toml=extra, gpu_keys=GPU_POLICY, workdir_setup=setup)  # type: ignore[no-any-return]
 
 
@@ -238,3 +257,32 @@ async def test_two_gpu_pieces_refused(gpu_broker: RunningBroker) -> None:
                 },
             )
     assert (caught.value.status, caught.value.code) == (400, "evidence_unsupported")
+
+
+async def test_revoked_gpu_certificate_denied_through_ocsp(
+    start_broker: Callable[..., Any], world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    gpu = world[0]
+    responder = OcspResponder(gpu)
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=responder.answer(await request.read()))
+
+    app = web.Application()
+    app.router.add_post("/", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+        broker = await start_gpu_broker(start_broker, world, ocsp_url=url)
+        token = broker.token_source(gpu_cc_mode="ON")
+        async with broker.client() as client:
+            await client.release(GPU_KEY, token, gpu_source=LocalGpu(gpu))  # all good
+            responder.revoked = frozenset({gpu.chain[1].serial_number})
+            with pytest.raises(BrokerClientError) as caught:
+                await client.release(GPU_KEY, token, gpu_source=LocalGpu(gpu))
+        assert "GPU GPU-0: device certificate status revoked" in caught.value.details["reasons"]
+        assert responder.requests == 6
+    finally:
+        await runner.cleanup()

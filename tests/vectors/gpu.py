@@ -13,7 +13,7 @@ import hashlib
 import os
 import struct
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import jwt
@@ -21,6 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+from cryptography.x509 import ocsp
 from cryptography.x509.oid import NameOID
 from lxml import etree
 from signxml import XMLSigner
@@ -93,6 +94,7 @@ class SimulatedGpu:
     measurements: dict[int, bytes] = field(default_factory=dict)
     chain: list[x509.Certificate] = field(default_factory=list)
     leaf_key: ec.EllipticCurvePrivateKey | None = None
+    keys: list[ec.EllipticCurvePrivateKey] = field(default_factory=list)  # leaf first
     fwid: bytes = b""
 
     def __post_init__(self) -> None:
@@ -111,8 +113,8 @@ class SimulatedGpu:
             "Test GH100 A01 GSP BROM",
             "Test GH100 A01 GSP FMC LF",
         ]
-        self.chain, keys = _chain(names, self.now, [tcb_info])
-        self.leaf_key = keys[0]
+        self.chain, self.keys = _chain(names, self.now, [tcb_info])
+        self.leaf_key = self.keys[0]
 
     @property
     def root(self) -> x509.Certificate:
@@ -284,3 +286,47 @@ class SimulatedNras:
 
     def _sign(self, claims: dict[str, Any]) -> str:
         return jwt.encode(claims, self.key, algorithm="ES384", headers={"kid": self.kid})
+
+
+class OcspResponder:
+    """Answers OCSP requests for a simulated GPU's chain, signed by each certificate's issuer."""
+
+    def __init__(self, gpu: SimulatedGpu, *, revoked_serials: frozenset[int] = frozenset()) -> None:
+        self.gpu = gpu
+        self.revoked = revoked_serials
+        self.requests = 0
+        self.sign_with_wrong_key = False
+
+    def answer(self, der_request: bytes) -> bytes:
+        self.requests += 1
+        request = ocsp.load_der_ocsp_request(der_request)
+        for index, cert in enumerate(self.gpu.chain[:-1]):
+            if cert.serial_number != request.serial_number:
+                continue
+            issuer, issuer_key = self.gpu.chain[index + 1], self.gpu.keys[index + 1]
+            if self.sign_with_wrong_key:
+                issuer_key = ec.generate_private_key(ec.SECP384R1())
+            revoked = cert.serial_number in self.revoked
+            now = datetime.now(UTC)
+            builder = (
+                ocsp.OCSPResponseBuilder()
+                .add_response(
+                    cert=cert,
+                    issuer=issuer,
+                    algorithm=hashes.SHA384(),
+                    cert_status=ocsp.OCSPCertStatus.REVOKED
+                    if revoked
+                    else ocsp.OCSPCertStatus.GOOD,
+                    this_update=now,
+                    next_update=now + timedelta(hours=1),
+                    revocation_time=now - timedelta(hours=1) if revoked else None,
+                    revocation_reason=x509.ReasonFlags.key_compromise if revoked else None,
+                )
+                .responder_id(ocsp.OCSPResponderEncoding.HASH, issuer)
+            )
+            response = builder.sign(issuer_key, hashes.SHA384())
+            return response.public_bytes(serialization.Encoding.DER)
+        unauthorized = ocsp.OCSPResponseBuilder.build_unsuccessful(
+            ocsp.OCSPResponseStatus.UNAUTHORIZED
+        )
+        return unauthorized.public_bytes(serialization.Encoding.DER)
