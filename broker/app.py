@@ -142,7 +142,12 @@ async def _local_gpu(settings: Settings, session: aiohttp.ClientSession) -> Loca
         timeout_seconds=nvidia.upstream_timeout_seconds,
     )
     ocsp: OcspChecker = (
-        HttpOcspChecker(nvidia.ocsp_url, session, timeout_seconds=nvidia.upstream_timeout_seconds)
+        HttpOcspChecker(
+            nvidia.ocsp_url,
+            session,
+            timeout_seconds=nvidia.upstream_timeout_seconds,
+            cache_seconds=nvidia.ocsp_cache_seconds,
+        )
         if nvidia.ocsp_url
         else NoOcsp()
     )

@@ -88,6 +88,7 @@ class NvidiaSettings:
     ocsp_url: str | None = None  # e.g. https://ocsp.ndis.nvidia.com/ ; unset: OCSP "unknown"
     upstream_timeout_seconds: int = 10
     rim_cache_seconds: int = 86400
+    ocsp_cache_seconds: int = 3600  # good/revoked answers; 0 asks every time
 
     @property
     def enabled(self) -> bool:
@@ -305,6 +306,8 @@ def _validate_nvidia(nvidia: NvidiaSettings) -> None:
             raise ConfigError(f"nvidia.{key}", "must be https (http only on loopback)")
     if nvidia.upstream_timeout_seconds <= 0 or nvidia.rim_cache_seconds <= 0:
         raise ConfigError("nvidia", "timeouts and cache lifetimes must be positive")
+    if nvidia.ocsp_cache_seconds < 0:
+        raise ConfigError("nvidia.ocsp_cache_seconds", "must not be negative")
 
 
 def _url_allowed(url: str) -> bool:

@@ -103,7 +103,7 @@ rim_root = "gpu/rim_root.pem"
 rim_dir = "gpu/rims"
 """
     if ocsp_url:
-        extra += f'ocsp_url = "{ocsp_url}"\n'
+        extra += f'ocsp_url = "{ocsp_url}"\nocsp_cache_seconds = 0\n'
 
     return await start_broker(extra_toml=extra, gpu_keys=GPU_POLICY, workdir_setup=setup)  # type: ignore[no-any-return]
 
@@ -283,6 +283,6 @@ async def test_revoked_gpu_certificate_denied_through_ocsp(
             with pytest.raises(BrokerClientError) as caught:
                 await client.release(GPU_KEY, token, gpu_source=LocalGpu(gpu))
         assert "GPU GPU-0: device certificate status revoked" in caught.value.details["reasons"]
-        assert responder.requests == 6
+        assert responder.requests == 6  # ocsp_cache_seconds = 0: asked again each time
     finally:
         await runner.cleanup()

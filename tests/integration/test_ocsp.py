@@ -44,6 +44,15 @@ async def test_all_good(responder: tuple[OcspResponder, str]) -> None:
     assert fake.requests == 3  # every certificate between leaf and root, as NVIDIA's verifier
 
 
+async def test_answers_are_cached(responder: tuple[OcspResponder, str]) -> None:
+    fake, url = responder
+    async with aiohttp.ClientSession() as session:
+        checker = HttpOcspChecker(url, session, timeout_seconds=5)
+        assert await checker.status(fake.gpu.chain) == "good"
+        assert await checker.status(fake.gpu.chain) == "good"
+    assert fake.requests == 3
+
+
 async def test_revoked_intermediate_reported(responder: tuple[OcspResponder, str]) -> None:
     fake, url = responder
     fake.revoked = frozenset({fake.gpu.chain[2].serial_number})

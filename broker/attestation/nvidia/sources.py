@@ -133,10 +133,20 @@ class HttpOcspChecker:
     certificate the issuer signed, and name the certificate asked about.
     """
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, *, timeout_seconds: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        session: aiohttp.ClientSession,
+        *,
+        timeout_seconds: float,
+        cache_seconds: float = 3600.0,
+    ) -> None:
         self._url = url
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._cache_seconds = cache_seconds
+        # (issuer subject, serial) -> (fetched at, status); "unknown" is never cached
+        self._cache: dict[tuple[bytes, int], tuple[float, str]] = {}
 
     async def status(self, chain: Sequence[x509.Certificate]) -> str:
         results = [await self._one(cert, issuer) for cert, issuer in itertools.pairwise(chain[1:])]
@@ -145,6 +155,16 @@ class HttpOcspChecker:
         return "good" if results and all(r == "good" for r in results) else "unknown"
 
     async def _one(self, cert: x509.Certificate, issuer: x509.Certificate) -> str:
+        key = (issuer.subject.public_bytes(), cert.serial_number)
+        cached = self._cache.get(key)
+        if cached is not None and time.monotonic() - cached[0] < self._cache_seconds:
+            return cached[1]
+        status = await self._ask(cert, issuer)
+        if status != "unknown":
+            self._cache[key] = (time.monotonic(), status)
+        return status
+
+    async def _ask(self, cert: x509.Certificate, issuer: x509.Certificate) -> str:
         request = ocsp.OCSPRequestBuilder().add_certificate(cert, issuer, hashes.SHA384()).build()
         try:
             async with self._session.post(
