@@ -75,6 +75,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         audit = DecisionLog(settings.audit.log)
         await audit.open()
         stack.push_async_callback(audit.close)
+        keys.attach_change_log(audit.append)
         bundle = await asyncio.to_thread(load_policy_dir, settings.policy.dir)
         engine = await asyncio.to_thread(
             EmbeddedPolicyEngine,

@@ -12,18 +12,15 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
 from aiohttp import web
 
-from broker import offline
+from broker import cli_keys, offline
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import LogCorrupt, verify_file
 from broker.config import load_settings
 from broker.errors import AttestationError, BrokerError, ConfigError
-from broker.keys.factory import open_key_service
-from broker.keys.store.base import KeyVersionRecord, Purpose
 from broker.policy.testing import find_opa, run_policy_tests
 
 EXIT_NO = 1
@@ -63,14 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="manage data keys").add_subparsers(
         required=True, metavar="ACTION"
     )
-    create = keys.add_parser("create", help="create a key (random AES-256 DEK, version 1)")
-    create.add_argument("name")
-    create.add_argument("--purpose", choices=[p.value for p in Purpose], required=True)
-    create.add_argument("--config", type=Path, required=True)
-    create.set_defaults(run=_keys_create)
-    listing = keys.add_parser("list", help="list keys and versions (never key material)")
-    listing.add_argument("--config", type=Path, required=True)
-    listing.set_defaults(run=_keys_list)
+    cli_keys.add_commands(keys)
 
     audit = commands.add_parser("audit", help="review the decision log").add_subparsers(
         required=True, metavar="ACTION"
@@ -114,40 +104,6 @@ def _demo(args: argparse.Namespace) -> int:
     from broker.demo import run_demo  # noqa: PLC0415 - the dev issuer loads only on this path
 
     return 0 if asyncio.run(run_demo(args.workdir)) else EXIT_NO
-
-
-def _keys_create(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
-
-    async def create() -> dict[str, object]:
-        async with open_key_service(settings.keys, create_missing_kek=True) as keys:
-            record = await keys.create(args.name, Purpose(args.purpose), now=datetime.now(UTC))
-        return _describe(record)
-
-    print(json.dumps(asyncio.run(create())))
-    return 0
-
-
-def _keys_list(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
-
-    async def listing() -> list[dict[str, object]]:
-        async with open_key_service(settings.keys) as keys:
-            return [_describe(record) for record in await keys.list()]
-
-    print(json.dumps(asyncio.run(listing()), indent=2))
-    return 0
-
-
-def _describe(record: KeyVersionRecord) -> dict[str, object]:
-    return {
-        "name": record.name,
-        "version": record.version,
-        "purpose": record.purpose.value,
-        "state": record.state.value,
-        "kek": record.kek_ref,
-        "created_at": record.created_at.isoformat(),
-    }
 
 
 def _audit_verify(args: argparse.Namespace) -> int:

@@ -103,8 +103,14 @@ class PolicySettings:
 
 @dataclass(frozen=True)
 class KeySettings:
-    store: str = "sqlite:///var/lib/broker/keys.db"
-    kek: str = "local:/var/lib/broker/kek.key"
+    store: str = "sqlite:///var/lib/broker/keys.db"  # or secretmanager:projects/P
+    kek: str = "local:/var/lib/broker/kek.key"  # or pkcs11:… or cloudkms:projects/…
+    kek_previous: tuple[str, ...] = ()  # older KEKs: unwrap only, until `keys rewrap` is done
+    kms_endpoint: str = "cloudkms.googleapis.com"
+    secretmanager_endpoint: str = "secretmanager.googleapis.com"
+    dek_cache_seconds: int = 300
+    dek_cache_max: int = 1024
+    signing_key: Path | None = None  # EC P-256 PEM that signs query-key statements
 
 
 @dataclass(frozen=True)
@@ -282,13 +288,25 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("policy.eval_timeout_ms", "must be positive")
     if not settings.policy.dir.is_dir():
         raise ConfigError("policy.dir", f"not a directory: {settings.policy.dir}")
-    if not settings.keys.store.startswith("sqlite:///"):
-        raise ConfigError("keys.store", "unsupported URI (expected sqlite:///PATH)")
-    if not settings.keys.kek.startswith("local:"):
-        raise ConfigError("keys.kek", "unsupported URI (expected local:PATH)")
+    _validate_keys(settings.keys)
     _validate_nvidia(settings.nvidia)
     if sum(1 for i in settings.issuers if i.kind == "nras") > 1:
         raise ConfigError("issuers", "at most one nras issuer entry")
+
+
+def _validate_keys(keys: KeySettings) -> None:
+    if not (
+        keys.store.startswith("sqlite:///") or keys.store.startswith("secretmanager:projects/")
+    ):
+        raise ConfigError("keys.store", "expected sqlite:///PATH or secretmanager:projects/P")
+    for index, uri in enumerate((keys.kek, *keys.kek_previous)):
+        key = "keys.kek" if index == 0 else f"keys.kek_previous[{index - 1}]"
+        if uri.split(":", 1)[0] not in {"local", "pkcs11", "cloudkms"} or ":" not in uri:
+            raise ConfigError(key, "expected local:PATH, pkcs11:… or cloudkms:projects/…")
+    if keys.dek_cache_seconds < 0 or keys.dek_cache_max < 0:
+        raise ConfigError("keys", "dek_cache_seconds and dek_cache_max must not be negative")
+    if keys.signing_key is not None and not keys.signing_key.is_file():
+        raise ConfigError("keys.signing_key", f"no such file: {keys.signing_key}")
 
 
 def _validate_nvidia(nvidia: NvidiaSettings) -> None:

@@ -11,11 +11,16 @@ Appends are group-committed: records arriving while a write is in flight share t
 ``write`` + ``fsync``. ``append`` returns only after the record is on disk; if writing fails,
 the log refuses every later append until a restart (the file's state is then unknown), and the
 caller must not release anything.
+
+Several processes may append to one log (broker workers, ``broker keys …`` commands): each batch
+is sealed and written under an exclusive ``flock`` after re-reading the chain head from the file,
+so the chain stays linear whoever writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import logging
@@ -206,18 +211,11 @@ class DecisionLog:
     async def _drain(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
-            head = self._head
-            lines: list[bytes] = []
-            hashes: list[str] = []
-            for entry, _ in batch:
-                record = {**entry, "seq": head.size, "prev": head.hash}
-                record["hash"] = record_hash(record)
-                lines.append(canonical(record) + b"\n")
-                hashes.append(record["hash"])
-                head = ChainHead(size=head.size + 1, hash=record["hash"])
             try:
-                await asyncio.to_thread(self._write_durably, b"".join(lines))
-            except OSError as exc:
+                head, hashes = await asyncio.to_thread(
+                    self._seal_and_write, [entry for entry, _ in batch]
+                )
+            except (OSError, LogCorrupt) as exc:
                 log.critical("decision log write failed; refusing all releases: %s", exc)
                 self._broken = True
                 for _, future in batch + self._pending:
@@ -230,14 +228,29 @@ class DecisionLog:
                 if not future.done():
                     future.set_result(digest)
 
-    def _write_durably(self, data: bytes) -> None:
+    def _seal_and_write(self, entries: list[dict[str, Any]]) -> tuple[ChainHead, list[str]]:
+        """Under an exclusive lock: read the head, chain the batch to it, write, fsync."""
         if self._fd is None:
             raise OSError("decision log is closed")
-        view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        os.fsync(self._fd)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            head = read_head(self._path) if self._path.is_file() else self._head
+            lines: list[bytes] = []
+            hashes: list[str] = []
+            for entry in entries:
+                record = {**entry, "seq": head.size, "prev": head.hash}
+                record["hash"] = record_hash(record)
+                lines.append(canonical(record) + b"\n")
+                hashes.append(record["hash"])
+                head = ChainHead(size=head.size + 1, hash=record["hash"])
+            view = memoryview(b"".join(lines))
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+            os.fsync(self._fd)
+            return head, hashes
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 
 def _unavailable() -> UpstreamError:

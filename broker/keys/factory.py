@@ -1,17 +1,21 @@
-"""Building the key service from configuration URIs (``[keys] store`` and ``kek``)."""
+"""Building the key service from configuration URIs (``[keys] store``, ``kek``,
+``kek_previous``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 from broker.config import KeySettings
 from broker.errors import ConfigError
+from broker.keys.kek.base import KekProvider
 from broker.keys.kek.local import LocalKek, create_kek_file
-from broker.keys.service import KeyService
+from broker.keys.kek.ring import KekRing, kek_kind, open_kek
+from broker.keys.service import DekCache, KeyService
+from broker.keys.store.base import KeyStore
 from broker.keys.store.sqlite import SqliteKeyStore, sqlite_path
 
 log = logging.getLogger(__name__)
@@ -28,29 +32,63 @@ def local_kek_path(uri: str) -> Path:
     return Path(uri.removeprefix("local:"))
 
 
+async def open_store(settings: KeySettings) -> KeyStore:
+    """Open the DEK store a ``[keys] store`` URI names.
+
+    Raises:
+        ConfigError: for an unsupported URI.
+        UpstreamError: ``key_store_unavailable`` when it cannot be opened.
+    """
+    if settings.store.startswith("secretmanager:"):
+        from broker.keys.store.secretmanager import SecretManagerKeyStore, parse_project  # noqa: PLC0415
+
+        manager = SecretManagerKeyStore(
+            parse_project(settings.store), endpoint=settings.secretmanager_endpoint
+        )
+        await manager.open()
+        return manager
+    store = SqliteKeyStore(sqlite_path(settings.store))
+    await store.open()
+    return store
+
+
 @asynccontextmanager
 async def open_key_service(
-    settings: KeySettings, *, create_missing_kek: bool = False
+    settings: KeySettings, *, create_missing_kek: bool = False, kek_uri: str | None = None
 ) -> AsyncIterator[KeyService]:
-    """Open the store and the KEK; close the store on exit.
+    """Open the store and the KEKs; close them on exit.
 
     Args:
         settings: the ``[keys]`` section.
-        create_missing_kek: create a new development KEK file when none exists and the store
-            is empty (``broker keys create`` on a fresh install). ``serve`` never does.
+        create_missing_kek: create a new development KEK file when a ``local:`` KEK does not
+            exist and the store is empty (``broker keys create`` on a fresh install).
+        kek_uri: make this KEK the primary (``keys rewrap --to``); the configured ``kek`` and
+            ``kek_previous`` stay available for unwrapping.
 
     Raises:
-        ConfigError: when the KEK is missing, unreadable, or would orphan existing keys.
+        ConfigError: when a KEK is missing, malformed, or would orphan existing keys.
+        UpstreamError: when the store, an HSM or a KMS cannot be reached.
     """
-    store = SqliteKeyStore(sqlite_path(settings.store))
-    await store.open()
-    try:
-        kek_path = local_kek_path(settings.kek)
+    async with AsyncExitStack() as stack:
+        store = await open_store(settings)
+        stack.push_async_callback(store.close)
         may_create = create_missing_kek and not await store.list_versions()
-        kek = await asyncio.to_thread(_local_kek, kek_path, may_create=may_create)
-        yield KeyService(store, kek)
-    finally:
-        await store.close()
+        configured = [settings.kek, *settings.kek_previous]
+        primary_uri = kek_uri or settings.kek
+        providers: list[KekProvider] = []
+        for uri in dict.fromkeys([primary_uri, *configured]):  # primary first, no duplicates
+            provider = await _open(uri, settings, may_create=may_create and uri == settings.kek)
+            stack.push_async_callback(provider.close)
+            providers.append(provider)
+        ring = KekRing(providers[0], providers[1:])
+        cache = DekCache(ttl_seconds=settings.dek_cache_seconds, max_entries=settings.dek_cache_max)
+        yield KeyService(store, ring, cache=cache)
+
+
+async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProvider:
+    if kek_kind(uri) == "local":
+        return await asyncio.to_thread(_local_kek, local_kek_path(uri), may_create=may_create)
+    return await open_kek(uri, kms_endpoint=settings.kms_endpoint)
 
 
 def _local_kek(path: Path, *, may_create: bool) -> LocalKek:

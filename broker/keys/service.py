@@ -1,22 +1,41 @@
-"""Key lifecycle and DEK access: the only code that sees plaintext DEKs on the broker side.
+"""Key lifecycle and key material access: the only code that sees plaintext DEKs.
 
-Plaintext DEKs exist only in process memory, only for the time needed to wrap them to a runner
-key (``keys/wrap.py``); the store holds the KEK-wrapped form and metadata.
+Plaintext exists only in process memory: briefly while wrapping it to a runner key, and in the
+bounded DEK cache (``dek_cache_seconds``, ``dek_cache_max``) so a release does not pay a KMS/HSM
+round trip each time. Disable, enable, destroy and rotate invalidate the cache at once in this
+process; the state is read from the store on every release, so a version disabled by another
+process is refused immediately too (its cached bytes are simply never used).
+
+Lifecycle: ``create`` (version 1), ``rotate`` (a new version; older ones stay usable until
+disabled), ``disable`` / ``enable``, ``destroy`` (the wrapped material is deleted for good; the
+metadata and the log history stay), ``import`` (bring your own 32-byte DEK), ``rewrap`` (move
+every DEK to the primary KEK, one atomic compare-and-swap per DEK, so it can be killed and re-run
+at any moment). Every change is appended to the decision log when one is attached.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from broker.errors import ErrorCode, InputError, KeyUnavailable, NotFound
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import mlkem, x25519
+
+from broker.errors import Conflict, ErrorCode, InputError, KeyUnavailable, NotFound
 from broker.keys.kek.base import KekProvider, dek_aad
-from broker.keys.store.base import KeyStore, KeyVersionRecord, Purpose, VersionState
+from broker.keys.kek.ring import KekRing
+from broker.keys.store.base import Algorithm, KeyStore, KeyVersionRecord, Purpose, VersionState
 
 DEK_BYTES = 32
 KEY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*$")
 MAX_KEY_NAME = 128
+ChangeLogger = Callable[[Mapping[str, Any]], Awaitable[object]]
 
 
 def validate_key_name(name: str) -> str:
@@ -33,38 +52,150 @@ def validate_key_name(name: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class RewrapReport:
+    rewrapped: int
+    already_current: int
+    skipped_destroyed: int
+
+
+class DekCache:
+    """Unwrapped key material by (name, version), bounded in time and count."""
+
+    def __init__(self, *, ttl_seconds: float, max_entries: int) -> None:
+        self._ttl = ttl_seconds
+        self._max = max_entries
+        self._entries: OrderedDict[tuple[str, int, str], tuple[float, bytes]] = OrderedDict()
+
+    def get(self, record: KeyVersionRecord) -> bytes | None:
+        key = (record.name, record.version, record.kek_ref)
+        entry = self._entries.get(key)
+        if entry is None or time.monotonic() - entry[0] >= self._ttl:
+            self._entries.pop(key, None)
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, record: KeyVersionRecord, material: bytes) -> None:
+        if self._ttl <= 0 or self._max <= 0:
+            return
+        self._entries[(record.name, record.version, record.kek_ref)] = (time.monotonic(), material)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+    def invalidate(self, name: str) -> None:
+        for key in [k for k in self._entries if k[0] == name]:
+            del self._entries[key]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class KeyService:
-    def __init__(self, store: KeyStore, kek: KekProvider) -> None:
+    def __init__(
+        self,
+        store: KeyStore,
+        keks: KekRing,
+        *,
+        cache: DekCache | None = None,
+        change_log: ChangeLogger | None = None,
+    ) -> None:
         self._store = store
-        self._kek = kek
+        self._keks = keks
+        self._cache = cache or DekCache(ttl_seconds=0, max_entries=0)
+        self._change_log = change_log
 
     @property
     def kek(self) -> KekProvider:
-        return self._kek
+        return self._keks.primary
 
-    async def create(self, name: str, purpose: Purpose, *, now: datetime) -> KeyVersionRecord:
-        """Generate a random AES-256 DEK, wrap it with the KEK, store version 1.
+    @property
+    def keks(self) -> KekRing:
+        return self._keks
+
+    @property
+    def cache(self) -> DekCache:
+        return self._cache
+
+    def attach_change_log(self, change_log: ChangeLogger) -> None:
+        self._change_log = change_log
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def create(
+        self,
+        name: str,
+        purpose: Purpose,
+        *,
+        now: datetime,
+        material: bytes | None = None,
+        algorithm: Algorithm | None = None,
+    ) -> KeyVersionRecord:
+        """Version 1 of a new key: a random AES-256 DEK, or an HPKE key pair for ``query``.
 
         Raises:
-            InputError: for a bad name; ``Conflict`` when the key exists.
+            InputError: bad name or material; ``Conflict`` when the key exists.
             UpstreamError: when the KEK or the store cannot answer.
         """
         validate_key_name(name)
-        dek = os.urandom(DEK_BYTES)
-        record = KeyVersionRecord(
-            name=name,
-            version=1,
-            purpose=purpose,
-            state=VersionState.ENABLED,
-            wrapped_dek=await self._kek.wrap(dek, dek_aad(name, 1)),
-            kek_ref=self._kek.reference,
-            created_at=now,
+        if await self._store.latest_version(name, enabled_only=False) is not None:
+            raise Conflict(f"key {name!r} exists; rotate it to add a version")
+        record = await self._new_version(
+            name, 1, purpose, now=now, material=material, algorithm=algorithm
         )
-        await self._store.add_version(record)
+        await self._log("create", record, now)
         return record
 
-    async def list(self) -> list[KeyVersionRecord]:
-        return await self._store.list_versions()
+    async def import_key(
+        self, name: str, purpose: Purpose, material: bytes, *, now: datetime
+    ) -> KeyVersionRecord:
+        """``create`` with caller-supplied material (32 bytes for AES-256 keys)."""
+        if purpose is Purpose.QUERY or len(material) != DEK_BYTES:
+            raise InputError("import takes exactly 32 bytes of AES-256 key material")
+        return await self.create(name, purpose, now=now, material=material)
+
+    async def rotate(self, name: str, *, now: datetime) -> KeyVersionRecord:
+        """A new version with fresh material; earlier versions stay as they are."""
+        latest = await self._require_latest(name)
+        record = await self._new_version(
+            name, latest.version + 1, latest.purpose, now=now, algorithm=latest.algorithm
+        )
+        self._cache.invalidate(name)
+        await self._log("rotate", record, now)
+        return record
+
+    async def set_enabled(
+        self, name: str, version: int, enabled: bool, *, now: datetime
+    ) -> KeyVersionRecord:
+        record = await self._require(name, version)
+        if record.state is VersionState.DESTROYED:
+            raise KeyUnavailable(f"key {name!r} version {version} is destroyed")
+        state = VersionState.ENABLED if enabled else VersionState.DISABLED
+        updated = record.evolve(state=state, updated_at=now)
+        await self._replace(updated, record)
+        self._cache.invalidate(name)
+        await self._log("enable" if enabled else "disable", updated, now)
+        return updated
+
+    async def destroy(self, name: str, version: int, *, now: datetime) -> KeyVersionRecord:
+        """Delete the wrapped material for good; metadata and history remain."""
+        record = await self._require(name, version)
+        updated = record.evolve(state=VersionState.DESTROYED, wrapped_dek=b"", updated_at=now)
+        await self._replace(updated, record)
+        self._cache.invalidate(name)
+        await self._log("destroy", updated, now)
+        return updated
+
+    async def list_versions(self, name: str | None = None) -> list[KeyVersionRecord]:
+        return await self._store.list_versions(name)
+
+    async def show(self, name: str) -> list[KeyVersionRecord]:
+        versions = await self._store.list_versions(name)
+        if not versions:
+            raise NotFound(f"no key {name!r}", code=ErrorCode.KEY_UNKNOWN)
+        return versions
+
+    # --- release path ------------------------------------------------------------------------
 
     async def resolve(self, name: str, version: int | None) -> KeyVersionRecord:
         """The version a release would use: the named one, or the newest enabled one.
@@ -73,20 +204,163 @@ class KeyService:
             NotFound: ``key_unknown``.
             KeyUnavailable: ``key_version_unavailable`` when disabled or destroyed.
         """
-        record = await self._store.get_version(name, version)
+        if version is None:
+            record = await self._store.latest_version(name, enabled_only=True)
+            if record is None:
+                record = await self._store.latest_version(name, enabled_only=False)
+        else:
+            record = await self._store.get_version(name, version)
         if record is None:
-            raise NotFound(
-                f"no key {name!r}" + (f" version {version}" if version else ""),
-                code=ErrorCode.KEY_UNKNOWN,
-            )
+            suffix = "" if version is None else f" version {version}"
+            raise NotFound(f"no key {name!r}{suffix}", code=ErrorCode.KEY_UNKNOWN)
         if record.state is not VersionState.ENABLED:
             raise KeyUnavailable(f"key {name!r} version {record.version} is {record.state.value}")
         return record
 
     async def unwrap(self, record: KeyVersionRecord) -> bytes:
-        """The plaintext DEK of a resolved version.
+        """The plaintext material of a resolved version (cached within bounds).
 
         Raises:
+            KeyUnavailable: for a destroyed version.
             UpstreamError: ``kek_unavailable`` when the KEK cannot unwrap it.
         """
-        return await self._kek.unwrap(record.wrapped_dek, dek_aad(record.name, record.version))
+        if record.state is VersionState.DESTROYED or not record.wrapped_dek:
+            raise KeyUnavailable(f"key {record.name!r} version {record.version} is destroyed")
+        cached = self._cache.get(record)
+        if cached is not None:
+            return cached
+        kek = self._keks.for_ref(record.kek_ref)
+        material = await kek.unwrap(record.wrapped_dek, dek_aad(record.name, record.version))
+        self._cache.put(record, material)
+        return material
+
+    # --- KEK rotation ------------------------------------------------------------------------
+
+    async def rewrap(
+        self, *, now: datetime, on_progress: Callable[[int], None] | None = None
+    ) -> RewrapReport:
+        """Move every DEK under the primary KEK. Safe to kill and re-run at any point.
+
+        Each DEK is unwrapped with the KEK that wrapped it, wrapped with the primary, and written
+        back only if its ``kek_ref`` did not change meanwhile (one atomic compare-and-swap), so
+        every DEK is at every moment wrapped by exactly one KEK that its record names.
+        """
+        target = self._keks.primary
+        rewrapped = current = destroyed = 0
+        for record in await self._store.list_versions():
+            if record.state is VersionState.DESTROYED:
+                destroyed += 1
+                continue
+            if record.kek_ref == target.reference:
+                current += 1
+                continue
+            aad = dek_aad(record.name, record.version)
+            material = await self._keks.for_ref(record.kek_ref).unwrap(record.wrapped_dek, aad)
+            updated = record.evolve(
+                wrapped_dek=await target.wrap(material, aad),
+                kek_ref=target.reference,
+                updated_at=now,
+            )
+            if await self._store.replace(updated, expect_kek_ref=record.kek_ref):
+                rewrapped += 1
+                if on_progress is not None:
+                    on_progress(rewrapped)
+        if rewrapped or current:
+            await self._log_event("rewrap", {"kek": target.reference, "rewrapped": rewrapped}, now)
+        return RewrapReport(
+            rewrapped=rewrapped, already_current=current, skipped_destroyed=destroyed
+        )
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    async def _new_version(
+        self,
+        name: str,
+        version: int,
+        purpose: Purpose,
+        *,
+        now: datetime,
+        material: bytes | None = None,
+        algorithm: Algorithm | None = None,
+    ) -> KeyVersionRecord:
+        algorithm, secret, public = new_material(purpose, material, algorithm)
+        kek = self._keks.primary
+        record = KeyVersionRecord(
+            name=name,
+            version=version,
+            purpose=purpose,
+            state=VersionState.ENABLED,
+            wrapped_dek=await kek.wrap(secret, dek_aad(name, version)),
+            kek_ref=kek.reference,
+            created_at=now,
+            updated_at=now,
+            algorithm=algorithm,
+            public_key=public,
+        )
+        await self._store.add_version(record)
+        return record
+
+    async def _require(self, name: str, version: int) -> KeyVersionRecord:
+        record = await self._store.get_version(name, version)
+        if record is None:
+            raise NotFound(f"no key {name!r} version {version}", code=ErrorCode.KEY_UNKNOWN)
+        return record
+
+    async def _require_latest(self, name: str) -> KeyVersionRecord:
+        record = await self._store.latest_version(name, enabled_only=False)
+        if record is None:
+            raise NotFound(f"no key {name!r}", code=ErrorCode.KEY_UNKNOWN)
+        return record
+
+    async def _replace(self, updated: KeyVersionRecord, current: KeyVersionRecord) -> None:
+        if not await self._store.replace(updated, expect_kek_ref=current.kek_ref):
+            raise Conflict(f"key {updated.name!r} version {updated.version} changed meanwhile")
+
+    async def _log(self, action: str, record: KeyVersionRecord, now: datetime) -> None:
+        await self._log_event(
+            action,
+            {
+                "key": record.name,
+                "version": record.version,
+                "purpose": record.purpose.value,
+                "state": record.state.value,
+                "algorithm": record.algorithm.value,
+                "kek": record.kek_ref,
+            },
+            now,
+        )
+
+    async def _log_event(self, action: str, fields: Mapping[str, Any], now: datetime) -> None:
+        if self._change_log is not None:
+            await self._change_log(
+                {"type": "key_admin", "action": action, "time": now.isoformat(), **fields}
+            )
+
+
+def new_material(
+    purpose: Purpose, material: bytes | None, algorithm: Algorithm | None
+) -> tuple[Algorithm, bytes, bytes]:
+    """(algorithm, secret to wrap, public key) for a new version.
+
+    Query keys are HPKE key pairs (RFC 9180): DHKEM(X25519), or the ML-KEM-768 + X25519 hybrid
+    (the default) whose secret is the ML-KEM seed (64 bytes) followed by the X25519 key.
+
+    Raises:
+        InputError: for an algorithm that does not fit the purpose.
+    """
+    if purpose is not Purpose.QUERY:
+        if algorithm not in (None, Algorithm.AES_256):
+            raise InputError(f"{purpose.value} keys are AES-256")
+        return Algorithm.AES_256, material or os.urandom(DEK_BYTES), b""
+    chosen = algorithm or Algorithm.HPKE_MLKEM768_X25519
+    classic = x25519.X25519PrivateKey.generate()
+    classic_public = classic.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    if chosen is Algorithm.HPKE_X25519:
+        return chosen, classic.private_bytes_raw(), classic_public
+    if chosen is not Algorithm.HPKE_MLKEM768_X25519:
+        raise InputError("query keys are HPKE-X25519 or HPKE-MLKEM768-X25519")
+    post_quantum = mlkem.MLKEM768PrivateKey.generate()
+    secret = post_quantum.private_bytes_raw() + classic.private_bytes_raw()
+    return chosen, secret, post_quantum.public_key().public_bytes_raw() + classic_public

@@ -59,7 +59,8 @@ async def test_kek_that_cannot_unwrap_fails_closed_with_503(broker: RunningBroke
     def add_foreign_version() -> None:
         with sqlite3.connect(broker.workdir / "keys.db") as db:
             db.execute(
-                "INSERT INTO key_versions SELECT name, 2, purpose, state, ?, kek_ref, created_at "
+                "INSERT INTO key_versions (name, version, purpose, state, wrapped_dek, kek_ref, "
+                "created_at) SELECT name, 2, purpose, state, ?, kek_ref, created_at "
                 "FROM key_versions WHERE name = ? AND version = 1",
                 (b"\x01" + bytes(60), KEY),
             )

@@ -12,6 +12,7 @@ from broker.crypto.weights import WeightsFormatError, decrypt_stream, encrypt_st
 from broker.errors import Conflict, ErrorCode, InputError, NotFound, UpstreamError
 from broker.keys.kek.base import dek_aad
 from broker.keys.kek.local import LocalKek, create_kek_file
+from broker.keys.kek.ring import KekRing
 from broker.keys.service import KeyService, validate_key_name
 from broker.keys.store.base import Purpose
 from broker.keys.store.sqlite import SqliteKeyStore
@@ -93,7 +94,7 @@ async def test_key_service_stores_only_wrapped_deks(tmp_path: Path) -> None:
     create_kek_file(tmp_path / "kek")
     store = SqliteKeyStore(tmp_path / "keys.db")
     await store.open()
-    service = KeyService(store, LocalKek(tmp_path / "kek"))
+    service = KeyService(store, KekRing(LocalKek(tmp_path / "kek")))
     record = await service.create("models/a", Purpose.MODEL_WEIGHTS, now=NOW)
     dek = await service.unwrap(await service.resolve("models/a", None))
     assert len(dek) == 32

@@ -34,3 +34,7 @@ class KekProvider(Protocol):
     async def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
         """Decrypt a DEK wrapped by ``wrap`` with the same ``aad``."""
         ...
+
+    async def close(self) -> None:
+        """Release sessions and channels."""
+        ...

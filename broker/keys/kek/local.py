@@ -75,6 +75,9 @@ class LocalKek:
         nonce = os.urandom(NONCE_BYTES)
         return FORMAT_V1 + nonce + self._aead.encrypt(nonce, dek, aad)
 
+    async def close(self) -> None:
+        """Nothing to release."""
+
     async def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
         if not wrapped.startswith(FORMAT_V1) or len(wrapped) < 1 + NONCE_BYTES + 16:
             raise UpstreamError("wrapped DEK has an unknown format", code=ErrorCode.KEK_UNAVAILABLE)

@@ -1,8 +1,12 @@
-"""The DEK store port: wrapped DEKs and their metadata, never plaintext."""
+"""The DEK store port: wrapped DEKs and their metadata, never plaintext.
+
+One record per key version. A destroyed version keeps its metadata (and its history in the
+decision log) but its wrapped material is gone for good (crypto-shredding).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Protocol
@@ -20,9 +24,17 @@ class VersionState(StrEnum):
     DESTROYED = "destroyed"
 
 
+class Algorithm(StrEnum):
+    """What the wrapped material is."""
+
+    AES_256 = "AES-256"  # a 32-byte data key
+    HPKE_X25519 = "HPKE-X25519"  # RFC 9180 DHKEM(X25519) private key (32 bytes)
+    HPKE_MLKEM768_X25519 = "HPKE-MLKEM768-X25519"  # ML-KEM-768 seed (64) || X25519 (32)
+
+
 @dataclass(frozen=True)
 class KeyVersionRecord:
-    """One stored version of a key: metadata plus the KEK-wrapped DEK."""
+    """One stored version of a key: metadata plus the KEK-wrapped material."""
 
     name: str
     version: int
@@ -31,6 +43,12 @@ class KeyVersionRecord:
     wrapped_dek: bytes
     kek_ref: str
     created_at: datetime
+    updated_at: datetime | None = None
+    algorithm: Algorithm = Algorithm.AES_256
+    public_key: bytes = b""  # HPKE public key for query keys; empty for symmetric keys
+
+    def evolve(self, **changes: object) -> KeyVersionRecord:
+        return replace(self, **changes)  # type: ignore[arg-type]
 
 
 class KeyStore(Protocol):
@@ -38,12 +56,19 @@ class KeyStore(Protocol):
         """Store a new version; raise ``Conflict`` if that (name, version) exists."""
         ...
 
-    async def get_version(self, name: str, version: int | None) -> KeyVersionRecord | None:
-        """A given version, or with ``None`` the newest enabled one; ``None`` when absent."""
+    async def get_version(self, name: str, version: int) -> KeyVersionRecord | None: ...
+
+    async def latest_version(self, name: str, *, enabled_only: bool) -> KeyVersionRecord | None:
+        """The highest version (optionally: the highest enabled one); ``None`` when absent."""
         ...
 
-    async def list_versions(self) -> list[KeyVersionRecord]:
-        """Every version of every key, ordered by name then version."""
+    async def list_versions(self, name: str | None = None) -> list[KeyVersionRecord]:
+        """Versions ordered by name then version (of one key, or of all)."""
+        ...
+
+    async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
+        """Write ``record`` over its (name, version) atomically if the stored ``kek_ref`` still
+        equals ``expect_kek_ref``; False when it changed meanwhile or the version is gone."""
         ...
 
     async def close(self) -> None: ...

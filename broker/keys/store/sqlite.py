@@ -1,7 +1,8 @@
 """SQLite DEK store (the default): WAL journal, ``synchronous=FULL`` so a commit is durable.
 
 All database work runs on one dedicated thread that owns the connection, so the event loop never
-blocks on disk and the connection is never shared between threads.
+blocks on disk and the connection is never shared between threads. Each write is one statement
+in autocommit mode: atomic, and durable when it returns.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
-from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
+from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
 
 T = TypeVar("T")
 SCHEMA = """
@@ -27,10 +28,17 @@ CREATE TABLE IF NOT EXISTS key_versions (
     wrapped_dek BLOB NOT NULL,
     kek_ref TEXT NOT NULL,
     created_at TEXT NOT NULL,
+    updated_at TEXT,
+    algorithm TEXT NOT NULL DEFAULT 'AES-256',
+    public_key BLOB NOT NULL DEFAULT x'',
     PRIMARY KEY (name, version)
 ) STRICT;
 """
-COLUMNS = "name, version, purpose, state, wrapped_dek, kek_ref, created_at"
+COLUMNS = (
+    "name, version, purpose, state, wrapped_dek, kek_ref, created_at, updated_at, algorithm, "
+    "public_key"
+)
+SELECT = f"SELECT {COLUMNS} FROM key_versions"  # noqa: S608 - constant column list
 
 
 def sqlite_path(uri: str) -> Path:
@@ -73,69 +81,65 @@ class SqliteKeyStore:
         def insert() -> None:
             try:
                 self._db().execute(
-                    f"INSERT INTO key_versions ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
-                    (
-                        record.name,
-                        record.version,
-                        record.purpose.value,
-                        record.state.value,
-                        record.wrapped_dek,
-                        record.kek_ref,
-                        record.created_at.isoformat(),
-                    ),
+                    f"INSERT INTO key_versions ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
+                    _row(record),
                 )
             except sqlite3.IntegrityError as exc:
                 raise Conflict(f"key {record.name} version {record.version} exists") from exc
 
         await self._run(insert)
 
-    async def get_version(self, name: str, version: int | None) -> KeyVersionRecord | None:
-        def select() -> KeyVersionRecord | None:
-            if version is None:
-                row = (
-                    self._db()
-                    .execute(
-                        f"SELECT {COLUMNS} FROM key_versions WHERE name = ? AND state = ? "  # noqa: S608
-                        "ORDER BY version DESC LIMIT 1",
-                        (name, VersionState.ENABLED.value),
-                    )
-                    .fetchone()
-                )
-                if row is None:
-                    row = (
-                        self._db()
-                        .execute(
-                            f"SELECT {COLUMNS} FROM key_versions WHERE name = ? "  # noqa: S608
-                            "ORDER BY version DESC LIMIT 1",
-                            (name,),
-                        )
-                        .fetchone()
-                    )
-            else:
-                row = (
-                    self._db()
-                    .execute(
-                        f"SELECT {COLUMNS} FROM key_versions WHERE name = ? AND version = ?",  # noqa: S608
-                        (name, version),
-                    )
-                    .fetchone()
-                )
-            return None if row is None else _record(row)
+    async def get_version(self, name: str, version: int) -> KeyVersionRecord | None:
+        return await self._one(f"{SELECT} WHERE name = ? AND version = ?", (name, version))
 
-        return await self._run(select)
-
-    async def list_versions(self) -> list[KeyVersionRecord]:
-        def select_all() -> list[KeyVersionRecord]:
-            rows = (
-                self._db()
-                .execute(
-                    f"SELECT {COLUMNS} FROM key_versions ORDER BY name, version"  # noqa: S608
-                )
-                .fetchall()
+    async def latest_version(self, name: str, *, enabled_only: bool) -> KeyVersionRecord | None:
+        if enabled_only:
+            return await self._one(
+                f"{SELECT} WHERE name = ? AND state = ? ORDER BY version DESC LIMIT 1",
+                (name, VersionState.ENABLED.value),
             )
+        return await self._one(f"{SELECT} WHERE name = ? ORDER BY version DESC LIMIT 1", (name,))
+
+    async def list_versions(self, name: str | None = None) -> list[KeyVersionRecord]:
+        def select_all() -> list[KeyVersionRecord]:
+            if name is None:
+                rows = self._db().execute(f"{SELECT} ORDER BY name, version").fetchall()
+            else:
+                rows = (
+                    self._db()
+                    .execute(f"{SELECT} WHERE name = ? ORDER BY version", (name,))
+                    .fetchall()
+                )
             return [_record(row) for row in rows]
 
         return await self._run(select_all)
+
+    async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
+        def update() -> bool:
+            cursor = self._db().execute(
+                "UPDATE key_versions SET state = ?, wrapped_dek = ?, kek_ref = ?, updated_at = ?, "
+                "public_key = ? WHERE name = ? AND version = ? AND kek_ref = ?",
+                (
+                    record.state.value,
+                    record.wrapped_dek,
+                    record.kek_ref,
+                    None if record.updated_at is None else record.updated_at.isoformat(),
+                    record.public_key,
+                    record.name,
+                    record.version,
+                    expect_kek_ref,
+                ),
+            )
+            return cursor.rowcount == 1
+
+        return await self._run(update)
+
+    async def _one(self, sql: str, params: tuple[object, ...]) -> KeyVersionRecord | None:
+        def select() -> KeyVersionRecord | None:
+            row = self._db().execute(sql, params).fetchone()
+            return None if row is None else _record(row)
+
+        return await self._run(select)
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -152,8 +156,23 @@ class SqliteKeyStore:
             ) from exc
 
 
+def _row(record: KeyVersionRecord) -> tuple[object, ...]:
+    return (
+        record.name,
+        record.version,
+        record.purpose.value,
+        record.state.value,
+        record.wrapped_dek,
+        record.kek_ref,
+        record.created_at.isoformat(),
+        None if record.updated_at is None else record.updated_at.isoformat(),
+        record.algorithm.value,
+        record.public_key,
+    )
+
+
 def _record(row: tuple[object, ...]) -> KeyVersionRecord:
-    name, version, purpose, state, wrapped, kek_ref, created = row
+    name, version, purpose, state, wrapped, kek_ref, created, updated, algorithm, public = row
     return KeyVersionRecord(
         name=str(name),
         version=int(str(version)),
@@ -162,4 +181,7 @@ def _record(row: tuple[object, ...]) -> KeyVersionRecord:
         wrapped_dek=bytes(wrapped) if isinstance(wrapped, bytes | bytearray) else b"",
         kek_ref=str(kek_ref),
         created_at=datetime.fromisoformat(str(created)),
+        updated_at=None if updated is None else datetime.fromisoformat(str(updated)),
+        algorithm=Algorithm(str(algorithm)),
+        public_key=bytes(public) if isinstance(public, bytes | bytearray) else b"",
     )

@@ -1,0 +1,195 @@
+"""``broker keys …``: the key lifecycle from the command line.
+
+Every command loads the config, opens the store and the KEKs it names, and (for changes) appends
+a ``key_admin`` record to the decision log, the same log the service writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from broker.audit.log import DecisionLog
+from broker.config import load_settings
+from broker.keys.factory import open_key_service
+from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
+from broker.keys.service import KeyService
+from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose
+
+EXIT_USAGE = 2
+Work = Callable[[KeyService, datetime], Awaitable[Any]]
+
+
+def add_commands(keys: Any) -> None:
+    """Register the ``keys`` sub-commands on an argparse sub-parser group."""
+
+    def command(name: str, help_text: str, run: Callable[[argparse.Namespace], int]) -> Any:
+        parser = keys.add_parser(name, help=help_text)
+        parser.add_argument("--config", type=Path, required=True)
+        parser.set_defaults(run=run)
+        return parser
+
+    create = command("create", "create a key (AES-256 DEK; HPKE key pair for query)", _create)
+    create.add_argument("name")
+    create.add_argument("--purpose", choices=[p.value for p in Purpose], required=True)
+    create.add_argument("--algorithm", choices=[a.value for a in Algorithm])
+    imported = command("import", "create a key from 32 bytes of your own material", _import)
+    imported.add_argument("name")
+    imported.add_argument(
+        "--purpose", choices=[Purpose.MODEL_WEIGHTS.value, Purpose.GENERIC.value], required=True
+    )
+    imported.add_argument("--material-file", type=Path, required=True, help="32 raw bytes")
+    command("list", "list keys and versions (never key material)", _list).add_argument(
+        "name", nargs="?"
+    )
+    command("show", "show one key's versions", _show).add_argument("name")
+    command("rotate", "add a version (older versions stay usable)", _rotate).add_argument("name")
+    for name, help_text, run in (
+        ("disable", "refuse releases of a version", _disable),
+        ("enable", "allow releases of a version again", _enable),
+        ("destroy", "delete a version's wrapped material for good", _destroy),
+    ):
+        parser = command(name, help_text, run)
+        parser.add_argument("name")
+        parser.add_argument("--version", type=int, required=True)
+        if name == "destroy":
+            parser.add_argument("--yes", action="store_true", help="confirm: cannot be undone")
+    rewrap = command("rewrap", "re-wrap every DEK under another KEK (resumable)", _rewrap)
+    rewrap.add_argument("--to", required=True, metavar="KEK_URI")
+    kek = keys.add_parser("kek-create", help="generate a PKCS#11 KEK (non-extractable AES-256)")
+    kek.add_argument("uri", metavar="PKCS11_URI")
+    kek.set_defaults(run=_kek_create)
+
+
+def run_keys(
+    args: argparse.Namespace,
+    work: Work,
+    *,
+    create_missing_kek: bool = False,
+    kek_uri: str | None = None,
+    log_changes: bool = True,
+) -> Any:
+    """Open the key service from ``--config`` and run ``work`` with it."""
+    settings = load_settings(args.config)
+
+    async def run() -> Any:
+        async with open_key_service(
+            settings.keys, create_missing_kek=create_missing_kek, kek_uri=kek_uri
+        ) as keys:
+            if not log_changes:
+                return await work(keys, datetime.now(UTC))
+            audit = DecisionLog(settings.audit.log)
+            await audit.open()
+            keys.attach_change_log(audit.append)
+            try:
+                return await work(keys, datetime.now(UTC))
+            finally:
+                await audit.close()
+
+    return asyncio.run(run())
+
+
+def describe(record: KeyVersionRecord) -> dict[str, object]:
+    """What a key version looks like to people: metadata only, never key material."""
+    return {
+        "name": record.name,
+        "version": record.version,
+        "purpose": record.purpose.value,
+        "algorithm": record.algorithm.value,
+        "state": record.state.value,
+        "kek": record.kek_ref,
+        "created_at": record.created_at.isoformat(),
+        "updated_at": None if record.updated_at is None else record.updated_at.isoformat(),
+    }
+
+
+def _print(value: object) -> int:
+    print(json.dumps(value, indent=2))
+    return 0
+
+
+def _create(args: argparse.Namespace) -> int:
+    algorithm = Algorithm(args.algorithm) if args.algorithm else None
+    record = run_keys(
+        args,
+        lambda keys, now: keys.create(
+            args.name, Purpose(args.purpose), now=now, algorithm=algorithm
+        ),
+        create_missing_kek=True,
+    )
+    return _print(describe(record))
+
+
+def _import(args: argparse.Namespace) -> int:
+    material = args.material_file.read_bytes()
+    record = run_keys(
+        args,
+        lambda keys, now: keys.import_key(args.name, Purpose(args.purpose), material, now=now),
+        create_missing_kek=True,
+    )
+    return _print(describe(record))
+
+
+def _list(args: argparse.Namespace) -> int:
+    records = run_keys(args, lambda keys, now: keys.list_versions(args.name), log_changes=False)
+    return _print([describe(r) for r in records])
+
+
+def _show(args: argparse.Namespace) -> int:
+    records = run_keys(args, lambda keys, now: keys.show(args.name), log_changes=False)
+    return _print([describe(r) for r in records])
+
+
+def _rotate(args: argparse.Namespace) -> int:
+    return _print(describe(run_keys(args, lambda keys, now: keys.rotate(args.name, now=now))))
+
+
+def _disable(args: argparse.Namespace) -> int:
+    return _print(
+        describe(
+            run_keys(
+                args, lambda keys, now: keys.set_enabled(args.name, args.version, False, now=now)
+            )
+        )
+    )
+
+
+def _enable(args: argparse.Namespace) -> int:
+    return _print(
+        describe(
+            run_keys(
+                args, lambda keys, now: keys.set_enabled(args.name, args.version, True, now=now)
+            )
+        )
+    )
+
+
+def _destroy(args: argparse.Namespace) -> int:
+    if not args.yes:
+        print("error: destroy cannot be undone; add --yes to confirm", file=sys.stderr)
+        return EXIT_USAGE
+    return _print(
+        describe(run_keys(args, lambda keys, now: keys.destroy(args.name, args.version, now=now)))
+    )
+
+
+def _rewrap(args: argparse.Namespace) -> int:
+    def progress(count: int) -> None:
+        if count % 500 == 0:
+            print(f"rewrapped {count}", file=sys.stderr, flush=True)
+
+    report = run_keys(
+        args, lambda keys, now: keys.rewrap(now=now, on_progress=progress), kek_uri=args.to
+    )
+    return _print(vars(report))
+
+
+def _kek_create(args: argparse.Namespace) -> int:
+    uri = parse_pkcs11_uri(args.uri)
+    return _print({"created": uri.reference, "fingerprint": create_pkcs11_kek(uri)})

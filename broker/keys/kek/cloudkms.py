@@ -1,0 +1,155 @@
+"""Google Cloud KMS KEK (software or Cloud HSM protection), through ``google-cloud-kms``.
+
+URI: ``cloudkms:projects/P/locations/L/keyRings/R/cryptoKeys/K`` (a symmetric ENCRYPT_DECRYPT
+key; KMS picks the primary version to encrypt and the right version to decrypt).
+
+Every request carries the CRC32C fields Google documents for end-to-end integrity, and every
+response is checked: ``verified_plaintext_crc32c`` and
+``verified_additional_authenticated_data_crc32c`` must be true, ``name`` must be a version of our
+key, and the returned ciphertext/plaintext must match its CRC32C
+(cloud.google.com/kms/docs/data-integrity-guidelines). A mismatch, a gRPC error or a timeout is
+``kek_unavailable``: nothing is released.
+
+Credentials are Application Default Credentials. ``[keys] kms_endpoint`` names another API
+endpoint; a loopback endpoint (a local test server) is spoken to in plaintext with anonymous
+credentials, anything else over TLS.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import google_crc32c
+import grpc
+from google.api_core import exceptions as api_exceptions
+from google.api_core.client_options import ClientOptions
+from google.auth import credentials as auth_credentials
+from google.cloud import kms_v1
+from google.cloud.kms_v1.services.key_management_service.transports import (
+    KeyManagementServiceGrpcAsyncIOTransport,
+)
+
+from broker.config import is_loopback, split_listen
+from broker.errors import ConfigError, ErrorCode, UpstreamError
+
+KEY_NAME = re.compile(
+    r"^projects/[a-z0-9-]+/locations/[a-z0-9-]+/keyRings/[A-Za-z0-9_-]+/cryptoKeys/[A-Za-z0-9_-]+$"
+)
+DEFAULT_ENDPOINT = "cloudkms.googleapis.com"
+RPC_TIMEOUT_SECONDS = 10.0
+
+
+def crc32c(data: bytes) -> int:
+    return int(google_crc32c.value(data))
+
+
+def parse_cloudkms_uri(uri: str) -> str:
+    """The CryptoKey resource name of a ``cloudkms:`` URI.
+
+    Raises:
+        ConfigError: ``keys.kek`` for a malformed name.
+    """
+    name = uri.removeprefix("cloudkms:")
+    if not uri.startswith("cloudkms:") or not KEY_NAME.match(name):
+        raise ConfigError(
+            "keys.kek",
+            "expected cloudkms:projects/P/locations/L/keyRings/R/cryptoKeys/K",
+        )
+    return name
+
+
+def _unavailable(message: str) -> UpstreamError:
+    return UpstreamError(f"Cloud KMS: {message}", code=ErrorCode.KEK_UNAVAILABLE)
+
+
+class CloudKmsKek:
+    """``KekProvider`` over a Cloud KMS symmetric key."""
+
+    def __init__(
+        self, key_name: str, *, endpoint: str = DEFAULT_ENDPOINT, credentials: Any = None
+    ) -> None:
+        self._name = key_name
+        self._endpoint = endpoint
+        self._credentials = credentials
+        self._client: kms_v1.KeyManagementServiceAsyncClient | None = None
+
+    @property
+    def reference(self) -> str:
+        return f"cloudkms:{self._name}"
+
+    @property
+    def development_only(self) -> bool:
+        return False
+
+    async def open(self) -> None:
+        """Create the gRPC client (must run inside the event loop that will use it)."""
+        options = ClientOptions(api_endpoint=self._endpoint)
+        if _is_loopback_endpoint(self._endpoint):
+            channel = grpc.aio.insecure_channel(self._endpoint)
+            anonymous = auth_credentials.AnonymousCredentials()  # type: ignore[no-untyped-call]
+            transport = KeyManagementServiceGrpcAsyncIOTransport(
+                channel=channel, credentials=anonymous
+            )
+            self._client = kms_v1.KeyManagementServiceAsyncClient(
+                transport=transport, client_options=options
+            )
+        else:
+            self._client = kms_v1.KeyManagementServiceAsyncClient(
+                credentials=self._credentials, client_options=options
+            )
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.transport.close()  # type: ignore[no-untyped-call]
+            self._client = None
+
+    async def wrap(self, dek: bytes, aad: bytes) -> bytes:
+        request = kms_v1.EncryptRequest(
+            name=self._name,
+            plaintext=dek,
+            additional_authenticated_data=aad,
+            plaintext_crc32c=crc32c(dek),
+            additional_authenticated_data_crc32c=crc32c(aad),
+        )
+        response = await self._call("encrypt", request)
+        if not response.verified_plaintext_crc32c:
+            raise _unavailable("the service did not verify the plaintext checksum")
+        if not response.verified_additional_authenticated_data_crc32c:
+            raise _unavailable("the service did not verify the AAD checksum")
+        if not response.name.startswith(self._name + "/cryptoKeyVersions/"):
+            raise _unavailable("the service answered for another key")
+        if crc32c(response.ciphertext) != response.ciphertext_crc32c:
+            raise _unavailable("the ciphertext was corrupted in transit")
+        return bytes(response.ciphertext)
+
+    async def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
+        request = kms_v1.DecryptRequest(
+            name=self._name,
+            ciphertext=wrapped,
+            additional_authenticated_data=aad,
+            ciphertext_crc32c=crc32c(wrapped),
+            additional_authenticated_data_crc32c=crc32c(aad),
+        )
+        response = await self._call("decrypt", request)
+        if crc32c(response.plaintext) != response.plaintext_crc32c:
+            raise _unavailable("the plaintext was corrupted in transit")
+        return bytes(response.plaintext)
+
+    async def _call(self, method: str, request: Any) -> Any:
+        if self._client is None:
+            raise _unavailable("client not open")
+        try:
+            return await getattr(self._client, method)(request=request, timeout=RPC_TIMEOUT_SECONDS)
+        except api_exceptions.GoogleAPICallError as exc:
+            raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
+
+
+def _is_loopback_endpoint(endpoint: str) -> bool:
+    try:
+        host, _ = split_listen(endpoint)
+    except ValueError:
+        return False
+    return is_loopback(host)
