@@ -18,6 +18,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.api.middleware import METRICS, request_context
 from broker.api.routes import register
@@ -97,6 +99,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             audit=audit,
             metrics=app[METRICS],
         )
+        state.statement_signer = await _statement_signer(settings)
         state.checks = {
             "policy": engine.digest,
             "keys": settings.keys.store.split(":", 1)[0],
@@ -158,6 +161,22 @@ async def _local_gpu(settings: Settings, session: aiohttp.ClientSession) -> Loca
         rims=rims,
         ocsp=ocsp,
     )
+
+
+async def _statement_signer(settings: Settings) -> ec.EllipticCurvePrivateKey | None:
+    """The EC P-256 key that signs query-key statements (``[keys] signing_key``)."""
+    path = settings.keys.signing_key
+    if path is None:
+        return None
+    try:
+        key = serialization.load_pem_private_key(
+            await asyncio.to_thread(path.read_bytes), password=None
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError("keys.signing_key", f"not a readable PEM private key: {path}") from exc
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name != "secp256r1":
+        raise ConfigError("keys.signing_key", "must be an EC P-256 private key")
+    return key
 
 
 async def _certificates(key: str, path: Path | None) -> list[x509.Certificate]:

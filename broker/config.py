@@ -108,6 +108,7 @@ class KeySettings:
     kek_previous: tuple[str, ...] = ()  # older KEKs: unwrap only, until `keys rewrap` is done
     kms_endpoint: str = "cloudkms.googleapis.com"
     secretmanager_endpoint: str = "secretmanager.googleapis.com"
+    upstream_timeout_seconds: int = 10  # KMS / Secret Manager: per call, retries included
     dek_cache_seconds: int = 300
     dek_cache_max: int = 1024
     signing_key: Path | None = None  # EC P-256 PEM that signs query-key statements
@@ -119,6 +120,17 @@ class AuditSettings:
 
 
 @dataclass(frozen=True)
+class AdminSettings:
+    """Admin API credentials: SHA-256 (hex) of each accepted bearer token.
+
+    Only digests live in the config file; an admin presents ``Authorization: Bearer <token>``.
+    With no digest configured the admin API refuses every request.
+    """
+
+    token_sha256: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Settings:
     server: ServerSettings
     issuers: tuple[IssuerSettings, ...]
@@ -126,6 +138,7 @@ class Settings:
     keys: KeySettings = field(default_factory=KeySettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
     nvidia: NvidiaSettings = field(default_factory=NvidiaSettings)
+    admin: AdminSettings = field(default_factory=AdminSettings)
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -177,7 +190,7 @@ def settings_from_mapping(
         ConfigError: naming the first bad key.
     """
     env = os.environ if environ is None else environ
-    known = {"server", "issuers", "policy", "keys", "audit", "nvidia"}
+    known = {"server", "issuers", "policy", "keys", "audit", "nvidia", "admin"}
     for key in raw:
         if key not in known:
             raise ConfigError(key, "unknown section")
@@ -186,9 +199,16 @@ def settings_from_mapping(
     keys = _section(KeySettings, "keys", raw, env, base_dir)
     audit = _section(AuditSettings, "audit", raw, env, base_dir)
     nvidia = _section(NvidiaSettings, "nvidia", raw, env, base_dir)
+    admin = _section(AdminSettings, "admin", raw, env, base_dir)
     issuers = _issuers(raw.get("issuers", []), base_dir)
     settings = Settings(
-        server=server, issuers=issuers, policy=policy, keys=keys, audit=audit, nvidia=nvidia
+        server=server,
+        issuers=issuers,
+        policy=policy,
+        keys=keys,
+        audit=audit,
+        nvidia=nvidia,
+        admin=admin,
     )
     _validate(settings)
     return settings
@@ -217,7 +237,7 @@ def _section(
     return cls(**converted)
 
 
-def _convert(key: str, value: Any, type_name: Any, base_dir: Path) -> Any:  # noqa: PLR0911
+def _convert(key: str, value: Any, type_name: Any, base_dir: Path) -> Any:  # noqa: PLR0911, PLR0912
     type_text = str(type_name)
     if type_text == "bool":
         if isinstance(value, bool):
@@ -238,6 +258,8 @@ def _convert(key: str, value: Any, type_name: Any, base_dir: Path) -> Any:  # no
             raise ConfigError(key, "must be a non-empty path")
         return _resolve(base_dir, value)
     if "tuple" in type_text:
+        if isinstance(value, str):  # from the environment: comma-separated
+            value = [item.strip() for item in value.split(",") if item.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(key, "must be a list of strings")
         return tuple(value)
@@ -289,6 +311,9 @@ def _validate(settings: Settings) -> None:
     if not settings.policy.dir.is_dir():
         raise ConfigError("policy.dir", f"not a directory: {settings.policy.dir}")
     _validate_keys(settings.keys)
+    for digest in settings.admin.token_sha256:
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     _validate_nvidia(settings.nvidia)
     if sum(1 for i in settings.issuers if i.kind == "nras") > 1:
         raise ConfigError("issuers", "at most one nras issuer entry")
@@ -303,6 +328,8 @@ def _validate_keys(keys: KeySettings) -> None:
         key = "keys.kek" if index == 0 else f"keys.kek_previous[{index - 1}]"
         if uri.split(":", 1)[0] not in {"local", "pkcs11", "cloudkms"} or ":" not in uri:
             raise ConfigError(key, "expected local:PATH, pkcs11:… or cloudkms:projects/…")
+    if keys.upstream_timeout_seconds <= 0:
+        raise ConfigError("keys.upstream_timeout_seconds", "must be positive")
     if keys.dek_cache_seconds < 0 or keys.dek_cache_max < 0:
         raise ConfigError("keys", "dek_cache_seconds and dek_cache_max must not be negative")
     if keys.signing_key is not None and not keys.signing_key.is_file():

@@ -61,6 +61,8 @@ class ErrorCode(StrEnum):
     NONCE_MISSING = "nonce_missing"
     NONCE_MISMATCH = "nonce_mismatch"
     KEY_BINDING_MISMATCH = "key_binding_mismatch"
+    # admin authentication
+    UNAUTHORIZED = "unauthorized"
     # keys
     KEY_UNKNOWN = "key_unknown"
     KEY_VERSION_UNAVAILABLE = "key_version_unavailable"
@@ -115,6 +117,13 @@ class BodyTooLarge(InputError):
 class UnsupportedMediaType(InputError):
     status = 415
     default_code = ErrorCode.UNSUPPORTED_MEDIA_TYPE
+
+
+class Unauthorized(InputError):
+    """Missing or wrong admin credentials (401)."""
+
+    status = 401
+    default_code = ErrorCode.UNAUTHORIZED
 
 
 class NotFound(InputError):

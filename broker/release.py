@@ -52,6 +52,7 @@ class ReleaseRequest:
     nonce: str
     unverified_evidence: Mapping[str, Any]
     runner_key: RunnerKey
+    wrap: str = "jwe"
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class ReleasedKey:
     version: int
     decision_id: str
     wrapped_key: str
+    wrap: str = "jwe"
+    algorithm: str = "AES-256"
 
 
 @dataclass
@@ -92,6 +95,14 @@ class ReleaseService:
         self._policy = policy
         self._audit = audit
         self._metrics = metrics
+
+    @property
+    def keys(self) -> KeyService:
+        return self._keys
+
+    @property
+    def policy(self) -> PolicyEngine:
+        return self._policy
 
     async def release(
         self, request: ReleaseRequest, *, now: datetime, request_id: str
@@ -128,6 +139,8 @@ class ReleaseService:
             version=outcome.record.version,
             decision_id=outcome.decision_id,
             wrapped_key=wrapped,
+            wrap=outcome.request.wrap,
+            algorithm=outcome.record.algorithm.value,
         )
 
     async def _decide(self, outcome: _Outcome, now: datetime) -> str:
@@ -164,6 +177,7 @@ class ReleaseService:
             name=record.name,
             version=record.version,
             decision_id=outcome.decision_id,
+            mode=request.wrap,
         )
 
     def _record(self, outcome: _Outcome, *, now: datetime, request_id: str) -> dict[str, Any]:

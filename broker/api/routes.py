@@ -3,9 +3,9 @@
 * ``PUBLIC``: health, readiness and metrics (no secrets in them).
 * ``RUNNER``: the runner API; no credential, because the request itself carries attestation
   evidence that is verified before anything is released.
-
-Admin routes (issue: key custody) will declare an ``ADMIN`` role checked by one middleware;
-a route without a declared permission cannot be registered.
+* ``ADMIN``: key lifecycle; ``register`` wraps every such handler in the bearer-token check, so
+  an admin route cannot be reached without credentials. A route without a declared permission
+  cannot be registered.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from aiohttp import web
 
-from broker.api import health, runner
+from broker.api import admin, health, query, runner
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -24,6 +24,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Permission(StrEnum):
     PUBLIC = "public"
     RUNNER = "runner"
+    ADMIN = "admin"
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,16 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/metrics", health.metrics, Permission.PUBLIC),
     Route("POST", "/v1/challenge", runner.challenge, Permission.RUNNER),
     Route("POST", "/v1/release", runner.release, Permission.RUNNER),
+    Route(
+        "GET", "/v1/keys/{name:[a-z0-9][a-z0-9._/-]*}/public", query.public_key, Permission.PUBLIC
+    ),
+    Route("GET", "/v1/statement-keys", query.statement_keys, Permission.PUBLIC),
+    Route("GET", "/v1/admin/keys", admin.list_keys, Permission.ADMIN),
+    Route("POST", "/v1/admin/keys", admin.create_key, Permission.ADMIN),
+    Route("POST", "/v1/admin/keys/rotate", admin.rotate_key, Permission.ADMIN),
+    Route("POST", "/v1/admin/keys/disable", admin.disable_version, Permission.ADMIN),
+    Route("POST", "/v1/admin/keys/enable", admin.enable_version, Permission.ADMIN),
+    Route("POST", "/v1/admin/keys/destroy", admin.destroy_version, Permission.ADMIN),
 )
 
 
@@ -47,4 +58,7 @@ def register(app: web.Application) -> None:
     for route in ROUTES:
         if not isinstance(route.permission, Permission):
             raise TypeError(f"route {route.path} declares no permission")
-        app.router.add_route(route.method, route.path, route.handler)
+        handler = route.handler
+        if route.permission is Permission.ADMIN:
+            handler = admin.require_admin(handler)
+        app.router.add_route(route.method, route.path, handler)

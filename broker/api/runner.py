@@ -8,8 +8,9 @@ from broker.api.body import optional_version, read_json_object, string_field
 from broker.api.middleware import REQUEST_ID
 from broker.api.state import STATE
 from broker.crypto.jwk import parse_runner_key
-from broker.errors import ErrorCode, UpstreamError
+from broker.errors import ErrorCode, InputError, UpstreamError
 from broker.keys.service import MAX_KEY_NAME, validate_key_name
+from broker.keys.wrap import WRAP_MODES, check_wrap_mode
 from broker.nonces import MAX_NONCE_CHARS
 from broker.release import ReleaseRequest, ReleaseService
 
@@ -38,15 +39,20 @@ async def release(request: web.Request) -> web.Response:
         request,
         max_bytes=state.settings.server.max_body_bytes,
         required=RELEASE_FIELDS,
-        optional=("version",),
+        optional=("version", "wrap"),
     )
+    wrap = body.get("wrap", "jwe")
+    if wrap not in WRAP_MODES:
+        raise InputError(f"wrap must be one of {', '.join(WRAP_MODES)}")
     parsed = ReleaseRequest(
         key=validate_key_name(string_field(body, "key", max_chars=MAX_KEY_NAME)),
         version=optional_version(body),
         nonce=string_field(body, "nonce", max_chars=MAX_NONCE_CHARS),
         unverified_evidence=body["evidence"],
         runner_key=parse_runner_key(body["runner_key"]),
+        wrap=wrap,
     )
+    check_wrap_mode(wrap, parsed.runner_key)
     released = await _service(state.release).release(
         parsed, now=state.clock(), request_id=request[REQUEST_ID]
     )
@@ -56,6 +62,8 @@ async def release(request: web.Request) -> web.Response:
             "version": released.version,
             "decision_id": released.decision_id,
             "wrapped_key": released.wrapped_key,
+            "wrap": released.wrap,
+            "algorithm": released.algorithm,
         }
     )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.config import Settings
 from broker.nonces import NonceStore
@@ -24,6 +25,7 @@ class BrokerState:
     nonces: NonceStore
     release: ReleaseService | None = None
     checks: dict[str, str] = field(default_factory=dict)
+    statement_signer: ec.EllipticCurvePrivateKey | None = None
 
     @property
     def ready(self) -> bool:

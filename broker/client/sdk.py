@@ -12,12 +12,15 @@ import aiohttp
 from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
 
 from broker.attestation.binding import binding_digest
+from broker.attestation.jose import b64url_decode
 from broker.client.tokens import GpuEvidenceSource, TokenSource
-from broker.crypto import jwe
-from broker.crypto.jwk import public_jwk, thumbprint
+from broker.crypto import hpke, jwe
+from broker.crypto.jwk import hybrid_jwk, public_jwk, thumbprint
+from broker.keys.wrap import release_info
 
 MAX_RESPONSE_BYTES = 256 * 1024
-KEY_TYPES = ("EC-P256", "EC-P384", "X25519", "RSA-3072")
+KEY_TYPES = ("EC-P256", "EC-P384", "X25519", "RSA-3072", "MLKEM768-X25519")
+RunnerSecret = jwe.RunnerPrivateKey | hpke.HpkePrivateKey
 
 
 class BrokerClientError(RuntimeError):
@@ -40,10 +43,22 @@ class Challenge:
 
 @dataclass(frozen=True)
 class ReleasedDek:
+    """Released key material: a DEK, or for query keys the HPKE private key (``algorithm``)."""
+
     key: str
     version: int
     decision_id: str
     dek: bytes = field(repr=False)
+    algorithm: str = "AES-256"
+
+
+def new_runner_key(key_type: str) -> tuple[RunnerSecret, dict[str, str]]:
+    """A fresh key pair for one release and its public JWK."""
+    if key_type == "MLKEM768-X25519":
+        private, raw = hpke.new_hybrid_key()
+        return private, hybrid_jwk(raw)
+    classic = new_ephemeral_key(key_type)
+    return classic, public_jwk(classic.public_key())
 
 
 def new_ephemeral_key(key_type: str = "EC-P256") -> jwe.RunnerPrivateKey:
@@ -105,6 +120,7 @@ class BrokerClient:
         version: int | None = None,
         key_type: str = "EC-P256",
         gpu_source: GpuEvidenceSource | None = None,
+        wrap: str = "jwe",
     ) -> ReleasedDek:
         """Run protocol v1 end to end and return the unwrapped DEK.
 
@@ -112,8 +128,7 @@ class BrokerClient:
             BrokerClientError: when the broker refuses (its code and reasons are kept).
             jwe.JweError: when the wrapped key does not decrypt or is not the one asked for.
         """
-        private_key = new_ephemeral_key(key_type)
-        runner_jwk = public_jwk(private_key.public_key())
+        private_key, runner_jwk = new_runner_key(key_type)
         runner_thumbprint = thumbprint(runner_jwk)
         issued = await self.challenge()
         audience = self._audience or issued.audience
@@ -130,6 +145,8 @@ class BrokerClient:
         }
         if version is not None:
             request["version"] = version
+        if wrap != "jwe":
+            request["wrap"] = wrap
         body = await self._post("/v1/release", request)
         return unwrap_release(body, private_key, expected_key=key, expected_version=version)
 
@@ -158,23 +175,32 @@ class BrokerClient:
 
 def unwrap_release(
     body: dict[str, Any],
-    private_key: jwe.RunnerPrivateKey,
+    private_key: RunnerSecret,
     *,
     expected_key: str,
     expected_version: int | None,
 ) -> ReleasedDek:
-    """Decrypt a release response and check that its bound header matches the request.
+    """Decrypt a release response and check that its binding matches the request.
 
     Raises:
-        jwe.JweError: on decryption failure or a header that names another key or release.
+        jwe.JweError: on decryption failure or a binding that names another key or release.
     """
-    decrypted = jwe.decrypt(str(body["wrapped_key"]), private_key)
-    header = decrypted.protected_header
     version = int(body["version"])
     if body.get("key") != expected_key or (
         expected_version is not None and version != expected_version
     ):
         raise jwe.JweError("the broker answered for another key or version")
+    algorithm = str(body.get("algorithm", "AES-256"))
+    if body.get("wrap", "jwe") == "hpke":
+        info = release_info(expected_key, version, str(body["decision_id"]))
+        try:
+            sealed = b64url_decode(str(body["wrapped_key"]))
+            material = hpke.open_(sealed, private_key, info)  # type: ignore[arg-type]
+        except (ValueError, hpke.HpkeError) as exc:
+            raise jwe.JweError("the HPKE-wrapped key does not open for this release") from exc
+        return ReleasedDek(expected_key, version, str(body["decision_id"]), material, algorithm)
+    decrypted = jwe.decrypt(str(body["wrapped_key"]), private_key)  # type: ignore[arg-type]
+    header = decrypted.protected_header
     if header.get("kid") != f"{expected_key}#{version}":
         raise jwe.JweError("wrapped key header names another key or version")
     if header.get("decision_id") != body.get("decision_id"):
@@ -184,4 +210,5 @@ def unwrap_release(
         version=version,
         decision_id=str(body["decision_id"]),
         dek=decrypted.plaintext,
+        algorithm=algorithm,
     )

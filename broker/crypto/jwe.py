@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, hpke
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa, x25519
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.concatkdf import ConcatKDFHash
@@ -68,6 +68,8 @@ def encrypt(plaintext: bytes, recipient: RunnerKey, header: Mapping[str, Any]) -
     cek = AESGCM.generate_key(bit_length=256)
     if isinstance(recipient.key, rsa.RSAPublicKey):
         encrypted_key = recipient.key.encrypt(cek, _oaep())
+    elif isinstance(recipient.key, hpke.MLKEM768X25519PublicKey):
+        raise TypeError("hybrid ML-KEM keys are wrapped with HPKE, not JWE")
     else:
         ephemeral, shared = _ecdh_ephemeral(recipient.key)
         protected["epk"] = public_jwk(ephemeral)

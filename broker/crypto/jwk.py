@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
+from cryptography.hazmat.primitives import hpke, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, mlkem, rsa, x25519
 
 from broker.attestation.jose import b64url_decode, b64url_encode
 from broker.errors import ErrorCode, InputError
@@ -26,7 +26,14 @@ EC_CURVES: dict[str, tuple[ec.EllipticCurve, int]] = {
     "P-384": (ec.SECP384R1(), 48),
 }
 PRIVATE_MEMBERS = frozenset({"d", "p", "q", "dp", "dq", "qi", "oth", "k"})
-RunnerPublicKeyObject = rsa.RSAPublicKey | ec.EllipticCurvePublicKey | x25519.X25519PublicKey
+RunnerPublicKeyObject = (
+    rsa.RSAPublicKey
+    | ec.EllipticCurvePublicKey
+    | x25519.X25519PublicKey
+    | hpke.MLKEM768X25519PublicKey
+)
+HPKE_HYBRID_KEM = "MLKEM768-X25519"
+MAX_HPKE_PK_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,10 @@ def parse_runner_key(unverified_jwk: Any) -> RunnerKey:
             members, key = _parse_rsa(unverified_jwk)
         elif kty == "OKP":
             members, key = _parse_okp(unverified_jwk)
+        elif kty == "HPKE":
+            members, key = _parse_hybrid(unverified_jwk)
         else:
-            raise _invalid("runner_key kty must be EC, RSA or OKP")
+            raise _invalid("runner_key kty must be EC, RSA, OKP or HPKE")
     except ValueError as exc:
         raise _invalid("runner_key members are not valid base64url key values") from exc
     return RunnerKey(jwk=members, key=key, thumbprint=thumbprint(members))
@@ -118,8 +127,31 @@ def _parse_okp(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyO
     return {"crv": crv, "kty": "OKP", "x": x}, x25519.X25519PublicKey.from_public_bytes(raw)
 
 
+def _parse_hybrid(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyObject]:
+    if jwk.get("kem") != HPKE_HYBRID_KEM:
+        raise _invalid(f"runner_key kty HPKE needs kem {HPKE_HYBRID_KEM}")
+    pk = _member(jwk, "pk")
+    if len(pk) > MAX_HPKE_PK_CHARS:
+        raise _invalid("runner_key pk is too long")
+    raw = b64url_decode(pk)
+    if len(raw) != 1184 + 32:
+        raise _invalid("runner_key pk must be an ML-KEM-768 public key and an X25519 key")
+    key = hpke.MLKEM768X25519PublicKey(
+        mlkem.MLKEM768PublicKey.from_public_bytes(raw[:1184]),
+        x25519.X25519PublicKey.from_public_bytes(raw[1184:]),
+    )
+    return {"kem": HPKE_HYBRID_KEM, "kty": "HPKE", "pk": pk}, key
+
+
+def hybrid_jwk(raw_public: bytes) -> dict[str, str]:
+    """The JWK form of a hybrid HPKE public key (ML-KEM-768 public || X25519 public)."""
+    return {"kem": HPKE_HYBRID_KEM, "kty": "HPKE", "pk": b64url_encode(raw_public)}
+
+
 def public_jwk(key: RunnerPublicKeyObject) -> dict[str, str]:
     """The public JWK (required members only) of a key object; used by the runner SDK."""
+    if isinstance(key, hpke.MLKEM768X25519PublicKey):
+        raise TypeError("hybrid HPKE keys have no raw accessor here; use hybrid_jwk(raw)")
     if isinstance(key, x25519.X25519PublicKey):
         raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return {"crv": "X25519", "kty": "OKP", "x": b64url_encode(raw)}

@@ -43,7 +43,9 @@ async def open_store(settings: KeySettings) -> KeyStore:
         from broker.keys.store.secretmanager import SecretManagerKeyStore, parse_project  # noqa: PLC0415
 
         manager = SecretManagerKeyStore(
-            parse_project(settings.store), endpoint=settings.secretmanager_endpoint
+            parse_project(settings.store),
+            endpoint=settings.secretmanager_endpoint,
+            timeout_seconds=settings.upstream_timeout_seconds,
         )
         await manager.open()
         return manager
@@ -88,7 +90,9 @@ async def open_key_service(
 async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProvider:
     if kek_kind(uri) == "local":
         return await asyncio.to_thread(_local_kek, local_kek_path(uri), may_create=may_create)
-    return await open_kek(uri, kms_endpoint=settings.kms_endpoint)
+    return await open_kek(
+        uri, kms_endpoint=settings.kms_endpoint, timeout_seconds=settings.upstream_timeout_seconds
+    )
 
 
 def _local_kek(path: Path, *, may_create: bool) -> LocalKek:

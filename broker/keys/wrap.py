@@ -1,24 +1,73 @@
-"""Wrapping a released DEK to the runner's ephemeral key.
+"""Wrapping released key material to the runner's ephemeral key.
 
-The JWE protected header (the AEAD's associated data) carries ``kid = <key>#<version>`` and the
-decision id, so a wrapped key cannot be passed off as another key, version or release.
+Two forms, chosen by the request's ``wrap``:
+
+* ``jwe`` (default): a compact JWE whose protected header (the AEAD's associated data) carries
+  ``kid = <key>#<version>`` and the decision id.
+* ``hpke``: RFC 9180 to an X25519 or ML-KEM-768+X25519 runner key, with
+  ``info = {"decision_id", "key", "version", "wrap": "broker-release/v1"}`` (canonical JSON).
+
+Either way a wrapped key cannot be passed off as another key, version or release.
 """
 
 from __future__ import annotations
 
-from broker.crypto import jwe
+from cryptography.hazmat.primitives import hpke as pyca_hpke
+from cryptography.hazmat.primitives.asymmetric import x25519
+
+from broker.attestation.jose import b64url_encode
+from broker.crypto import hpke, jwe
 from broker.crypto.jwk import RunnerKey
+from broker.errors import ErrorCode, InputError
 
 DECISION_HEADER = "decision_id"
+WRAP_MODES = ("jwe", "hpke")
+HPKE_CONTEXT = "broker-release/v1"
 
 
 def key_id(name: str, version: int) -> str:
     return f"{name}#{version}"
 
 
+def release_info(name: str, version: int, decision_id: str) -> bytes:
+    """The HPKE ``info`` of a release (also recomputed by the runner SDK)."""
+    return hpke.context_info(
+        {"decision_id": decision_id, "key": name, "version": version, "wrap": HPKE_CONTEXT}
+    )
+
+
+def check_wrap_mode(mode: str, runner_key: RunnerKey) -> None:
+    """Refuse, before anything is decided, a runner key that cannot receive this wrap.
+
+    Raises:
+        InputError: ``runner_key_invalid``.
+    """
+    hpke_capable = isinstance(
+        runner_key.key, x25519.X25519PublicKey | pyca_hpke.MLKEM768X25519PublicKey
+    )
+    if mode == "hpke" and not hpke_capable:
+        raise InputError(
+            "wrap hpke needs an X25519 or MLKEM768-X25519 runner key",
+            code=ErrorCode.RUNNER_KEY_INVALID,
+        )
+    if mode == "jwe" and isinstance(runner_key.key, pyca_hpke.MLKEM768X25519PublicKey):
+        raise InputError(
+            "a hybrid ML-KEM runner key needs wrap hpke", code=ErrorCode.RUNNER_KEY_INVALID
+        )
+
+
 def wrap_to_runner(
-    dek: bytes, runner_key: RunnerKey, *, name: str, version: int, decision_id: str
+    material: bytes,
+    runner_key: RunnerKey,
+    *,
+    name: str,
+    version: int,
+    decision_id: str,
+    mode: str = "jwe",
 ) -> str:
-    """A compact JWE of ``dek`` for ``runner_key`` with the release bound in its header."""
+    """The wrapped form of ``material`` for ``runner_key`` with the release bound into it."""
+    if mode == "hpke":
+        sealed = hpke.seal(material, runner_key.key, release_info(name, version, decision_id))  # type: ignore[arg-type]
+        return b64url_encode(sealed)
     header = {"kid": key_id(name, version), DECISION_HEADER: decision_id, "cty": "dek"}
-    return jwe.encrypt(dek, runner_key, header)
+    return jwe.encrypt(material, runner_key, header)

@@ -23,6 +23,7 @@ from typing import Any
 import google_crc32c
 import grpc
 from google.api_core import exceptions as api_exceptions
+from google.api_core import retry_async
 from google.api_core.client_options import ClientOptions
 from google.auth import credentials as auth_credentials
 from google.cloud import kms_v1
@@ -67,10 +68,16 @@ class CloudKmsKek:
     """``KekProvider`` over a Cloud KMS symmetric key."""
 
     def __init__(
-        self, key_name: str, *, endpoint: str = DEFAULT_ENDPOINT, credentials: Any = None
+        self,
+        key_name: str,
+        *,
+        endpoint: str = DEFAULT_ENDPOINT,
+        credentials: Any = None,
+        timeout_seconds: float = RPC_TIMEOUT_SECONDS,
     ) -> None:
         self._name = key_name
         self._endpoint = endpoint
+        self._timeout = timeout_seconds
         self._credentials = credentials
         self._client: kms_v1.KeyManagementServiceAsyncClient | None = None
 
@@ -140,11 +147,27 @@ class CloudKmsKek:
         if self._client is None:
             raise _unavailable("client not open")
         try:
-            return await getattr(self._client, method)(request=request, timeout=RPC_TIMEOUT_SECONDS)
+            return await getattr(self._client, method)(
+                request=request, timeout=self._timeout, retry=bounded_retry(self._timeout)
+            )
         except api_exceptions.GoogleAPICallError as exc:
             raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
-        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+        except (grpc.aio.AioRpcError, TimeoutError, api_exceptions.RetryError) as exc:
             raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
+
+
+def bounded_retry(deadline_seconds: float) -> retry_async.AsyncRetry:
+    """Retry transient errors (UNAVAILABLE, DEADLINE_EXCEEDED) until ``deadline_seconds``, then
+    give up: a KMS outage must turn into a prompt 503, not a request that hangs for a minute."""
+    return retry_async.AsyncRetry(
+        initial=0.1,
+        maximum=1.0,
+        multiplier=2.0,
+        timeout=deadline_seconds,
+        predicate=retry_async.if_exception_type(
+            api_exceptions.ServiceUnavailable, api_exceptions.DeadlineExceeded
+        ),
+    )
 
 
 def _is_loopback_endpoint(endpoint: str) -> bool:

@@ -61,7 +61,7 @@ def kek_kind(uri: str) -> str:
     return kind
 
 
-async def open_kek(uri: str, *, kms_endpoint: str) -> KekProvider:
+async def open_kek(uri: str, *, kms_endpoint: str, timeout_seconds: float = 10.0) -> KekProvider:
     """Open the provider a KEK URI names (the local file must exist).
 
     Raises:
@@ -75,6 +75,8 @@ async def open_kek(uri: str, *, kms_endpoint: str) -> KekProvider:
         provider = Pkcs11Kek(await asyncio.to_thread(parse_pkcs11_uri, uri))
         await provider.open()
         return provider
-    kms = CloudKmsKek(parse_cloudkms_uri(uri), endpoint=kms_endpoint)
+    kms = CloudKmsKek(
+        parse_cloudkms_uri(uri), endpoint=kms_endpoint, timeout_seconds=timeout_seconds
+    )
     await kms.open()
     return kms

@@ -32,7 +32,7 @@ from google.cloud.secretmanager_v1.services.secret_manager_service.transports im
 )
 
 from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
-from broker.keys.kek.cloudkms import _is_loopback_endpoint, crc32c
+from broker.keys.kek.cloudkms import _is_loopback_endpoint, bounded_retry, crc32c
 from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
 
 PROJECT = re.compile(r"^projects/[a-z0-9-]+$")
@@ -61,9 +61,16 @@ def _unavailable(message: str) -> UpstreamError:
 
 
 class SecretManagerKeyStore:
-    def __init__(self, project: str, *, endpoint: str = "secretmanager.googleapis.com") -> None:
+    def __init__(
+        self,
+        project: str,
+        *,
+        endpoint: str = "secretmanager.googleapis.com",
+        timeout_seconds: float = RPC_TIMEOUT_SECONDS,
+    ) -> None:
         self._project = project
         self._endpoint = endpoint
+        self._timeout = timeout_seconds
         self._client: sm.SecretManagerServiceAsyncClient | None = None
 
     async def open(self) -> None:
@@ -182,12 +189,14 @@ class SecretManagerKeyStore:
         if self._client is None:
             raise _unavailable("client not open")
         try:
-            return await getattr(self._client, method)(request=request, timeout=RPC_TIMEOUT_SECONDS)
+            return await getattr(self._client, method)(
+                request=request, timeout=self._timeout, retry=bounded_retry(self._timeout)
+            )
         except (api_exceptions.NotFound, api_exceptions.AlreadyExists):
             raise
         except api_exceptions.GoogleAPICallError as exc:
             raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
-        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+        except (grpc.aio.AioRpcError, TimeoutError, api_exceptions.RetryError) as exc:
             raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
 
 

@@ -1,0 +1,130 @@
+"""Admin API: key lifecycle over HTTP. Every route here requires ``Permission.ADMIN``.
+
+Authentication: ``Authorization: Bearer <token>``; the SHA-256 of the token must equal one of
+``[admin] token_sha256``, compared in constant time against every configured digest. Key names
+contain ``/``, so actions take the name in the body rather than in the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from aiohttp import web
+
+from broker.api.body import optional_version, read_json_object, string_field
+from broker.api.state import STATE, BrokerState
+from broker.cli_keys import describe
+from broker.errors import ErrorCode, InputError, Unauthorized, UpstreamError
+from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
+from broker.keys.store.base import Algorithm, Purpose
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+E = TypeVar("E", Purpose, Algorithm)
+
+
+def require_admin(handler: Handler) -> Handler:
+    """Wrap a handler so that it runs only for a valid admin bearer token."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        check_admin(request)
+        return await handler(request)
+
+    return guarded
+
+
+def check_admin(request: web.Request) -> None:
+    """Raise ``Unauthorized`` unless the request carries a configured admin token.
+
+    Raises:
+        Unauthorized: 401 ``unauthorized`` (the same answer for a missing and a wrong token).
+    """
+    digests = request.app[STATE].settings.admin.token_sha256
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    presented = hashlib.sha256(token.strip().encode()).hexdigest().encode()
+    matched = False
+    for digest in digests:  # no early exit: the time taken does not depend on which matched
+        matched |= hmac.compare_digest(presented, digest.encode())
+    if scheme.lower() != "bearer" or not token.strip() or not matched:
+        raise Unauthorized("admin credentials are missing or wrong")
+
+
+def _keys(state: BrokerState) -> KeyService:
+    if state.release is None:
+        raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
+    return state.release.keys
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    name = request.query.get("name")
+    records = await _keys(request.app[STATE]).list_versions(name)
+    return web.json_response({"keys": [describe(r) for r in records]})
+
+
+async def create_key(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json_object(
+        request,
+        max_bytes=state.settings.server.max_body_bytes,
+        required=("name", "purpose"),
+        optional=("algorithm",),
+    )
+    name = validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
+    purpose = _enum(Purpose, body["purpose"], "purpose")
+    algorithm = _enum(Algorithm, body["algorithm"], "algorithm") if "algorithm" in body else None
+    record = await _keys(state).create(name, purpose, now=state.clock(), algorithm=algorithm)
+    return web.json_response(describe(record), status=201)
+
+
+async def rotate_key(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = await _name_only(request, state)
+    record = await _keys(state).rotate(name, now=state.clock())
+    return web.json_response(describe(record), status=201)
+
+
+async def disable_version(request: web.Request) -> web.Response:
+    return await _version_action(request, "disable")
+
+
+async def enable_version(request: web.Request) -> web.Response:
+    return await _version_action(request, "enable")
+
+
+async def destroy_version(request: web.Request) -> web.Response:
+    return await _version_action(request, "destroy")
+
+
+async def _version_action(request: web.Request, action: str) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json_object(
+        request, max_bytes=state.settings.server.max_body_bytes, required=("name", "version")
+    )
+    name = validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
+    version = optional_version(body)
+    if version is None:
+        raise InputError("version is required")
+    keys, now = _keys(state), state.clock()
+    if action == "destroy":
+        record = await keys.destroy(name, version, now=now)
+    else:
+        record = await keys.set_enabled(name, version, action == "enable", now=now)
+    return web.json_response(describe(record))
+
+
+async def _name_only(request: web.Request, state: BrokerState) -> str:
+    body = await read_json_object(
+        request, max_bytes=state.settings.server.max_body_bytes, required=("name",)
+    )
+    return validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
+
+
+def _enum(kind: type[E], value: object, field: str) -> E:
+    try:
+        return kind(str(value))
+    except ValueError as exc:
+        allowed = ", ".join(member.value for member in kind)
+        raise InputError(f"{field} must be one of {allowed}") from exc

@@ -1,0 +1,148 @@
+"""An in-memory Cloud KMS speaking the real gRPC API (google.cloud.kms.v1.KeyManagementService).
+
+Implements the RPCs the broker uses, Encrypt and Decrypt, the way the documentation says the
+service behaves: CRC32C fields are checked when present (INVALID_ARGUMENT on mismatch) and
+echoed as ``verified_*`` flags; unknown keys are NOT_FOUND; disabled versions are
+FAILED_PRECONDITION; ciphertexts name the version that made them, so rotation keeps old
+ciphertexts decryptable. Knobs let tests break it on purpose (outage, corrupted responses).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import grpc
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from google.cloud import kms_v1
+
+SERVICE = "google.cloud.kms.v1.KeyManagementService"
+
+
+def crc(data: bytes) -> int:
+    return int(google_crc32c.value(data))
+
+
+@dataclass
+class FakeKey:
+    versions: list[bytes] = field(default_factory=list)  # AES-256 keys; index + 1 = version
+    disabled: set[int] = field(default_factory=set)
+    primary: int = 1
+
+
+class FakeKms:
+    def __init__(self) -> None:
+        self.keys: dict[str, FakeKey] = {}
+        self.server: grpc.aio.Server | None = None
+        self.endpoint = ""
+        self.unavailable = False
+        self.corrupt_ciphertext = False
+        self.skip_verification = False
+        self.calls: list[str] = []
+
+    def create_key(self, name: str) -> None:
+        self.keys[name] = FakeKey(versions=[AESGCM.generate_key(bit_length=256)])
+
+    def rotate(self, name: str) -> None:
+        key = self.keys[name]
+        key.versions.append(AESGCM.generate_key(bit_length=256))
+        key.primary = len(key.versions)
+
+    async def start(self) -> str:
+        self.server = grpc.aio.server()
+        handlers = {
+            "Encrypt": grpc.unary_unary_rpc_method_handler(
+                self._encrypt,
+                request_deserializer=kms_v1.EncryptRequest.deserialize,
+                response_serializer=kms_v1.EncryptResponse.serialize,
+            ),
+            "Decrypt": grpc.unary_unary_rpc_method_handler(
+                self._decrypt,
+                request_deserializer=kms_v1.DecryptRequest.deserialize,
+                response_serializer=kms_v1.DecryptResponse.serialize,
+            ),
+        }
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        )
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.endpoint = f"127.0.0.1:{port}"
+        return self.endpoint
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+
+    async def _guard(self, context: Any, name: str, method: str) -> FakeKey:
+        self.calls.append(method)
+        if self.unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is unavailable")
+        key = self.keys.get(name)
+        if key is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{name} not found")
+        assert key is not None
+        return key
+
+    async def _encrypt(self, request: kms_v1.EncryptRequest, context: Any) -> kms_v1.EncryptResponse:
+        key = await self._guard(context, request.name, "Encrypt")
+        raw = kms_v1.EncryptRequest.pb(request)
+        await _check(context, raw, "plaintext_crc32c", request.plaintext)
+        await _check(context, raw, "additional_authenticated_data_crc32c",
+                     request.additional_authenticated_data)
+        if key.primary in key.disabled:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "primary version disabled")
+        nonce = os.urandom(12)
+        sealed = AESGCM(key.versions[key.primary - 1]).encrypt(
+            nonce, request.plaintext, request.additional_authenticated_data
+        )
+        ciphertext = struct.pack(">I", key.primary) + nonce + sealed
+        if self.corrupt_ciphertext:
+            ciphertext = ciphertext[:-1] + bytes([ciphertext[-1] ^ 1])
+        return kms_v1.EncryptResponse(
+            name=f"{request.name}/cryptoKeyVersions/{key.primary}",
+            ciphertext=ciphertext,
+            ciphertext_crc32c=crc(ciphertext) if not self.corrupt_ciphertext else crc(ciphertext) ^ 1,
+            verified_plaintext_crc32c=raw.HasField("plaintext_crc32c") and not self.skip_verification,
+            verified_additional_authenticated_data_crc32c=raw.HasField(
+                "additional_authenticated_data_crc32c"
+            ) and not self.skip_verification,
+            protection_level=kms_v1.ProtectionLevel.HSM,
+        )
+
+    async def _decrypt(self, request: kms_v1.DecryptRequest, context: Any) -> kms_v1.DecryptResponse:
+        key = await self._guard(context, request.name, "Decrypt")
+        raw = kms_v1.DecryptRequest.pb(request)
+        await _check(context, raw, "ciphertext_crc32c", request.ciphertext)
+        await _check(context, raw, "additional_authenticated_data_crc32c",
+                     request.additional_authenticated_data)
+        ciphertext = bytes(request.ciphertext)
+        version = struct.unpack(">I", ciphertext[:4])[0] if len(ciphertext) > 4 else 0
+        if not 1 <= version <= len(key.versions):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decryption failed")
+        if version in key.disabled:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "version is disabled")
+        try:
+            plaintext = AESGCM(key.versions[version - 1]).decrypt(
+                ciphertext[4:16], ciphertext[16:], request.additional_authenticated_data
+            )
+        except InvalidTag:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decryption failed")
+            raise
+        return kms_v1.DecryptResponse(
+            plaintext=plaintext,
+            plaintext_crc32c=crc(plaintext),
+            used_primary=version == key.primary,
+            protection_level=kms_v1.ProtectionLevel.HSM,
+        )
+
+
+async def _check(context: Any, raw: Any, field_name: str, data: bytes) -> None:
+    if raw.HasField(field_name) and getattr(raw, field_name).value != crc(bytes(data)):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"The checksum in field {field_name} did not match"
+        )
