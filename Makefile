@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/broker demo
 
-test: $(STAMP) $(OPA) lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) lint typecheck policy-test pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check broker tests bench
@@ -27,13 +27,19 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# SoftHSM2 (PKCS#11 tests) comes from Debian; CI and developers run as root here.
+SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
+$(SOFTHSM):
+	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq softhsm2) \
+	  || (echo "install SoftHSM2 (package softhsm2) for the PKCS#11 tests" >&2; exit 1)
+
 $(OPA): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/open-policy-agent/opa@$(OPA_VERSION)
 
 policy-test: $(STAMP) $(OPA)
 	$(BIN)/broker policy test policies --opa $(OPA)
 
-pytest: $(STAMP) $(OPA)
+pytest: $(STAMP) $(OPA) $(SOFTHSM)
 	$(BIN)/pytest
 
 bench: $(STAMP)

@@ -102,7 +102,7 @@ class KeyService:
     ) -> None:
         self._store = store
         self._keks = keks
-        self._cache = cache or DekCache(ttl_seconds=0, max_entries=0)
+        self._cache = cache if cache is not None else DekCache(ttl_seconds=0, max_entries=0)
         self._change_log = change_log
 
     @property

@@ -88,12 +88,18 @@ class FakeKms:
         assert key is not None
         return key
 
-    async def _encrypt(self, request: kms_v1.EncryptRequest, context: Any) -> kms_v1.EncryptResponse:
+    async def _encrypt(
+        self, request: kms_v1.EncryptRequest, context: Any
+    ) -> kms_v1.EncryptResponse:
         key = await self._guard(context, request.name, "Encrypt")
         raw = kms_v1.EncryptRequest.pb(request)
         await _check(context, raw, "plaintext_crc32c", request.plaintext)
-        await _check(context, raw, "additional_authenticated_data_crc32c",
-                     request.additional_authenticated_data)
+        await _check(
+            context,
+            raw,
+            "additional_authenticated_data_crc32c",
+            request.additional_authenticated_data,
+        )
         if key.primary in key.disabled:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "primary version disabled")
         nonce = os.urandom(12)
@@ -106,20 +112,30 @@ class FakeKms:
         return kms_v1.EncryptResponse(
             name=f"{request.name}/cryptoKeyVersions/{key.primary}",
             ciphertext=ciphertext,
-            ciphertext_crc32c=crc(ciphertext) if not self.corrupt_ciphertext else crc(ciphertext) ^ 1,
-            verified_plaintext_crc32c=raw.HasField("plaintext_crc32c") and not self.skip_verification,
+            ciphertext_crc32c=crc(ciphertext)
+            if not self.corrupt_ciphertext
+            else crc(ciphertext) ^ 1,
+            verified_plaintext_crc32c=raw.HasField("plaintext_crc32c")
+            and not self.skip_verification,
             verified_additional_authenticated_data_crc32c=raw.HasField(
                 "additional_authenticated_data_crc32c"
-            ) and not self.skip_verification,
+            )
+            and not self.skip_verification,
             protection_level=kms_v1.ProtectionLevel.HSM,
         )
 
-    async def _decrypt(self, request: kms_v1.DecryptRequest, context: Any) -> kms_v1.DecryptResponse:
+    async def _decrypt(
+        self, request: kms_v1.DecryptRequest, context: Any
+    ) -> kms_v1.DecryptResponse:
         key = await self._guard(context, request.name, "Decrypt")
         raw = kms_v1.DecryptRequest.pb(request)
         await _check(context, raw, "ciphertext_crc32c", request.ciphertext)
-        await _check(context, raw, "additional_authenticated_data_crc32c",
-                     request.additional_authenticated_data)
+        await _check(
+            context,
+            raw,
+            "additional_authenticated_data_crc32c",
+            request.additional_authenticated_data,
+        )
         ciphertext = bytes(request.ciphertext)
         version = struct.unpack(">I", ciphertext[:4])[0] if len(ciphertext) > 4 else 0
         if not 1 <= version <= len(key.versions):

@@ -44,13 +44,21 @@ class FakeSecretManager:
             "CreateSecret": (self._create, sm.CreateSecretRequest, sm.Secret),
             "AddSecretVersion": (self._add, sm.AddSecretVersionRequest, sm.SecretVersion),
             "AccessSecretVersion": (
-                self._access, sm.AccessSecretVersionRequest, sm.AccessSecretVersionResponse
+                self._access,
+                sm.AccessSecretVersionRequest,
+                sm.AccessSecretVersionResponse,
             ),
             "ListSecrets": (self._list, sm.ListSecretsRequest, sm.ListSecretsResponse),
             "ListSecretVersions": (
-                self._list_versions, sm.ListSecretVersionsRequest, sm.ListSecretVersionsResponse
+                self._list_versions,
+                sm.ListSecretVersionsRequest,
+                sm.ListSecretVersionsResponse,
             ),
-            "DestroySecretVersion": (self._destroy, sm.DestroySecretVersionRequest, sm.SecretVersion),
+            "DestroySecretVersion": (
+                self._destroy,
+                sm.DestroySecretVersionRequest,
+                sm.SecretVersion,
+            ),
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
@@ -96,11 +104,13 @@ class FakeSecretManager:
         await self._enter(context, "AddSecretVersion")
         secret = await self._secret(context, request.parent)
         payload = sm.SecretPayload.pb(request.payload)
-        if payload.HasField("data_crc32c") and payload.data_crc32c.value != crc(payload.data):
+        if payload.HasField("data_crc32c") and payload.data_crc32c != crc(payload.data):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Checksum mismatch")
         secret.versions.append(bytes(payload.data))
-        return sm.SecretVersion(name=f"{request.parent}/versions/{len(secret.versions)}",
-                                state=sm.SecretVersion.State.ENABLED)
+        return sm.SecretVersion(
+            name=f"{request.parent}/versions/{len(secret.versions)}",
+            state=sm.SecretVersion.State.ENABLED,
+        )
 
     async def _access(
         self, request: sm.AccessSecretVersionRequest, context: Any
@@ -124,7 +134,8 @@ class FakeSecretManager:
         await self._enter(context, "ListSecrets")
         wanted = dict(re.findall(r"labels\.([a-z0-9_-]+)=([a-z0-9_-]+)", request.filter))
         names = sorted(
-            name for name, secret in self.secrets.items()
+            name
+            for name, secret in self.secrets.items()
             if name.startswith(request.parent + "/")
             and all(secret.labels.get(k) == v for k, v in wanted.items())
         )
@@ -134,7 +145,8 @@ class FakeSecretManager:
         token = str(start + size) if start + size < len(names) else ""
         return sm.ListSecretsResponse(
             secrets=[sm.Secret(name=n, labels=self.secrets[n].labels) for n in page],
-            next_page_token=token, total_size=len(names),
+            next_page_token=token,
+            total_size=len(names),
         )
 
     async def _list_versions(
@@ -142,13 +154,17 @@ class FakeSecretManager:
     ) -> sm.ListSecretVersionsResponse:
         await self._enter(context, "ListSecretVersions")
         secret = await self._secret(context, request.parent)
-        return sm.ListSecretVersionsResponse(versions=[
-            sm.SecretVersion(
-                name=f"{request.parent}/versions/{i + 1}",
-                state=sm.SecretVersion.State.DESTROYED if data is None else sm.SecretVersion.State.ENABLED,
-            )
-            for i, data in enumerate(secret.versions)
-        ])
+        return sm.ListSecretVersionsResponse(
+            versions=[
+                sm.SecretVersion(
+                    name=f"{request.parent}/versions/{i + 1}",
+                    state=sm.SecretVersion.State.DESTROYED
+                    if data is None
+                    else sm.SecretVersion.State.ENABLED,
+                )
+                for i, data in enumerate(secret.versions)
+            ]
+        )
 
     async def _destroy(
         self, request: sm.DestroySecretVersionRequest, context: Any

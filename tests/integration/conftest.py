@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
+import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -20,7 +22,10 @@ from broker.config import Settings, load_settings
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from broker.dev.tls import make_dev_tls
 from broker.keys.factory import open_key_service
+from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.store.base import Purpose
+from tests.fakes.google_kms import FakeKms
+from tests.fakes.google_secretmanager import FakeSecretManager
 
 SHIPPED_POLICIES = Path(__file__).parents[2] / "policies"
 AUDIENCE = "https://broker.it.invalid"
@@ -164,3 +169,65 @@ async def start_broker(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
 @pytest.fixture
 async def broker(start_broker: Callable[..., object]) -> RunningBroker:
     return await start_broker()  # type: ignore[no-any-return, misc]
+
+
+# --- key custody: SoftHSM2, Cloud KMS and Secret Manager test servers -------------------------
+
+SOFTHSM_MODULE = Path("/usr/lib/softhsm/libsofthsm2.so")
+HSM_PIN = "4711-test-pin"
+KMS_KEY = "projects/broker-test/locations/global/keyRings/broker/cryptoKeys/kek"
+
+
+@pytest.fixture(scope="session")
+def softhsm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A SoftHSM2 token with a non-extractable AES-256 KEK; yields its PKCS#11 URI."""
+    assert SOFTHSM_MODULE.exists(), "SoftHSM2 is missing: `make test` installs package softhsm2"
+    root = tmp_path_factory.mktemp("softhsm")
+    (root / "tokens").mkdir()
+    conf = root / "softhsm2.conf"
+    conf.write_text(f"directories.tokendir = {root / 'tokens'}\nobjectstore.backend = file\n")
+    previous = os.environ.get("SOFTHSM2_CONF")
+    os.environ["SOFTHSM2_CONF"] = str(conf)  # subprocesses (broker CLI) inherit it
+    subprocess.run(
+        [
+            "softhsm2-util",
+            "--init-token",
+            "--free",
+            "--label",
+            "broker",
+            "--pin",
+            HSM_PIN,
+            "--so-pin",
+            "so-" + HSM_PIN,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (root / "pin").write_text(HSM_PIN)
+    uri = (
+        f"pkcs11:token=broker;object=kek?module-path={SOFTHSM_MODULE}"
+        f"&pin-source=file:{root / 'pin'}"
+    )
+    create_pkcs11_kek(parse_pkcs11_uri(uri))
+    yield uri
+    if previous is None:
+        os.environ.pop("SOFTHSM2_CONF", None)
+    else:
+        os.environ["SOFTHSM2_CONF"] = previous
+
+
+@pytest.fixture
+async def fake_kms() -> AsyncIterator[FakeKms]:
+    kms = FakeKms()
+    kms.create_key(KMS_KEY)
+    await kms.start()
+    yield kms
+    await kms.stop()
+
+
+@pytest.fixture
+async def fake_secretmanager() -> AsyncIterator[FakeSecretManager]:
+    manager = FakeSecretManager()
+    await manager.start()
+    yield manager
+    await manager.stop()

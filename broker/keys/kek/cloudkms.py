@@ -17,9 +17,11 @@ credentials, anything else over TLS.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
+import google.auth
 import google_crc32c
 import grpc
 from google.api_core import exceptions as api_exceptions
@@ -39,6 +41,7 @@ KEY_NAME = re.compile(
 )
 DEFAULT_ENDPOINT = "cloudkms.googleapis.com"
 RPC_TIMEOUT_SECONDS = 10.0
+CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
 def crc32c(data: bytes) -> int:
@@ -90,21 +93,18 @@ class CloudKmsKek:
         return False
 
     async def open(self) -> None:
-        """Create the gRPC client (must run inside the event loop that will use it)."""
+        """Create the gRPC client.
+
+        The channel is made on the event loop that will use it; credential discovery and the
+        client constructor (which look for files) run on a worker thread.
+        """
+        transport = await grpc_transport(
+            KeyManagementServiceGrpcAsyncIOTransport, self._endpoint, self._credentials
+        )
         options = ClientOptions(api_endpoint=self._endpoint)
-        if _is_loopback_endpoint(self._endpoint):
-            channel = grpc.aio.insecure_channel(self._endpoint)
-            anonymous = auth_credentials.AnonymousCredentials()  # type: ignore[no-untyped-call]
-            transport = KeyManagementServiceGrpcAsyncIOTransport(
-                channel=channel, credentials=anonymous
-            )
-            self._client = kms_v1.KeyManagementServiceAsyncClient(
-                transport=transport, client_options=options
-            )
-        else:
-            self._client = kms_v1.KeyManagementServiceAsyncClient(
-                credentials=self._credentials, client_options=options
-            )
+        self._client = await asyncio.to_thread(
+            kms_v1.KeyManagementServiceAsyncClient, transport=transport, client_options=options
+        )
 
     async def close(self) -> None:
         if self._client is not None:
@@ -154,6 +154,17 @@ class CloudKmsKek:
             raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
         except (grpc.aio.AioRpcError, TimeoutError, api_exceptions.RetryError) as exc:
             raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
+
+
+async def grpc_transport(transport_class: Any, endpoint: str, credentials: Any) -> Any:
+    """A gRPC asyncio transport: plaintext and anonymous to a loopback test server, TLS with
+    Application Default Credentials (or the given ones) to anything else."""
+    if _is_loopback_endpoint(endpoint):
+        anonymous = auth_credentials.AnonymousCredentials()  # type: ignore[no-untyped-call]
+        return transport_class(channel=grpc.aio.insecure_channel(endpoint), credentials=anonymous)
+    if credentials is None:
+        credentials, _ = await asyncio.to_thread(google.auth.default, scopes=[CLOUD_SCOPE])
+    return transport_class(host=endpoint, credentials=credentials)
 
 
 def bounded_retry(deadline_seconds: float) -> retry_async.AsyncRetry:

@@ -15,6 +15,7 @@ atomic per DEK without that restriction). Errors become ``key_store_unavailable`
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -25,14 +26,13 @@ from typing import Any
 import grpc
 from google.api_core import exceptions as api_exceptions
 from google.api_core.client_options import ClientOptions
-from google.auth import credentials as auth_credentials
 from google.cloud import secretmanager_v1 as sm
 from google.cloud.secretmanager_v1.services.secret_manager_service.transports import (
     SecretManagerServiceGrpcAsyncIOTransport,
 )
 
 from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
-from broker.keys.kek.cloudkms import _is_loopback_endpoint, bounded_retry, crc32c
+from broker.keys.kek.cloudkms import bounded_retry, crc32c, grpc_transport
 from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
 
 PROJECT = re.compile(r"^projects/[a-z0-9-]+$")
@@ -74,17 +74,13 @@ class SecretManagerKeyStore:
         self._client: sm.SecretManagerServiceAsyncClient | None = None
 
     async def open(self) -> None:
+        transport = await grpc_transport(
+            SecretManagerServiceGrpcAsyncIOTransport, self._endpoint, None
+        )
         options = ClientOptions(api_endpoint=self._endpoint)
-        if _is_loopback_endpoint(self._endpoint):
-            transport = SecretManagerServiceGrpcAsyncIOTransport(
-                channel=grpc.aio.insecure_channel(self._endpoint),
-                credentials=auth_credentials.AnonymousCredentials(),  # type: ignore[no-untyped-call]
-            )
-            self._client = sm.SecretManagerServiceAsyncClient(
-                transport=transport, client_options=options
-            )
-        else:
-            self._client = sm.SecretManagerServiceAsyncClient(client_options=options)
+        self._client = await asyncio.to_thread(
+            sm.SecretManagerServiceAsyncClient, transport=transport, client_options=options
+        )
 
     async def close(self) -> None:
         if self._client is not None:
