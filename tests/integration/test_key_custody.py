@@ -112,7 +112,8 @@ async def test_lifecycle_on_every_store_and_kek(
         payloads = [v for s in fake_secretmanager.secrets.values() for v in s.versions if v]
         assert all(dek1 not in p and dek2 not in p for p in payloads)
         (v1_secret,) = [s for n, s in fake_secretmanager.secrets.items() if n.endswith("-v1")]
-        assert v1_secret.versions[:-1] and all(v is None for v in v1_secret.versions[:-1])
+        assert v1_secret.versions[:-1]
+        assert all(v is None for v in v1_secret.versions[:-1])
     if kek == "cloudkms":
         assert "Encrypt" in fake_kms.calls
         assert "Decrypt" in fake_kms.calls
@@ -133,7 +134,7 @@ def test_pkcs11_kek_cannot_be_extracted(softhsm: str) -> None:
 
 
 async def test_pkcs11_wrong_pin_is_kek_unavailable(tmp_path: Path, softhsm: str) -> None:
-    wrong = softhsm.split("&pin-source=")[0] + "&pin-value=not-the-pin"
+    wrong = softhsm.split("&pin-source=", maxsplit=1)[0] + "&pin-value=not-the-pin"
     settings = KeySettings(store=f"sqlite:///{tmp_path / 'k.db'}", kek=wrong)
     with pytest.raises(UpstreamError) as caught:
         async with open_key_service(settings):
