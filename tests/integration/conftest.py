@@ -31,6 +31,7 @@ SHIPPED_POLICIES = Path(__file__).parents[2] / "policies"
 AUDIENCE = "https://broker.it.invalid"
 KEY = "models/llama"
 GPU_KEY = "models/llama-gpu"
+QUERY_KEY = "models/llama-queries"
 ALLOWED = "sha256:" + "a1" * 32
 DENIED = "sha256:" + "d0" * 32
 
@@ -82,7 +83,7 @@ def write_config(
         (SHIPPED_POLICIES / "broker" / "release.rego").read_bytes()
     )
     data = json.loads((SHIPPED_POLICIES / "broker" / "data.json").read_text())
-    data["images"] = {KEY: [ALLOWED], GPU_KEY: [ALLOWED]}
+    data["images"] = {KEY: [ALLOWED], GPU_KEY: [ALLOWED], QUERY_KEY: [ALLOWED]}
     data["gpu_keys"] = gpu_keys or {}
     (policies / "broker" / "data.json").write_text(json.dumps(data))
     extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in server.items())
