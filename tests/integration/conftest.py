@@ -129,25 +129,32 @@ async def start_broker(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
         extra_toml: str = "",
         gpu_keys: dict[str, object] | None = None,
         workdir_setup: Callable[[Path], None] | None = None,
+        reuse: tuple[Path, DevIssuer] | None = None,
         **server: object,
     ) -> RunningBroker:
-        workdir = tmp_path / f"broker{len(runners)}"
-        issuer = DevIssuer(dev_mode=True)
-        config = await asyncio.to_thread(
-            write_config,
-            workdir,
-            issuer,
-            jwks_url=jwks_url,
-            extra_toml=extra_toml,
-            gpu_keys=gpu_keys,
-            **server,
-        )
+        """Start a broker; ``reuse`` serves an existing config (and its issuer) as it is."""
+        if reuse is None:
+            workdir = tmp_path / f"broker{len(runners)}"
+            issuer = DevIssuer(dev_mode=True)
+            config = await asyncio.to_thread(
+                write_config,
+                workdir,
+                issuer,
+                jwks_url=jwks_url,
+                extra_toml=extra_toml,
+                gpu_keys=gpu_keys,
+                **server,
+            )
+        else:
+            config, issuer = reuse
+            workdir = config.parent
         if workdir_setup is not None:
             await asyncio.to_thread(workdir_setup, workdir)
         settings = await asyncio.to_thread(load_settings, config, environ or {})
-        async with open_key_service(settings.keys, create_missing_kek=True) as keys:
-            await keys.create(KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
-            await keys.create(GPU_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+        if reuse is None:
+            async with open_key_service(settings.keys, create_missing_kek=True) as keys:
+                await keys.create(KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+                await keys.create(GPU_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
         runner = web.AppRunner(create_app(settings), access_log=None)
         await runner.setup()
         runners.append(runner)
