@@ -7,7 +7,7 @@
 4. Start the broker over TLS on 127.0.0.1 (a free port).
 5. A sealed runner with the allowed image gets the key through ``broker.client`` and decrypts
    the sample; a runner with another image is denied with the policy's reasons.
-6. Verify the decision log: both decisions, chain intact.
+6. Verify the decision log: the key's creation and both decisions, chain intact.
 
 Returns True only if every step happened as expected.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from aiohttp import web
 
 from broker.app import create_app, server_ssl_context
-from broker.audit.log import verify_file
+from broker.audit.log import DecisionLog, verify_file
 from broker.client import BrokerClient, BrokerClientError
 from broker.config import load_settings
 from broker.crypto.weights import decrypt_stream, encrypt_stream
@@ -106,7 +106,11 @@ async def _run(workdir: Path) -> bool:
     _say("setup", f"config {config} (TLS on loopback, development issuer {issuer.issuer})")
 
     async with open_key_service(settings.keys, create_missing_kek=True) as keys:
+        change_log = DecisionLog(settings.audit.log)
+        await change_log.open()
+        keys.attach_change_log(change_log.append)
         record = await keys.create(DEMO_KEY, Purpose.MODEL_WEIGHTS, now=utc_now())
+        await change_log.close()
         sealed = io.BytesIO()
         encrypt_stream(await keys.unwrap(record), key_id(DEMO_KEY, 1), io.BytesIO(SAMPLE), sealed)
     _say("owner", f"created {DEMO_KEY} v1; encrypted {len(SAMPLE)} bytes of weights with it")
@@ -161,9 +165,10 @@ async def _runners(client: BrokerClient, issuer: DevIssuer, sealed: bytes) -> bo
 def _audit(log_path: Path) -> bool:
     report = verify_file(log_path)
     lines = log_path.read_text(encoding="utf-8").splitlines()
-    results = [json.loads(line)["result"] for line in lines]
-    if report.head.size != 2 or results != ["allow", "deny"]:
-        _say("audit", f"FAILED: expected an allow and a deny, found {results}")
+    records = [json.loads(line) for line in lines]
+    results = [record.get("result") or record.get("action") for record in records]
+    if results != ["create", "allow", "deny"]:
+        _say("audit", f"FAILED: expected create, allow, deny; found {results}")
         return False
     _say(
         "audit",

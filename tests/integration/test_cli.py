@@ -152,7 +152,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     result = run("demo", "--workdir", str(tmp_path / "demo"), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "denied 403 policy_denied" in result.stdout
-    assert "decision log verified: 2 records (allow, deny)" in result.stdout
+    assert "decision log verified: 3 records (create, allow, deny)" in result.stdout
 
 
 REAL = ROOT / "tests" / "fixtures" / "real"
