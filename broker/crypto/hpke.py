@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hpke, serialization
 from cryptography.hazmat.primitives.asymmetric import mlkem, x25519
 
@@ -65,7 +66,7 @@ def open_(ciphertext: bytes, private_key: HpkePrivateKey, info: bytes) -> bytes:
     """
     try:
         return SUITES[kem_of(private_key)].decrypt(ciphertext, private_key, info=info)
-    except Exception as exc:
+    except (InvalidTag, ValueError) as exc:
         raise HpkeError("HPKE message does not open with this key and context") from exc
 
 

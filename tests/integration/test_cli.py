@@ -263,3 +263,38 @@ def test_verify_real_hopper_report_against_rims(rims: list[str], at: str, expect
     (gpu,) = out["gpus"]  # type: ignore[misc]
     assert gpu["measurements"] == expected
     assert (gpu["driver_version"], gpu["vbios_version"]) == ("550.90.07", "96.00.9F.00.01")
+
+
+def test_key_lifecycle_commands_log_every_change(tmp_path: Path) -> None:
+    config = configured(tmp_path)
+    material = tmp_path / "dek.bin"
+    material.write_bytes(bytes(range(32)))
+    steps = [
+        (
+            "keys",
+            "import",
+            "models/byok",
+            "--purpose",
+            "model-weights",
+            "--material-file",
+            str(material),
+        ),
+        ("keys", "rotate", "models/byok"),
+        ("keys", "disable", "models/byok", "--version", "1"),
+        ("keys", "enable", "models/byok", "--version", "1"),
+        ("keys", "destroy", "models/byok", "--version", "1", "--yes"),
+        ("keys", "create", "models/q", "--purpose", "query", "--algorithm", "HPKE-X25519"),
+    ]
+    for step in steps:
+        result = run(*step, "--config", str(config))
+        assert result.returncode == 0, (step, result.stderr)
+    refused = run("keys", "destroy", "models/byok", "--version", "2", "--config", str(config))
+    assert refused.returncode == 2  # destroy needs --yes
+    shown = json.loads(run("keys", "show", "models/byok", "--config", str(config)).stdout)
+    assert [(v["version"], v["state"]) for v in shown] == [(1, "destroyed"), (2, "enabled")]
+    listed = json.loads(run("keys", "list", "--config", str(config)).stdout)
+    assert {v["algorithm"] for v in listed} == {"AES-256", "HPKE-X25519"}
+    log = tmp_path / "b" / "decisions.log"
+    actions = [json.loads(line)["action"] for line in log.read_text().splitlines()]
+    assert actions == ["create", "rotate", "disable", "enable", "destroy", "create"]
+    assert run("audit", "verify", str(log)).returncode == 0
