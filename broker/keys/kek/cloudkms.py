@@ -21,31 +21,20 @@ import asyncio
 import re
 from typing import Any
 
-import google.auth
-import google_crc32c
-import grpc
-from google.api_core import exceptions as api_exceptions
-from google.api_core import retry_async
 from google.api_core.client_options import ClientOptions
-from google.auth import credentials as auth_credentials
 from google.cloud import kms_v1
 from google.cloud.kms_v1.services.key_management_service.transports import (
     KeyManagementServiceGrpcAsyncIOTransport,
 )
 
-from broker.config import is_loopback, split_listen
 from broker.errors import ConfigError, ErrorCode, UpstreamError
+from broker.keys.google_api import call, crc32c, grpc_transport
 
 KEY_NAME = re.compile(
     r"^projects/[a-z0-9-]+/locations/[a-z0-9-]+/keyRings/[A-Za-z0-9_-]+/cryptoKeys/[A-Za-z0-9_-]+$"
 )
 DEFAULT_ENDPOINT = "cloudkms.googleapis.com"
 RPC_TIMEOUT_SECONDS = 10.0
-CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
-
-
-def crc32c(data: bytes) -> int:
-    return int(google_crc32c.value(data))
 
 
 def parse_cloudkms_uri(uri: str) -> str:
@@ -144,46 +133,6 @@ class CloudKmsKek:
         return bytes(response.plaintext)
 
     async def _call(self, method: str, request: Any) -> Any:
-        if self._client is None:
-            raise _unavailable("client not open")
-        try:
-            return await getattr(self._client, method)(
-                request=request, timeout=self._timeout, retry=bounded_retry(self._timeout)
-            )
-        except api_exceptions.GoogleAPICallError as exc:
-            raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
-        except (grpc.aio.AioRpcError, TimeoutError, api_exceptions.RetryError) as exc:
-            raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
-
-
-async def grpc_transport(transport_class: Any, endpoint: str, credentials: Any) -> Any:
-    """A gRPC asyncio transport: plaintext and anonymous to a loopback test server, TLS with
-    Application Default Credentials (or the given ones) to anything else."""
-    if _is_loopback_endpoint(endpoint):
-        anonymous = auth_credentials.AnonymousCredentials()  # type: ignore[no-untyped-call]
-        return transport_class(channel=grpc.aio.insecure_channel(endpoint), credentials=anonymous)
-    if credentials is None:
-        credentials, _ = await asyncio.to_thread(google.auth.default, scopes=[CLOUD_SCOPE])
-    return transport_class(host=endpoint, credentials=credentials)
-
-
-def bounded_retry(deadline_seconds: float) -> retry_async.AsyncRetry:
-    """Retry transient errors (UNAVAILABLE, DEADLINE_EXCEEDED) until ``deadline_seconds``, then
-    give up: a KMS outage must turn into a prompt 503, not a request that hangs for a minute."""
-    return retry_async.AsyncRetry(
-        initial=0.1,
-        maximum=1.0,
-        multiplier=2.0,
-        timeout=deadline_seconds,
-        predicate=retry_async.if_exception_type(
-            api_exceptions.ServiceUnavailable, api_exceptions.DeadlineExceeded
-        ),
-    )
-
-
-def _is_loopback_endpoint(endpoint: str) -> bool:
-    try:
-        host, _ = split_listen(endpoint)
-    except ValueError:
-        return False
-    return is_loopback(host)
+        return await call(
+            self._client, method, request, deadline_seconds=self._timeout, unavailable=_unavailable
+        )

@@ -23,7 +23,6 @@ import re
 from datetime import datetime
 from typing import Any
 
-import grpc
 from google.api_core import exceptions as api_exceptions
 from google.api_core.client_options import ClientOptions
 from google.cloud import secretmanager_v1 as sm
@@ -32,7 +31,7 @@ from google.cloud.secretmanager_v1.services.secret_manager_service.transports im
 )
 
 from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
-from broker.keys.kek.cloudkms import bounded_retry, crc32c, grpc_transport
+from broker.keys.google_api import call, crc32c, grpc_transport
 from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
 
 PROJECT = re.compile(r"^projects/[a-z0-9-]+$")
@@ -182,18 +181,9 @@ class SecretManagerKeyStore:
                 )
 
     async def _call(self, method: str, request: Any) -> Any:
-        if self._client is None:
-            raise _unavailable("client not open")
-        try:
-            return await getattr(self._client, method)(
-                request=request, timeout=self._timeout, retry=bounded_retry(self._timeout)
-            )
-        except (api_exceptions.NotFound, api_exceptions.AlreadyExists):
-            raise
-        except api_exceptions.GoogleAPICallError as exc:
-            raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
-        except (grpc.aio.AioRpcError, TimeoutError, api_exceptions.RetryError) as exc:
-            raise _unavailable(f"{method} failed ({type(exc).__name__})") from exc
+        return await call(
+            self._client, method, request, deadline_seconds=self._timeout, unavailable=_unavailable
+        )
 
 
 def _secret_id(name: str, version: int) -> str:

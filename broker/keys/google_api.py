@@ -1,0 +1,94 @@
+"""Plumbing shared by the Cloud KMS KEK and the Secret Manager store.
+
+* ``grpc_transport``: plaintext + anonymous credentials to a loopback endpoint (the local test
+  servers), TLS + Application Default Credentials to anything else. The channel is created on
+  the event loop that will use it; credential discovery runs on a worker thread.
+* ``call``: one RPC with a bounded retry (transient errors only, until the deadline), every
+  failure turned into the caller's ``UpstreamError``; NOT_FOUND / ALREADY_EXISTS pass through
+  for the caller to interpret.
+* ``crc32c``: the checksum both APIs use for end-to-end integrity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import google.auth
+import google_crc32c
+import grpc
+from google.api_core import exceptions as api_exceptions
+from google.api_core import retry_async
+from google.auth import credentials as auth_credentials
+
+from broker.config import is_loopback, split_listen
+from broker.errors import UpstreamError
+
+CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+
+
+def crc32c(data: bytes) -> int:
+    return int(google_crc32c.value(data))
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    try:
+        host, _ = split_listen(endpoint)
+    except ValueError:
+        return False
+    return is_loopback(host)
+
+
+async def grpc_transport(transport_class: Any, endpoint: str, credentials: Any = None) -> Any:
+    """A gRPC asyncio transport of ``transport_class`` for ``endpoint``."""
+    if is_loopback_endpoint(endpoint):
+        anonymous = auth_credentials.AnonymousCredentials()  # type: ignore[no-untyped-call]
+        return transport_class(channel=grpc.aio.insecure_channel(endpoint), credentials=anonymous)
+    if credentials is None:
+        credentials, _ = await asyncio.to_thread(google.auth.default, scopes=[CLOUD_SCOPE])
+    return transport_class(host=endpoint, credentials=credentials)
+
+
+def bounded_retry(deadline_seconds: float) -> retry_async.AsyncRetry:
+    """Retry transient errors (UNAVAILABLE, DEADLINE_EXCEEDED) until ``deadline_seconds``, then
+    give up: an outage must turn into a prompt 503, not a request that hangs for a minute."""
+    return retry_async.AsyncRetry(
+        initial=0.1,
+        maximum=1.0,
+        multiplier=2.0,
+        timeout=deadline_seconds,
+        predicate=retry_async.if_exception_type(
+            api_exceptions.ServiceUnavailable, api_exceptions.DeadlineExceeded
+        ),
+    )
+
+
+async def call(
+    client: Any,
+    method: str,
+    request: Any,
+    *,
+    deadline_seconds: float,
+    unavailable: Callable[[str], UpstreamError],
+) -> Any:
+    """Run one RPC of ``client``.
+
+    Raises:
+        UpstreamError: from ``unavailable`` for every failure but NOT_FOUND / ALREADY_EXISTS.
+    """
+    if client is None:
+        raise unavailable("client not open")
+    try:
+        return await getattr(client, method)(
+            request=request, timeout=deadline_seconds, retry=bounded_retry(deadline_seconds)
+        )
+    except (api_exceptions.NotFound, api_exceptions.AlreadyExists):
+        raise
+    except (
+        api_exceptions.GoogleAPICallError,
+        api_exceptions.RetryError,
+        grpc.aio.AioRpcError,
+        TimeoutError,
+    ) as exc:
+        raise unavailable(f"{method} failed ({type(exc).__name__})") from exc
