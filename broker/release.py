@@ -201,6 +201,7 @@ class ReleaseService:
             "policy_digest": self._policy.digest,
             "input_digest": outcome.input_digest,
             "runner_key_thumbprint": request.runner_key.thumbprint,
+            "wrap": request.wrap,
             "evidence_digests": dict(evidence_digests(request.unverified_evidence)),
             "identity": None if evidence is None else dict(evidence.identity),
         }

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from broker.crypto.weights import WeightsFormatError, decrypt_stream, encrypt_stream
-from broker.errors import Conflict, ErrorCode, InputError, NotFound, UpstreamError
+from broker.errors import ConfigError, Conflict, ErrorCode, InputError, NotFound, UpstreamError
 from broker.keys.kek.base import dek_aad
 from broker.keys.kek.local import LocalKek, create_kek_file
+from broker.keys.kek.pkcs11 import parse_pkcs11_uri
 from broker.keys.kek.ring import KekRing
 from broker.keys.service import KeyService, validate_key_name
 from broker.keys.store.base import Purpose
@@ -118,3 +119,27 @@ async def test_key_service_stores_only_wrapped_deks(tmp_path: Path) -> None:
 def test_bad_key_names_refused(name: str) -> None:
     with pytest.raises(InputError):
         validate_key_name(name)
+
+
+def test_pkcs11_pin_never_in_repr_or_reference() -> None:
+    uri = parse_pkcs11_uri(
+        "pkcs11:token=t;object=o?module-path=/lib/x.so&pin-value=super-secret-pin"
+    )
+    assert uri.pin == "super-secret-pin"
+    assert "super-secret-pin" not in repr(uri)
+    assert "super-secret-pin" not in uri.reference
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "pkcs11:object=o?module-path=/x.so&pin-value=1",
+        "pkcs11:token=t?module-path=/x.so&pin-value=1",
+        "pkcs11:token=t;object=o?pin-value=1",
+        "pkcs11:token=t;object=o?module-path=/x.so",
+        "pkcs11:token=t;object=o?module-path=/x.so&pin-source=http://x",
+    ],
+)
+def test_incomplete_pkcs11_uris_refused(uri: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_pkcs11_uri(uri)

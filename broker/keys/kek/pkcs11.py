@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote
@@ -40,7 +40,7 @@ class Pkcs11Uri:
     object: str
     key_id: bytes | None
     module_path: Path
-    pin: str
+    pin: str = field(repr=False)  # never in a log line or an error message
 
     @property
     def reference(self) -> str:
