@@ -18,6 +18,7 @@ from broker.attestation.nvidia import local, spdm
 from broker.attestation.nvidia.nras import NrasTrust, verify_nras
 from broker.attestation.nvidia.rim import verify_rim
 from broker.errors import AttestationError, ErrorCode
+from tests.vectors.gpu import SimulatedGpu
 
 NV = Path(__file__).parents[1] / "fixtures" / "real" / "nvidia"
 TODAY = datetime(2026, 11, 30, tzinfo=UTC)
@@ -301,3 +302,33 @@ def test_malformed_local_evidence_rejected(evidence: object) -> None:
     with pytest.raises(AttestationError) as caught:
         local.parse_local_evidence(evidence)
     assert caught.value.code is ErrorCode.EVIDENCE_MALFORMED
+
+
+# --- Blackwell: no public signed sample exists; the simulated GPU uses the documented layout ---
+
+
+@pytest.mark.parametrize("arch", ["HOPPER", "BLACKWELL"])
+def test_simulated_gpu_verifies_for_each_architecture(arch: str) -> None:
+    gpu = SimulatedGpu(TODAY, arch=arch)
+    nonce = bytes(range(32))
+    parsed_arch, (evidence,) = local.parse_local_evidence(gpu.evidence(nonce))
+    verified = local.verify_gpu_report(
+        evidence, arch=parsed_arch, device_roots=[gpu.root], expected_nonce=nonce, now=TODAY
+    )
+    driver_id, vbios_id = verified.rim_ids()
+    expected_driver = {
+        "HOPPER": "NV_GPU_DRIVER_GH100_550.90.07",
+        "BLACKWELL": "NV_GPU_CC_DRIVER_GB100_550.90.07",
+    }[arch]
+    assert (driver_id, vbios_id) == (expected_driver, "NV_GPU_VBIOS_1010_0200_882_96009F0001")
+
+
+def test_blackwell_fwid_must_be_inside_tcb_info() -> None:
+    gpu = SimulatedGpu(TODAY, arch="BLACKWELL")
+    # Hopper's rule (FWID ends the extension) does not hold for this certificate …
+    with pytest.raises(AttestationError):
+        local._check_fwid(gpu.chain[0], gpu.fwid, "HOPPER")
+    local._check_fwid(gpu.chain[0], gpu.fwid, "BLACKWELL")  # … Blackwell's does
+    with pytest.raises(AttestationError) as caught:
+        local._check_fwid(gpu.chain[0], bytes(48), "BLACKWELL")
+    assert caught.value.code is ErrorCode.FWID_MISMATCH

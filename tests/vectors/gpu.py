@@ -92,6 +92,7 @@ class SimulatedGpu:
 
     now: datetime
     measurements: dict[int, bytes] = field(default_factory=dict)
+    arch: str = "HOPPER"
     chain: list[x509.Certificate] = field(default_factory=list)
     leaf_key: ec.EllipticCurvePrivateKey | None = None
     keys: list[ec.EllipticCurvePrivateKey] = field(default_factory=list)  # leaf first
@@ -103,8 +104,11 @@ class SimulatedGpu:
                 i: hashlib.sha384(f"block-{i}".encode()).digest() for i in range(1, 9)
             }
         self.fwid = os.urandom(48)
+        # Hopper: the FWID ends the TcbInfo extension; Blackwell: it sits inside TcbInfo.fwids.
+        trailer = b"" if self.arch == "HOPPER" else b"\x81\x01\x00more-tcb-info"
         tcb_info = x509.UnrecognizedExtension(
-            x509.ObjectIdentifier("2.23.133.5.4.1"), b"\x30\x35\x04\x33tcb-info-prefix" + self.fwid
+            x509.ObjectIdentifier("2.23.133.5.4.1"),
+            b"\x30\x35\x04\x33tcb-info-prefix" + self.fwid + trailer,
         )
         names = [
             "Test Device Identity CA",
@@ -141,6 +145,7 @@ class SimulatedGpu:
                 (17, b"1010\0"),
                 (18, b"0200\0"),
                 (20, self.fwid),
+                (35, b"GB100\0"),
             ]
         )
         response = (
@@ -159,7 +164,7 @@ class SimulatedGpu:
     def evidence(self, nonce: bytes, **kwargs: Any) -> dict[str, Any]:
         """The ``nvidia`` evidence member (NVIDIA's NRAS request shape)."""
         return {
-            "arch": "HOPPER",
+            "arch": self.arch,
             "evidence_list": [
                 {
                     "evidence": base64.b64encode(self.report(nonce, **kwargs)).decode(),
