@@ -83,7 +83,7 @@ gpu_ok(gpu) if {
 	gpu.debug == false
 	gpu.measurements == "match"
 	gpu.cert_chain == "valid"
-	gpu.ocsp in {"good", "unknown"}
+	ocsp_acceptable(gpu)
 	version_at_least(gpu.driver_version, gpu_policy.min_driver)
 }
 
@@ -126,7 +126,7 @@ reasons contains msg if {
 reasons contains msg if {
 	gpu_policy
 	some gpu in input.gpus
-	not gpu.ocsp in {"good", "unknown"}
+	not ocsp_acceptable(gpu)
 	msg := sprintf("GPU %v: device certificate status %v", [object.get(gpu, "id", null), object.get(gpu, "ocsp", null)])
 }
 
@@ -139,6 +139,15 @@ reasons contains msg if {
 		object.get(gpu, "driver_version", null),
 		gpu_policy.min_driver,
 	])
+}
+
+# Revocation must be checked and good; a key may opt in to accepting "unknown" (no responder
+# configured or reachable, or an NRAS result without OCSP claims) with "ocsp_unknown_ok": true.
+ocsp_acceptable(gpu) if gpu.ocsp == "good"
+
+ocsp_acceptable(gpu) if {
+	gpu.ocsp == "unknown"
+	gpu_policy.ocsp_unknown_ok == true
 }
 
 # "550.90.07" >= "550.54" compared numerically, part by part (at most 3 parts of < 1000 each).

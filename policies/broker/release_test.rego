@@ -132,10 +132,19 @@ test_gpu_revoked_denied if {
 		with data.broker.gpu_keys as gpu_keys
 }
 
-test_gpu_ocsp_unknown_tolerated if {
+test_gpu_ocsp_unknown_denied_by_default if {
 	unknown := json.patch(gpu, [{"op": "replace", "path": "/ocsp", "value": "unknown"}])
-	release.allow with input as with_gpus([unknown]) with data.broker.images as images
+	not release.allow with input as with_gpus([unknown]) with data.broker.images as images
 		with data.broker.gpu_keys as gpu_keys
+	"GPU GPU-0: device certificate status unknown" in release.reasons with input as with_gpus([unknown])
+		with data.broker.images as images with data.broker.gpu_keys as gpu_keys
+}
+
+test_gpu_ocsp_unknown_tolerated_when_the_key_opts_in if {
+	unknown := json.patch(gpu, [{"op": "replace", "path": "/ocsp", "value": "unknown"}])
+	lenient := {"models/llama": {"min_gpus": 1, "min_driver": "550.54", "ocsp_unknown_ok": true}}
+	release.allow with input as with_gpus([unknown]) with data.broker.images as images
+		with data.broker.gpu_keys as lenient
 }
 
 test_unverified_measurements_denied if {

@@ -27,7 +27,7 @@ from tests.vectors.gpu import (
     pem,
 )
 
-GPU_POLICY = {GPU_KEY: {"min_gpus": 1, "min_driver": "550.54"}}
+GPU_POLICY = {GPU_KEY: {"min_gpus": 1, "min_driver": "550.54", "ocsp_unknown_ok": True}}
 
 
 class LocalGpu:

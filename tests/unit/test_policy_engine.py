@@ -137,7 +137,7 @@ GPU: dict[str, Any] = {
     "debug": False,
     "measurements": "match",
     "cert_chain": "valid",
-    "ocsp": "unknown",
+    "ocsp": "good",
     "driver_version": "550.90.07",
 }
 
@@ -166,6 +166,7 @@ async def test_gpu_rule_allows_attested_gpus_in_regopy(gpu_engine: EmbeddedPolic
         ("cc_mode", "unknown", "GPU GPU-0: confidential computing mode is unknown, not on"),
         ("driver_version", "535.104.05", "GPU GPU-0: driver 535.104.05 is older than 550.54"),
         ("ocsp", "revoked", "GPU GPU-0: device certificate status revoked"),
+        ("ocsp", "unknown", "GPU GPU-0: device certificate status unknown"),
     ],
 )
 async def test_gpu_rule_denies_with_reasons_in_regopy(
