@@ -12,13 +12,14 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 from aiohttp import web
 
 from broker import cli_keys, offline
 from broker.app import create_app, server_ssl_context
-from broker.audit.log import LogCorrupt, verify_file
+from broker.audit.log import LogCorrupt, repair_torn_tail, verify_file
 from broker.config import load_settings
 from broker.errors import AttestationError, BrokerError, ConfigError
 from broker.policy.testing import find_opa, run_policy_tests
@@ -69,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("path", type=Path)
     verify.add_argument("--head", help="a record hash known from earlier that must be present")
     verify.set_defaults(run=_audit_verify)
+    repair = audit.add_parser(
+        "repair", help="cut a torn final record left by a crash, and log that it was cut"
+    )
+    repair.add_argument("path", type=Path)
+    repair.set_defaults(run=_audit_repair)
 
     verify = commands.add_parser(
         "verify", help="verify one piece of evidence offline and print the policy-input fragment"
@@ -116,6 +122,31 @@ def _audit_verify(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": False, "first_bad_record": exc.line, "problem": exc.problem}))
         return EXIT_NO
     print(json.dumps({"ok": True, "records": report.head.size, "head": report.head.hash}))
+    return 0
+
+
+def _audit_repair(args: argparse.Namespace) -> int:
+    try:
+        report = repair_torn_tail(args.path, now=datetime.now(UTC).isoformat())
+    except OSError as exc:
+        print(f"error: cannot repair {args.path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except LogCorrupt as exc:
+        print(json.dumps({"repaired": False, "first_bad_record": exc.line, "problem": exc.problem}))
+        return EXIT_NO
+    if report is None:
+        print(json.dumps({"repaired": False, "problem": None}))
+        return 0
+    print(
+        json.dumps(
+            {
+                "repaired": True,
+                "removed_bytes": report.removed_bytes,
+                "removed_sha256": report.removed_sha256,
+                "records": report.head.size,
+            }
+        )
+    )
     return 0
 
 

@@ -142,7 +142,9 @@ def read_head(path: Path) -> ChainHead:
         handle.seek(max(0, size - TAIL_READ_BYTES))
         tail = handle.read()
     if not tail.endswith(b"\n"):
-        raise LogCorrupt(0, "the last record is truncated; run `broker audit verify` and repair")
+        raise LogCorrupt(
+            0, "the last record is truncated (a torn write); run `broker audit repair`"
+        )
     last_line = tail[:-1].rsplit(b"\n", 1)[-1]
     try:
         record = json.loads(last_line)
@@ -151,6 +153,56 @@ def read_head(path: Path) -> ChainHead:
     if not isinstance(record, dict) or record.get("hash") != record_hash(record):
         raise LogCorrupt(0, "the last record does not verify")
     return ChainHead(size=int(record["seq"]) + 1, hash=str(record["hash"]))
+
+
+@dataclass(frozen=True)
+class RepairReport:
+    removed_bytes: int
+    removed_sha256: str
+    head: ChainHead
+
+
+def repair_torn_tail(path: Path, *, now: str) -> RepairReport | None:
+    """Cut a torn final line (a write interrupted by a crash) and record that it was cut.
+
+    Everything before the torn line must verify; otherwise nothing is changed. The removed bytes
+    are never a released decision (a record counts only once fsync'd whole, and keys leave only
+    after that), but the cut is logged as a ``log_repair`` record with their SHA-256 and length,
+    so an auditor sees it.
+
+    Returns:
+        ``None`` when the log was intact.
+
+    Raises:
+        LogCorrupt: when the damage is not only a torn final line.
+    """
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        verify_bytes(data)
+        return None
+    cut = data.rfind(b"\n") + 1
+    fragment = data[cut:]
+    report = verify_bytes(data[:cut])
+    record = {
+        "type": "log_repair",
+        "time": now,
+        "removed_bytes": len(fragment),
+        "removed_sha256": hashlib.sha256(fragment).hexdigest(),
+        "seq": report.head.size,
+        "prev": report.head.hash,
+    }
+    record["hash"] = record_hash(record)
+    with path.open("r+b") as handle:
+        handle.truncate(cut)
+        handle.seek(cut)
+        handle.write(canonical(record) + b"\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    return RepairReport(
+        removed_bytes=len(fragment),
+        removed_sha256=str(record["removed_sha256"]),
+        head=ChainHead(size=report.head.size + 1, hash=str(record["hash"])),
+    )
 
 
 class DecisionLog:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.audit.log import DecisionLog, LogCorrupt, read_head, verify_file
+from broker.audit.log import DecisionLog, LogCorrupt, read_head, repair_torn_tail, verify_file
 from broker.errors import ErrorCode, UpstreamError
 
 
@@ -126,3 +126,39 @@ async def test_log_file_is_private(tmp_path: Path) -> None:
     path = tmp_path / "d.log"
     await write_log(path, 1)
     assert path.stat().st_mode & 0o077 == 0
+
+
+async def test_torn_tail_is_cut_and_the_cut_logged(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 3)
+    intact = path.read_bytes()
+    path.write_bytes(intact + b'{"decision_id":"half-writ')
+    report = repair_torn_tail(path, now="2026-11-30T00:00:00+00:00")
+    assert report is not None
+    assert report.removed_bytes == len(b'{"decision_id":"half-writ')
+    assert verify_file(path).head.size == 4
+    last = json.loads(lines(path)[-1])
+    assert (last["type"], last["removed_bytes"]) == ("log_repair", report.removed_bytes)
+    await write_log(path, 1)  # the broker opens and appends again
+    assert verify_file(path).head.size == 5
+
+
+async def test_repair_refuses_damage_other_than_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 3)
+    content = lines(path)
+    content[0] = content[0].replace('"deny"', '"allow"')
+    path.write_text("".join(content) + '{"torn')
+    before = path.read_bytes()
+    with pytest.raises(LogCorrupt) as caught:
+        repair_torn_tail(path, now="2026-11-30T00:00:00+00:00")
+    assert caught.value.line == 1
+    assert path.read_bytes() == before  # nothing changed
+
+
+async def test_repair_of_an_intact_log_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    await write_log(path, 2)
+    before = path.read_bytes()
+    assert repair_torn_tail(path, now="x") is None
+    assert path.read_bytes() == before
