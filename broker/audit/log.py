@@ -34,7 +34,8 @@ from broker.errors import ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
 GENESIS = "0" * 64
-TAIL_READ_BYTES = 1024 * 1024
+TAIL_FIRST_READ_BYTES = 16 * 1024
+TAIL_READ_BYTES = 4 * 1024 * 1024
 
 
 class LogCorrupt(Exception):
@@ -137,10 +138,7 @@ def read_head(path: Path) -> ChainHead:
     """
     if not path.exists() or path.stat().st_size == 0:
         return ChainHead(size=0, hash=GENESIS)
-    with path.open("rb") as handle:
-        size = handle.seek(0, os.SEEK_END)
-        handle.seek(max(0, size - TAIL_READ_BYTES))
-        tail = handle.read()
+    tail = _last_line_window(path)
     if not tail.endswith(b"\n"):
         raise LogCorrupt(
             0, "the last record is truncated (a torn write); run `broker audit repair`"
@@ -203,6 +201,20 @@ def repair_torn_tail(path: Path, *, now: str) -> RepairReport | None:
         removed_sha256=str(record["removed_sha256"]),
         head=ChainHead(size=report.head.size + 1, hash=str(record["hash"])),
     )
+
+
+def _last_line_window(path: Path) -> bytes:
+    """The end of the file, grown from 16 KiB until it holds the whole last line."""
+    with path.open("rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        window = TAIL_FIRST_READ_BYTES
+        while True:
+            start = max(0, size - window)
+            handle.seek(start)
+            tail = handle.read()
+            if start == 0 or b"\n" in tail[:-1] or window >= TAIL_READ_BYTES:
+                return tail
+            window *= 4
 
 
 class DecisionLog:

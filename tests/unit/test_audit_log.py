@@ -162,3 +162,14 @@ async def test_repair_of_an_intact_log_changes_nothing(tmp_path: Path) -> None:
     before = path.read_bytes()
     assert repair_torn_tail(path, now="x") is None
     assert path.read_bytes() == before
+
+
+async def test_head_found_behind_a_record_longer_than_the_first_read(tmp_path: Path) -> None:
+    path = tmp_path / "d.log"
+    log = DecisionLog(path)
+    await log.open()
+    await log.append({"n": 0})
+    last = await log.append({"reasons": ["x" * 1000] * 40})  # ~40 KiB, longer than 16 KiB
+    await log.close()
+    assert read_head(path).hash == last
+    assert read_head(path).size == 2
