@@ -126,7 +126,7 @@ class ReleaseService:
         except BrokerError as exc:
             outcome.error = exc
         await self._audit.append(self._record(outcome, now=now, request_id=request_id))
-        result = "allow" if wrapped is not None else ("deny" if _is_deny(outcome) else "error")
+        result = _result(outcome)
         code = outcome.error.code.value if outcome.error else "ok"
         self._metrics.decisions.labels(result, code).inc()
         self._metrics.release_latency.labels(result).observe(time.perf_counter() - started)
@@ -194,7 +194,7 @@ class ReleaseService:
             "key": request.key,
             "version": request.version if record is None else record.version,
             "kid": None if record is None else key_id(record.name, record.version),
-            "result": "allow" if error is None else ("deny" if _is_deny(outcome) else "error"),
+            "result": _result(outcome),
             "code": error.code.value if error else None,
             "message": error.message if error else None,
             "reasons": [] if outcome.decision is None else list(outcome.decision.reasons),
@@ -207,6 +207,9 @@ class ReleaseService:
         }
 
 
-def _is_deny(outcome: _Outcome) -> bool:
-    """A deny is the requester's fault (4xx or policy); an error is ours or an upstream's."""
-    return outcome.error is not None and outcome.error.status < 500
+def _result(outcome: _Outcome) -> str:
+    """``allow``; ``deny`` when the requester is at fault (4xx or policy); ``error`` when we or
+    an upstream are (5xx)."""
+    if outcome.error is None:
+        return "allow"
+    return "deny" if outcome.error.status < 500 else "error"
