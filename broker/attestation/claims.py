@@ -220,6 +220,53 @@ def nras_gpu_entries(result: VerifiedNrasResult, *, cc_mode: str) -> list[dict[s
     return entries
 
 
+def ita_gpu_entries(claims: Mapping[str, Any], *, cc_mode: str) -> list[dict[str, Any]]:
+    """``gpus[]`` entries from the ``nvgpu`` section of an Intel Trust Authority token.
+
+    ITA appraises GPU evidence through NRAS and copies the result in one of two documented
+    shapes (EVIDENCE.md §2.3): the 2024 form (NRAS claims with
+    ``x-nvidia-attestation-detailed-result``) or the newer ``{"x-nvidia-overall-att-result",
+    "claim_details": {"GPU-0": {…}}}``. Both normalise to the same fields; anything not stated
+    reads as the failing value.
+    """
+    nvgpu = _obj(claims.get("nvgpu"))
+    if not nvgpu:
+        return []
+    details = _obj(nvgpu.get("claim_details"))
+    overall = nvgpu.get("x-nvidia-overall-att-result")
+    per_gpu = details or {"GPU-0": nvgpu}
+    entries = []
+    for name, gpu_claims in sorted(per_gpu.items()):
+        gpu = _obj(gpu_claims)
+        detailed = _obj(gpu.get("x-nvidia-attestation-detailed-result"))
+        matched = gpu.get("measres") == "success" or (
+            detailed.get("x-nvidia-gpu-measurements-match") is True
+        )
+        hwmodel = _str(gpu.get("hwmodel"))
+        entries.append(
+            {
+                "id": str(name),
+                "verifier": "ita",
+                "arch": _arch(hwmodel),
+                "hwmodel": hwmodel,
+                "cc_mode": cc_mode,
+                "debug": gpu.get("dbgstat") != "disabled",
+                "secure_boot": gpu.get("secboot") is True,
+                "measurements": "match" if matched and overall is not False else "mismatch",
+                "overall_result": overall is True or (overall is None and matched),
+                "driver_version": _str(gpu.get("x-nvidia-gpu-driver-version")),
+                "vbios_version": _str(gpu.get("x-nvidia-gpu-vbios-version")),
+                "ueid": _str(gpu.get("ueid")),
+                "cert_chain": "valid"
+                if detailed.get("x-nvidia-gpu-attestation-report-cert-chain-validated", True)
+                is True
+                else "invalid",
+                "ocsp": "unknown",
+            }
+        )
+    return entries
+
+
 def local_gpu_entry(
     index: int,
     report: VerifiedGpuReport,

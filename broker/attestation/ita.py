@@ -123,6 +123,7 @@ def check_ita_binding(claims: Mapping[str, Any], *, nonce: str, thumbprint: str)
     if "eat_nonce" in claims or "submods" in claims:
         binding.check_eat_nonce(claims.get("eat_nonce"), nonce=nonce, thumbprint=thumbprint)
         return
+    check_gpu_nonce(claims)
     tdx = tdx_claims(claims)
     held = _b64(claims.get("attester_held_data") or tdx.get("attester_held_data"), "held data")
     if held is None:
@@ -136,6 +137,30 @@ def check_ita_binding(claims: Mapping[str, Any], *, nonce: str, thumbprint: str)
             code=ErrorCode.KEY_BINDING_MISMATCH,
         )
     check_report_data(claims, held)
+
+
+def check_gpu_nonce(claims: Mapping[str, Any]) -> None:
+    """GPU results inside an ITA token must come from the same appraisal as the TD quote.
+
+    Intel's client derives the GPU nonce as ``SHA-256(verifier_nonce.val || verifier_nonce.iat)``
+    (EVIDENCE.md §2.1, §3.6); when the token states a GPU ``eat_nonce`` it must be that value.
+
+    Raises:
+        AttestationError: ``nonce_mismatch``.
+    """
+    nvgpu = claims.get("nvgpu")
+    stated = nvgpu.get("eat_nonce") if isinstance(nvgpu, dict) else None
+    verifier_nonce = claims.get("verifier_nonce") or tdx_claims(claims).get("verifier_nonce")
+    if stated is None or not isinstance(verifier_nonce, dict):
+        return
+    val = _b64(verifier_nonce.get("val"), "verifier_nonce.val") or b""
+    iat = _b64(verifier_nonce.get("iat"), "verifier_nonce.iat") or b""
+    expected = hashlib.sha256(val + iat).hexdigest()
+    if not binding.same_bytes(str(stated).lower().encode(), expected.encode()):
+        raise AttestationError(
+            "the token's GPU result was made for another appraisal (nvgpu eat_nonce)",
+            code=ErrorCode.NONCE_MISMATCH,
+        )
 
 
 def check_report_data(claims: Mapping[str, Any], held: bytes) -> None:

@@ -119,11 +119,12 @@ class EvidenceVerifier:
             gpus, raw = await self._verify_local(
                 unverified_evidence["nvidia"], gpu_nonce, cc_mode, now
             )
+        all_gpus = [*cpu.gpus, *gpus]
         return VerifiedEvidence(
             tee=cpu.tee,
             raw_claims={**cpu.raw_claims, gpu_kind: raw},
-            identity={**cpu.identity, "gpus": [g.get("ueid") for g in gpus]},
-            gpus=gpus,
+            identity={**cpu.identity, "gpus": [g.get("ueid") for g in all_gpus]},
+            gpus=all_gpus,
         )
 
     def _split(self, unverified_evidence: Any) -> tuple[str, str | None]:
@@ -193,8 +194,14 @@ class EvidenceVerifier:
         )
         ita.check_ita_binding(verified.claims, nonce=nonce, thumbprint=thumbprint)
         tee = claims.ita_tee(verified)
+        gpus = claims.ita_gpu_entries(
+            verified.claims, cc_mode=claims.gpu_cc_mode({"ita": verified.claims})
+        )
         return VerifiedEvidence(
-            tee=tee, raw_claims={"ita": verified.claims}, identity=_identity(tee, verified)
+            tee=tee,
+            raw_claims={"ita": verified.claims},
+            identity=_identity(tee, verified),
+            gpus=gpus,
         )
 
     async def _verify_nras(

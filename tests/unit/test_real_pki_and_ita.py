@@ -12,11 +12,12 @@ import pytest
 from cryptography import x509
 
 from broker.attestation import binding
-from broker.attestation.claims import gca_tee, ita_tee
+from broker.attestation.claims import gca_tee, ita_gpu_entries, ita_tee
 from broker.attestation.gca import GcaTrust, verify_gca_token
 from broker.attestation.ita import (
     ItaTrust,
     VerifiedItaToken,
+    check_gpu_nonce,
     check_ita_binding,
     check_report_data,
     verify_ita_token,
@@ -227,3 +228,45 @@ def test_ita_issue_time_plus_token_lifetime_is_the_edge() -> None:
     verify_ita_token(ITA_TOKEN, trust=ITA, audience="a", now=end + timedelta(seconds=29))
     with pytest.raises(AttestationError):
         verify_ita_token(ITA_TOKEN, trust=ITA, audience="a", now=end + timedelta(seconds=31))
+
+
+def test_ita_nvgpu_2024_shape_normalises() -> None:
+    nvgpu = {
+        "sub": "NVIDIA-GPU-ATTESTATION",
+        "hwmodel": "GH100 A01 GSP BROM",
+        "dbgstat": "disabled",
+        "secboot": True,
+        "x-nvidia-gpu-driver-version": "550.90.07",
+        "x-nvidia-attestation-detailed-result": {
+            "x-nvidia-gpu-measurements-match": True,
+            "x-nvidia-gpu-attestation-report-cert-chain-validated": True,
+        },
+    }
+    (gpu,) = ita_gpu_entries({"nvgpu": nvgpu}, cc_mode="unknown")
+    assert (gpu["verifier"], gpu["arch"], gpu["measurements"], gpu["debug"]) == (
+        "ita",
+        "HOPPER",
+        "match",
+        False,
+    )
+    nvgpu["x-nvidia-attestation-detailed-result"]["x-nvidia-gpu-measurements-match"] = False  # type: ignore[index]
+    (failing,) = ita_gpu_entries({"nvgpu": nvgpu}, cc_mode="unknown")
+    assert failing["measurements"] == "mismatch"
+
+
+def test_ita_overall_result_false_means_mismatch() -> None:
+    nvgpu = {
+        "x-nvidia-overall-att-result": False,
+        "claim_details": {"GPU-0": {"measres": "success", "dbgstat": "disabled"}},
+    }
+    (gpu,) = ita_gpu_entries({"nvgpu": nvgpu}, cc_mode="unknown")
+    assert gpu["measurements"] == "mismatch"
+
+
+def test_ita_gpu_result_from_another_appraisal_rejected() -> None:
+    claims = {"verifier_nonce": {"val": "dmFs", "iat": "aWF0"}, "nvgpu": {"eat_nonce": "00" * 32}}
+    with pytest.raises(AttestationError) as caught:
+        check_gpu_nonce(claims)
+    assert caught.value.code is ErrorCode.NONCE_MISMATCH
+    claims["nvgpu"] = {"eat_nonce": hashlib.sha256(b"val" + b"iat").hexdigest()}
+    check_gpu_nonce(claims)

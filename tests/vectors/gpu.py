@@ -19,7 +19,7 @@ from typing import Any
 import jwt
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509 import ocsp
 from cryptography.x509.oid import NameOID
@@ -335,3 +335,82 @@ class OcspResponder:
             ocsp.OCSPResponseStatus.UNAUTHORIZED
         )
         return unauthorized.public_bytes(serialization.Encoding.DER)
+
+
+@dataclass
+class SimulatedIta:
+    """Issues Intel Trust Authority-shaped TDX tokens (PS384) under a test root."""
+
+    now: datetime
+    issuer: str = "https://portal.trustauthority.test.invalid"
+    chain: list[x509.Certificate] = field(default_factory=list)
+    key: Any = None
+    kid: str = ""
+
+    def __post_init__(self) -> None:
+        keys = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(3)]
+        names = ["Test ITA Root CA", "Test ITA ATS Signing CA", "Test ITA Token Signing"]
+        certs: list[x509.Certificate] = []
+        for depth, (cn, key) in enumerate(zip(names, keys, strict=True)):
+            issuer = None if depth == 0 else (certs[-1].subject, keys[depth - 1])
+            certs.append(_cert(cn, key, issuer, now=self.now, ca=depth < 2))  # type: ignore[arg-type]
+        self.chain = certs[::-1]
+        self.key = keys[-1]
+        self.kid = hashlib.sha384(
+            self.chain[0].public_bytes(serialization.Encoding.DER)
+        ).hexdigest()
+
+    @property
+    def root(self) -> x509.Certificate:
+        return self.chain[-1]
+
+    def jwks(self) -> dict[str, Any]:
+        x5c = [
+            base64.b64encode(c.public_bytes(serialization.Encoding.DER)).decode()
+            for c in self.chain
+        ]
+        entries = []
+        for alg in ("PS384", "RS256"):  # Intel publishes every key twice
+            entries.append(
+                {**public_jwk(self.key.public_key()), "kid": self.kid, "alg": alg, "x5c": x5c}
+            )
+        return {"keys": entries}
+
+    def token(
+        self,
+        held_data: bytes,
+        *,
+        debug: bool = False,
+        mrtd: str = "ab" * 48,
+        nvgpu: dict[str, Any] | None = None,
+    ) -> str:
+        val, iat = os.urandom(32), self.now.isoformat().encode()
+        issued = int(self.now.timestamp())
+        claims: dict[str, Any] = {
+            "iss": self.issuer,
+            "iat": issued,
+            "nbf": issued,
+            "exp": issued + 300,
+            "attester_type": "TDX",
+            "attester_tcb_status": "UpToDate",
+            "dbgstat": "disabled",
+            "attester_held_data": base64.b64encode(held_data).decode(),
+            "verifier_nonce": {
+                "val": base64.b64encode(val).decode(),
+                "iat": base64.b64encode(iat).decode(),
+                "signature": "c2ln",
+            },
+            "tdx_report_data": hashlib.sha512(val + iat + held_data).hexdigest(),
+            "tdx_mrtd": mrtd,
+            "tdx_td_attributes_debug": debug,
+            "tdx_is_debuggable": debug,
+            **{f"tdx_rtmr{i}": "00" * 48 for i in range(4)},
+        }
+        if nvgpu is not None:
+            claims["nvgpu"] = {**nvgpu, "eat_nonce": hashlib.sha256(val + iat).hexdigest()}
+        return jwt.encode(
+            claims,
+            self.key,
+            algorithm="PS384",
+            headers={"kid": self.kid, "jku": "https://portal.trustauthority.intel.com/certs"},
+        )
