@@ -103,6 +103,7 @@ async def test_key_service_stores_only_wrapped_deks(tmp_path: Path) -> None:
     assert dek not in record.wrapped_dek
     with pytest.raises(Conflict):
         await service.create("models/a", Purpose.MODEL_WEIGHTS, now=NOW)
+    assert (tmp_path / "keys.db").stat().st_mode & 0o077 == 0
     with pytest.raises(NotFound) as caught:
         await service.resolve("models/missing", None)
     assert caught.value.code is ErrorCode.KEY_UNKNOWN

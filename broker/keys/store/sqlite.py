@@ -64,6 +64,9 @@ class SqliteKeyStore:
 
     def _open_sync(self) -> None:
         self._path.parent.mkdir(parents=True, exist_ok=True)
+        # Wrapped keys only, but still nobody else's business: SQLite gives its -wal and -shm
+        # files the database file's mode.
+        self._path.touch(mode=0o600, exist_ok=True)
         conn = sqlite3.connect(self._path, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
