@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import shutil
 import ssl
 import tempfile
 from datetime import UTC, datetime
@@ -31,7 +30,7 @@ from broker.client import BrokerClient, BrokerClientError
 from broker.config import load_settings
 from broker.crypto.weights import decrypt_stream, encrypt_stream
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
-from broker.dev.tls import make_dev_tls
+from broker.dev.workspace import write_dev_workspace
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
 from broker.keys.wrap import key_id
@@ -40,7 +39,6 @@ DEMO_KEY = "models/demo-llama"
 AUDIENCE = "https://broker.demo.invalid"
 ALLOWED_DIGEST = "sha256:" + hashlib.sha256(b"sealed-runner:1.0").hexdigest()
 OTHER_DIGEST = "sha256:" + hashlib.sha256(b"tampered-runner:6.6").hexdigest()
-SHIPPED_POLICIES = Path(__file__).resolve().parent.parent / "policies"
 SAMPLE = b"layer.0.weight " + bytes(range(256)) * 4096  # ~1 MiB of pretend weights
 
 
@@ -50,44 +48,6 @@ def utc_now() -> datetime:
 
 def _say(step: str, text: str) -> None:
     print(f"[{step}] {text}", flush=True)
-
-
-def write_demo_config(workdir: Path, issuer: DevIssuer, *, now: datetime) -> Path:
-    """Lay out the demo's files and return the path of its ``broker.toml``."""
-    make_dev_tls(workdir / "tls", now=now)
-    issuer.write_jwks(workdir / "dev-issuer-jwks.json")
-    policies = workdir / "policies"
-    shutil.copytree(SHIPPED_POLICIES, policies, dirs_exist_ok=True)
-    data = (policies / "broker" / "data.json").read_text(encoding="utf-8")
-    data = data.replace('"images": {}', f'"images": {{"{DEMO_KEY}": ["{ALLOWED_DIGEST}"]}}')
-    (policies / "broker" / "data.json").write_text(data, encoding="utf-8")
-    config = workdir / "broker.toml"
-    config.write_text(
-        f"""# written by `broker demo`
-[server]
-listen = "127.0.0.1:0"
-audience = "{AUDIENCE}"
-tls_cert = "tls/server.pem"
-tls_key = "tls/server.key"
-
-[[issuers]]
-kind = "gca"
-issuer = "{issuer.issuer}"
-jwks_file = "dev-issuer-jwks.json"
-
-[policy]
-dir = "policies"
-
-[keys]
-store = "sqlite:///{workdir / "keys.db"}"
-kek = "local:{workdir / "kek.key"}"
-
-[audit]
-log = "decisions.log"
-""",
-        encoding="utf-8",
-    )
-    return config
 
 
 async def run_demo(workdir: Path | None) -> bool:
@@ -101,7 +61,9 @@ async def run_demo(workdir: Path | None) -> bool:
 
 async def _run(workdir: Path) -> bool:
     issuer = DevIssuer(dev_mode=True)
-    config = write_demo_config(workdir, issuer, now=utc_now())
+    config = write_dev_workspace(
+        workdir, issuer, audience=AUDIENCE, images={DEMO_KEY: [ALLOWED_DIGEST]}, now=utc_now()
+    )
     settings = load_settings(config, environ={})
     _say("setup", f"config {config} (TLS on loopback, development issuer {issuer.issuer})")
 

@@ -20,14 +20,13 @@ from broker.app import create_app, server_ssl_context
 from broker.client import BrokerClient
 from broker.config import Settings, load_settings
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
-from broker.dev.tls import make_dev_tls
+from broker.dev.workspace import write_dev_workspace
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.store.base import Purpose
 from tests.fakes.google_kms import FakeKms
 from tests.fakes.google_secretmanager import FakeSecretManager
 
-SHIPPED_POLICIES = Path(__file__).parents[2] / "policies"
 AUDIENCE = "https://broker.it.invalid"
 KEY = "models/llama"
 GPU_KEY = "models/llama-gpu"
@@ -74,46 +73,17 @@ def write_config(
     gpu_keys: dict[str, object] | None = None,
     **server: object,
 ) -> Path:
-    workdir.mkdir()
-    make_dev_tls(workdir / "tls", now=datetime.now(UTC))
-    issuer.write_jwks(workdir / "jwks.json")
-    policies = workdir / "policies"
-    (policies / "broker").mkdir(parents=True)
-    (policies / "broker" / "release.rego").write_bytes(
-        (SHIPPED_POLICIES / "broker" / "release.rego").read_bytes()
+    return write_dev_workspace(
+        workdir,
+        issuer,
+        audience=AUDIENCE,
+        images={KEY: [ALLOWED], GPU_KEY: [ALLOWED], QUERY_KEY: [ALLOWED]},
+        now=datetime.now(UTC),
+        gpu_keys=gpu_keys,
+        jwks_url=jwks_url,
+        server_extra=server,
+        extra_toml=extra_toml,
     )
-    data = json.loads((SHIPPED_POLICIES / "broker" / "data.json").read_text())
-    data["images"] = {KEY: [ALLOWED], GPU_KEY: [ALLOWED], QUERY_KEY: [ALLOWED]}
-    data["gpu_keys"] = gpu_keys or {}
-    (policies / "broker" / "data.json").write_text(json.dumps(data))
-    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in server.items())
-    config = workdir / "broker.toml"
-    config.write_text(
-        f"""
-[server]
-listen = "127.0.0.1:0"
-audience = "{AUDIENCE}"
-tls_cert = "tls/server.pem"
-tls_key = "tls/server.key"
-{extra}
-[[issuers]]
-kind = "gca"
-issuer = "{issuer.issuer}"
-{f'jwks_url = "{jwks_url}"' if jwks_url else 'jwks_file = "jwks.json"'}
-
-[policy]
-dir = "policies"
-
-[keys]
-store = "sqlite:///{workdir / "keys.db"}"
-kek = "local:{workdir / "kek.key"}"
-
-[audit]
-log = "decisions.log"
-{extra_toml}
-"""
-    )
-    return config
 
 
 StartBroker = Callable[..., "AsyncIterator[RunningBroker]"]

@@ -1,0 +1,86 @@
+"""A self-contained development workspace: TLS material, a development issuer's JWKS, a copy of
+the shipped policies with data for the given keys, and a ``broker.toml`` pointing at all of it.
+
+DEVELOPMENT ONLY: used by ``broker demo``, the tests and the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from broker.dev.issuer import DevIssuer
+from broker.dev.tls import make_dev_tls
+
+SHIPPED_POLICIES = Path(__file__).resolve().parents[2] / "policies"
+
+
+def write_dev_workspace(
+    workdir: Path,
+    issuer: DevIssuer,
+    *,
+    audience: str,
+    images: Mapping[str, Sequence[str]],
+    now: datetime,
+    gpu_keys: Mapping[str, object] | None = None,
+    jwks_url: str | None = None,
+    server_extra: Mapping[str, object] | None = None,
+    extra_toml: str = "",
+) -> Path:
+    """Lay out the workspace and return the path of its ``broker.toml``.
+
+    Args:
+        workdir: an empty or absent directory.
+        issuer: the development issuer whose JWKS the broker trusts (or ``jwks_url`` serves).
+        audience: ``server.audience``.
+        images: image digests the shipped policy allows, per key name.
+        now: start of the TLS certificates' validity.
+        gpu_keys: ``data.broker.gpu_keys`` of the shipped policy.
+        jwks_url: trust the issuer through a JWKS URL instead of a file.
+        server_extra: further ``[server]`` keys.
+        extra_toml: appended verbatim (further sections).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    make_dev_tls(workdir / "tls", now=now)
+    issuer.write_jwks(workdir / "jwks.json")
+    policies = workdir / "policies" / "broker"
+    policies.mkdir(parents=True, exist_ok=True)
+    (policies / "release.rego").write_bytes(
+        (SHIPPED_POLICIES / "broker" / "release.rego").read_bytes()
+    )
+    data = json.loads((SHIPPED_POLICIES / "broker" / "data.json").read_text(encoding="utf-8"))
+    data["images"] = {name: list(digests) for name, digests in images.items()}
+    data["gpu_keys"] = dict(gpu_keys or {})
+    (policies / "data.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
+    server = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (server_extra or {}).items())
+    trust = f'jwks_url = "{jwks_url}"' if jwks_url else 'jwks_file = "jwks.json"'
+    config = workdir / "broker.toml"
+    config.write_text(
+        f"""# a development workspace (broker.dev.workspace)
+[server]
+listen = "127.0.0.1:0"
+audience = "{audience}"
+tls_cert = "tls/server.pem"
+tls_key = "tls/server.key"
+{server}
+[[issuers]]
+kind = "gca"
+issuer = "{issuer.issuer}"
+{trust}
+
+[policy]
+dir = "policies"
+
+[keys]
+store = "sqlite:///{workdir / "keys.db"}"
+kek = "local:{workdir / "kek.key"}"
+
+[audit]
+log = "decisions.log"
+{extra_toml}
+""",
+        encoding="utf-8",
+    )
+    return config
