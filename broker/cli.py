@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokerError as exc:
         print(f"error: {exc.code.value}: {exc.message}", file=sys.stderr)
         return EXIT_NO
+    except OSError as exc:
+        print(f"error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _parser() -> argparse.ArgumentParser:

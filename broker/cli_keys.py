@@ -96,17 +96,7 @@ def run_keys(
 
 
 def describe(record: KeyVersionRecord) -> dict[str, object]:
-    """What a key version looks like to people: metadata only, never key material."""
-    return {
-        "name": record.name,
-        "version": record.version,
-        "purpose": record.purpose.value,
-        "algorithm": record.algorithm.value,
-        "state": record.state.value,
-        "kek": record.kek_ref,
-        "created_at": record.created_at.isoformat(),
-        "updated_at": None if record.updated_at is None else record.updated_at.isoformat(),
-    }
+    return record.describe()
 
 
 def _print(value: object) -> int:

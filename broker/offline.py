@@ -8,7 +8,6 @@ Uses the same pure verifiers as the service, with trust material from files (def
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -181,7 +180,7 @@ def _ita(args: argparse.Namespace, report: Report) -> None:
     if "eat_nonce" in token_claims:
         _eat_nonce(args, token_claims, report)
     else:
-        held = base64.b64decode(str(token_claims.get("attester_held_data", "")))
+        held = ita.held_data(token_claims)
         ita.check_report_data(token_claims, held)
         if args.nonce is None:
             report.skipped.append("nonce (held data)")

@@ -16,7 +16,6 @@ from aiohttp import web
 
 from broker.api.body import optional_version, read_json_object, string_field
 from broker.api.state import STATE, BrokerState
-from broker.cli_keys import describe
 from broker.errors import ErrorCode, InputError, Unauthorized, UpstreamError
 from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
 from broker.keys.store.base import Algorithm, Purpose
@@ -61,7 +60,7 @@ def _keys(state: BrokerState) -> KeyService:
 async def list_keys(request: web.Request) -> web.Response:
     name = request.query.get("name")
     records = await _keys(request.app[STATE]).list_versions(name)
-    return web.json_response({"keys": [describe(r) for r in records]})
+    return web.json_response({"keys": [r.describe() for r in records]})
 
 
 async def create_key(request: web.Request) -> web.Response:
@@ -76,14 +75,14 @@ async def create_key(request: web.Request) -> web.Response:
     purpose = _enum(Purpose, body["purpose"], "purpose")
     algorithm = _enum(Algorithm, body["algorithm"], "algorithm") if "algorithm" in body else None
     record = await _keys(state).create(name, purpose, now=state.clock(), algorithm=algorithm)
-    return web.json_response(describe(record), status=201)
+    return web.json_response(record.describe(), status=201)
 
 
 async def rotate_key(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = await _name_only(request, state)
     record = await _keys(state).rotate(name, now=state.clock())
-    return web.json_response(describe(record), status=201)
+    return web.json_response(record.describe(), status=201)
 
 
 async def disable_version(request: web.Request) -> web.Response:
@@ -112,7 +111,7 @@ async def _version_action(request: web.Request, action: str) -> web.Response:
         record = await keys.destroy(name, version, now=now)
     else:
         record = await keys.set_enabled(name, version, action == "enable", now=now)
-    return web.json_response(describe(record))
+    return web.json_response(record.describe())
 
 
 async def _name_only(request: web.Request, state: BrokerState) -> str:

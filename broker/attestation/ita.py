@@ -124,6 +124,21 @@ def check_ita_binding(claims: Mapping[str, Any], *, nonce: str, thumbprint: str)
         binding.check_eat_nonce(claims.get("eat_nonce"), nonce=nonce, thumbprint=thumbprint)
         return
     check_gpu_nonce(claims)
+    held = held_data(claims)
+    if not binding.same_bytes(held, binding.binding_digest(nonce, thumbprint)):
+        raise AttestationError(
+            "held data is not SHA-256(nonce || runner key thumbprint)",
+            code=ErrorCode.KEY_BINDING_MISMATCH,
+        )
+    check_report_data(claims, held)
+
+
+def held_data(claims: Mapping[str, Any]) -> bytes:
+    """The decoded ``attester_held_data`` (v1 top level or v2 under ``tdx``).
+
+    Raises:
+        AttestationError: ``nonce_missing`` when absent, ``token_claim_invalid`` when not base64.
+    """
     tdx = tdx_claims(claims)
     held = _b64(claims.get("attester_held_data") or tdx.get("attester_held_data"), "held data")
     if held is None:
@@ -131,12 +146,7 @@ def check_ita_binding(claims: Mapping[str, Any], *, nonce: str, thumbprint: str)
             "token carries no attester_held_data; send SHA-256(nonce || thumbprint) as user data",
             code=ErrorCode.NONCE_MISSING,
         )
-    if not binding.same_bytes(held, binding.binding_digest(nonce, thumbprint)):
-        raise AttestationError(
-            "held data is not SHA-256(nonce || runner key thumbprint)",
-            code=ErrorCode.KEY_BINDING_MISMATCH,
-        )
-    check_report_data(claims, held)
+    return held
 
 
 def check_gpu_nonce(claims: Mapping[str, Any]) -> None:

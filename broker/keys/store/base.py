@@ -50,6 +50,19 @@ class KeyVersionRecord:
     def evolve(self, **changes: object) -> KeyVersionRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
 
+    def describe(self) -> dict[str, object]:
+        """What a key version looks like to people: metadata only, never key material."""
+        return {
+            "name": self.name,
+            "version": self.version,
+            "purpose": self.purpose.value,
+            "algorithm": self.algorithm.value,
+            "state": self.state.value,
+            "kek": self.kek_ref,
+            "created_at": self.created_at.isoformat(),
+            "updated_at": None if self.updated_at is None else self.updated_at.isoformat(),
+        }
+
 
 class KeyStore(Protocol):
     async def add_version(self, record: KeyVersionRecord) -> None:
