@@ -12,8 +12,10 @@ from pathlib import Path
 from broker.config import KeySettings
 from broker.errors import ConfigError
 from broker.keys.kek.base import KekProvider
+from broker.keys.kek.cloudkms import CloudKmsKek, parse_cloudkms_uri
 from broker.keys.kek.local import LocalKek, create_kek_file
-from broker.keys.kek.ring import KekRing, kek_kind, open_kek
+from broker.keys.kek.pkcs11 import Pkcs11Kek, parse_pkcs11_uri
+from broker.keys.kek.ring import KekRing
 from broker.keys.service import DekCache, KeyService
 from broker.keys.store.base import KeyStore
 from broker.keys.store.sqlite import SqliteKeyStore, sqlite_path
@@ -88,11 +90,28 @@ async def open_key_service(
 
 
 async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProvider:
-    if kek_kind(uri) == "local":
+    """Open the provider a KEK URI names.
+
+    Raises:
+        ConfigError: for a malformed URI or a missing local file.
+        UpstreamError: ``kek_unavailable`` when an HSM or KMS cannot be reached at start-up.
+    """
+    kind = uri.split(":", 1)[0]
+    if kind == "local":
         return await asyncio.to_thread(_local_kek, local_kek_path(uri), may_create=may_create)
-    return await open_kek(
-        uri, kms_endpoint=settings.kms_endpoint, timeout_seconds=settings.upstream_timeout_seconds
-    )
+    if kind == "pkcs11":
+        hsm = Pkcs11Kek(await asyncio.to_thread(parse_pkcs11_uri, uri))
+        await hsm.open()
+        return hsm
+    if kind == "cloudkms":
+        kms = CloudKmsKek(
+            parse_cloudkms_uri(uri),
+            endpoint=settings.kms_endpoint,
+            timeout_seconds=settings.upstream_timeout_seconds,
+        )
+        await kms.open()
+        return kms
+    raise ConfigError("keys.kek", "expected local:PATH, pkcs11:… or cloudkms:projects/…")
 
 
 def _local_kek(path: Path, *, may_create: bool) -> LocalKek:
