@@ -72,17 +72,44 @@ def verify_ita_token(
     Raises:
         AttestationError: with the specific code of the first failed step.
     """
-    header = parse_gca_header(token, trust.algorithms, tolerated_jku=trust.tolerated_jku)
-    trusted = select_key(trust.keys, header)
-    check_key_chain(trusted, trust.roots, now=now)
-    verified = jose.verify_jws(
-        token, header, trusted.key, now=now, leeway=leeway, required_claims=("iss", "exp", "iat")
+    verified = verify_pinned_jws(
+        token,
+        algorithms=trust.algorithms,
+        keys=trust.keys,
+        anchors=trust.roots,
+        now=now,
+        leeway=leeway,
+        tolerated_jku=trust.tolerated_jku,
     )
     claims = verified.claims
     check_issuer_and_audience(
         claims, issuer=trust.issuer, audience=audience if "aud" in claims else None
     )  # ``audience=None`` (offline CLI) skips it too
-    return VerifiedItaToken(issuer=trust.issuer, kid=str(header.kid), claims=claims)
+    return VerifiedItaToken(issuer=trust.issuer, kid=str(verified.header["kid"]), claims=claims)
+
+
+def verify_pinned_jws(
+    token: str,
+    *,
+    algorithms: Collection[str],
+    keys: TrustedKeySet,
+    anchors: Sequence[x509.Certificate],
+    now: datetime,
+    leeway: timedelta,
+    tolerated_jku: Collection[str] = (),
+) -> jose.VerifiedJws:
+    """Header checks, key by ``kid``/``alg`` whose ``x5c`` chains to a pinned anchor, then the
+    signature and times (the common part of ITA and NRAS token verification).
+
+    Raises:
+        AttestationError: with the specific code of the first failed check.
+    """
+    header = parse_gca_header(token, algorithms, tolerated_jku=tolerated_jku)
+    trusted = select_key(keys, header)
+    check_key_chain(trusted, anchors, now=now)
+    return jose.verify_jws(
+        token, header, trusted.key, now=now, leeway=leeway, required_claims=("iss", "exp", "iat")
+    )
 
 
 def check_key_chain(

@@ -29,8 +29,8 @@ from typing import Any
 from cryptography import x509
 
 from broker.attestation import jose
-from broker.attestation.gca import check_issuer_and_audience, parse_gca_header, select_key
-from broker.attestation.ita import check_key_chain
+from broker.attestation.gca import check_issuer_and_audience
+from broker.attestation.ita import verify_pinned_jws
 from broker.attestation.jwks import TrustedKeySet
 from broker.errors import AttestationError, ErrorCode
 
@@ -126,11 +126,13 @@ def verify_nras(
 def _verify_token(
     token: str, trust: NrasTrust, *, now: datetime, leeway: timedelta
 ) -> Mapping[str, Any]:
-    header = parse_gca_header(token, trust.algorithms)
-    trusted = select_key(trust.keys, header)
-    check_key_chain(trusted, trust.anchors, now=now)
-    verified = jose.verify_jws(
-        token, header, trusted.key, now=now, leeway=leeway, required_claims=("iss", "exp", "iat")
+    verified = verify_pinned_jws(
+        token,
+        algorithms=trust.algorithms,
+        keys=trust.keys,
+        anchors=trust.anchors,
+        now=now,
+        leeway=leeway,
     )
     check_issuer_and_audience(verified.claims, issuer=trust.issuer, audience=None)
     return verified.claims
