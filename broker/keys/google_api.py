@@ -1,8 +1,10 @@
 """Plumbing shared by the Cloud KMS KEK and the Secret Manager store.
 
 * ``grpc_transport``: plaintext + anonymous credentials to a loopback endpoint (the local test
-  servers), TLS + Application Default Credentials to anything else. The channel is created on
-  the event loop that will use it; credential discovery runs on a worker thread.
+  servers), TLS + Application Default Credentials to anything else. The channel and the client
+  are created on the event loop that will use them (once, at start-up; the constructors look
+  for mTLS config files); credential discovery runs on a worker thread.
+* ``close_client``: closes the channel (at shutdown).
 * ``call``: one RPC with a bounded retry (transient errors only, until the deadline), every
   failure turned into the caller's ``UpstreamError``; NOT_FOUND / ALREADY_EXISTS pass through
   for the caller to interpret.
@@ -48,6 +50,11 @@ async def grpc_transport(transport_class: Any, endpoint: str, credentials: Any =
     if credentials is None:
         credentials, _ = await asyncio.to_thread(google.auth.default, scopes=[CLOUD_SCOPE])
     return transport_class(host=endpoint, credentials=credentials)
+
+
+async def close_client(client: Any) -> None:
+    """Close a generated client's gRPC channel."""
+    await client.transport.close()
 
 
 def bounded_retry(deadline_seconds: float) -> retry_async.AsyncRetry:

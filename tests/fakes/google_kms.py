@@ -20,6 +20,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.cloud import kms_v1
 
+from tests.fakes import stop_grpc_server
+
 SERVICE = "google.cloud.kms.v1.KeyManagementService"
 
 
@@ -75,8 +77,7 @@ class FakeKms:
         return self.endpoint
 
     async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=None)
+        await stop_grpc_server(self)
 
     async def _guard(self, context: Any, name: str, method: str) -> FakeKey:
         self.calls.append(method)

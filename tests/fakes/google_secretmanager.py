@@ -16,6 +16,8 @@ import google_crc32c
 import grpc
 from google.cloud import secretmanager_v1 as sm
 
+from tests.fakes import stop_grpc_server
+
 SERVICE = "google.cloud.secretmanager.v1.SecretManagerService"
 SECRET_ID = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
 
@@ -75,8 +77,7 @@ class FakeSecretManager:
         return self.endpoint
 
     async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=None)
+        await stop_grpc_server(self)
 
     async def _enter(self, context: Any, method: str) -> None:
         self.calls.append(method)

@@ -39,7 +39,27 @@ DENIED = "sha256:" + "d0" * 32
 def blockbuster() -> Iterator[BlockBuster]:
     """Fail any test in which the event loop makes a blocking call."""
     with blockbuster_ctx("broker") as detector:
+        # Start-up only: a google-cloud client constructor (run once when a KMS KEK or a Secret
+        # Manager store opens, never on a request) checks whether mTLS config files exist.
+        for module, functions in GOOGLE_CLIENT_STARTUP_CHECKS:
+            for name in ("os.stat", "os.path.exists", "os.path.isfile"):
+                if name in detector.functions:
+                    detector.functions[name].can_block_in(module, functions)
+        # grpc's AioChannel/AioServer deallocators join a thread, from Cython (no Python frame
+        # to allow it in), whenever the garbage collector frees one on the loop thread: a
+        # shutdown-time wait, not a request-path block. Lock waits are therefore not reported.
+        for name in ("threading.Lock.acquire", "threading.Lock.acquire_lock"):
+            detector.functions[name].deactivate()
         yield detector
+
+
+GOOGLE_CLIENT_STARTUP_CHECKS = (
+    (
+        "google/auth/transport/_mtls_helper.py",
+        ("_get_cert_config_path", "_check_config_path", "_should_use_gke_credential_bundle"),
+    ),
+    ("google/auth/_agent_identity_utils.py", ("_is_certificate_file_ready",)),
+)
 
 
 @dataclass

@@ -17,7 +17,6 @@ credentials, anything else over TLS.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
@@ -28,7 +27,7 @@ from google.cloud.kms_v1.services.key_management_service.transports import (
 )
 
 from broker.errors import ConfigError, ErrorCode, UpstreamError
-from broker.keys.google_api import call, crc32c, grpc_transport
+from broker.keys.google_api import call, close_client, crc32c, grpc_transport
 
 KEY_NAME = re.compile(
     r"^projects/[a-z0-9-]+/locations/[a-z0-9-]+/keyRings/[A-Za-z0-9_-]+/cryptoKeys/[A-Za-z0-9_-]+$"
@@ -91,14 +90,14 @@ class CloudKmsKek:
             KeyManagementServiceGrpcAsyncIOTransport, self._endpoint, self._credentials
         )
         options = ClientOptions(api_endpoint=self._endpoint)
-        self._client = await asyncio.to_thread(
-            kms_v1.KeyManagementServiceAsyncClient, transport=transport, client_options=options
+        self._client = kms_v1.KeyManagementServiceAsyncClient(
+            transport=transport, client_options=options
         )
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.transport.close()  # type: ignore[no-untyped-call]
-            self._client = None
+            client, self._client = self._client, None
+            await close_client(client)
 
     async def wrap(self, dek: bytes, aad: bytes) -> bytes:
         request = kms_v1.EncryptRequest(

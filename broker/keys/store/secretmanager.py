@@ -15,7 +15,6 @@ atomic per DEK without that restriction). Errors become ``key_store_unavailable`
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
@@ -31,7 +30,7 @@ from google.cloud.secretmanager_v1.services.secret_manager_service.transports im
 )
 
 from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
-from broker.keys.google_api import call, crc32c, grpc_transport
+from broker.keys.google_api import call, close_client, crc32c, grpc_transport
 from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
 
 PROJECT = re.compile(r"^projects/[a-z0-9-]+$")
@@ -77,14 +76,14 @@ class SecretManagerKeyStore:
             SecretManagerServiceGrpcAsyncIOTransport, self._endpoint, None
         )
         options = ClientOptions(api_endpoint=self._endpoint)
-        self._client = await asyncio.to_thread(
-            sm.SecretManagerServiceAsyncClient, transport=transport, client_options=options
+        self._client = sm.SecretManagerServiceAsyncClient(
+            transport=transport, client_options=options
         )
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.transport.close()  # type: ignore[no-untyped-call]
-            self._client = None
+            client, self._client = self._client, None
+            await close_client(client)
 
     async def add_version(self, record: KeyVersionRecord) -> None:
         secret = sm.Secret(
