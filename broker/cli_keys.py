@@ -20,7 +20,7 @@ from broker.config import load_settings
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.service import KeyService
-from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose
+from broker.keys.store.base import Algorithm, Purpose
 
 EXIT_USAGE = 2
 Work = Callable[[KeyService, datetime], Awaitable[Any]]
@@ -95,10 +95,6 @@ def run_keys(
     return asyncio.run(run())
 
 
-def describe(record: KeyVersionRecord) -> dict[str, object]:
-    return record.describe()
-
-
 def _print(value: object) -> int:
     print(json.dumps(value, indent=2))
     return 0
@@ -113,7 +109,7 @@ def _create(args: argparse.Namespace) -> int:
         ),
         create_missing_kek=True,
     )
-    return _print(describe(record))
+    return _print(record.describe())
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -123,50 +119,42 @@ def _import(args: argparse.Namespace) -> int:
         lambda keys, now: keys.import_key(args.name, Purpose(args.purpose), material, now=now),
         create_missing_kek=True,
     )
-    return _print(describe(record))
+    return _print(record.describe())
 
 
 def _list(args: argparse.Namespace) -> int:
     records = run_keys(args, lambda keys, now: keys.list_versions(args.name), log_changes=False)
-    return _print([describe(r) for r in records])
+    return _print([r.describe() for r in records])
 
 
 def _show(args: argparse.Namespace) -> int:
     records = run_keys(args, lambda keys, now: keys.show(args.name), log_changes=False)
-    return _print([describe(r) for r in records])
+    return _print([r.describe() for r in records])
 
 
 def _rotate(args: argparse.Namespace) -> int:
-    return _print(describe(run_keys(args, lambda keys, now: keys.rotate(args.name, now=now))))
+    return _print(run_keys(args, lambda keys, now: keys.rotate(args.name, now=now)).describe())
 
 
-def _disable(args: argparse.Namespace) -> int:
-    return _print(
-        describe(
-            run_keys(
-                args, lambda keys, now: keys.set_enabled(args.name, args.version, False, now=now)
-            )
+def _switch(enabled: bool) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        record = run_keys(
+            args, lambda keys, now: keys.set_enabled(args.name, args.version, enabled, now=now)
         )
-    )
+        return _print(record.describe())
+
+    return run
 
 
-def _enable(args: argparse.Namespace) -> int:
-    return _print(
-        describe(
-            run_keys(
-                args, lambda keys, now: keys.set_enabled(args.name, args.version, True, now=now)
-            )
-        )
-    )
+_disable, _enable = _switch(False), _switch(True)
 
 
 def _destroy(args: argparse.Namespace) -> int:
     if not args.yes:
         print("error: destroy cannot be undone; add --yes to confirm", file=sys.stderr)
         return EXIT_USAGE
-    return _print(
-        describe(run_keys(args, lambda keys, now: keys.destroy(args.name, args.version, now=now)))
-    )
+    record = run_keys(args, lambda keys, now: keys.destroy(args.name, args.version, now=now))
+    return _print(record.describe())
 
 
 def _rewrap(args: argparse.Namespace) -> int:

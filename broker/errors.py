@@ -53,7 +53,6 @@ class ErrorCode(StrEnum):
     SUBMOD_DIGEST_MISMATCH = "submod_digest_mismatch"
     FWID_MISMATCH = "fwid_mismatch"
     RIM_INVALID = "rim_invalid"
-    RIM_UNAVAILABLE = "rim_unavailable"
     AUDIENCE_MISMATCH = "audience_mismatch"
     # binding of evidence to this request
     NONCE_UNKNOWN = "nonce_unknown"
@@ -70,7 +69,6 @@ class ErrorCode(StrEnum):
     # policy
     POLICY_DENIED = "policy_denied"
     # upstreams (nothing released)
-    NONCE_STORE_UNAVAILABLE = "nonce_store_unavailable"
     NONCE_STORE_FULL = "nonce_store_full"
     JWKS_UNAVAILABLE = "jwks_unavailable"
     POLICY_UNAVAILABLE = "policy_unavailable"

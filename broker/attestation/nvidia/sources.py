@@ -52,10 +52,6 @@ class RimUnavailable(Exception):
     """The RIM could not be had; the GPU's measurements read ``unverified``."""
 
 
-def _unavailable(message: str) -> RimUnavailable:
-    return RimUnavailable(message)
-
-
 class CachingRimSource:
     """Directory first, then the RIM service; results cached in memory."""
 
@@ -77,7 +73,7 @@ class CachingRimSource:
 
     async def get(self, rim_id: str) -> bytes:
         if not rim_id or set(rim_id) - RIM_ID_CHARS or len(rim_id) > 128:
-            raise _unavailable("RIM id has characters outside [A-Za-z0-9._-]")
+            raise RimUnavailable("RIM id has characters outside [A-Za-z0-9._-]")
         cached = self._cache.get(rim_id)
         if cached is not None and time.monotonic() - cached[0] < self._cache_seconds:
             return cached[1]
@@ -98,11 +94,11 @@ class CachingRimSource:
 
     async def _from_service(self, rim_id: str) -> bytes:
         if self._url is None or self._session is None:
-            raise _unavailable(f"RIM {rim_id} is not in the RIM directory")
+            raise RimUnavailable(f"RIM {rim_id} is not in the RIM directory")
         try:
             async with self._session.get(f"{self._url}/{rim_id}", timeout=self._timeout) as reply:
                 if reply.status != 200:
-                    raise _unavailable(f"RIM service answered HTTP {reply.status} for {rim_id}")
+                    raise RimUnavailable(f"RIM service answered HTTP {reply.status} for {rim_id}")
                 body = json.loads(await reply.content.read(MAX_RIM_RESPONSE_BYTES))
             rim = base64.b64decode(str(body["rim"]), validate=True)
         except (
@@ -113,9 +109,9 @@ class CachingRimSource:
             TypeError,
             binascii.Error,
         ) as exc:
-            raise _unavailable(f"RIM {rim_id} could not be fetched") from exc
+            raise RimUnavailable(f"RIM {rim_id} could not be fetched") from exc
         if "sha256" in body and hashlib.sha256(rim).hexdigest() != str(body["sha256"]).lower():
-            raise _unavailable(f"RIM {rim_id} does not match its published digest")
+            raise RimUnavailable(f"RIM {rim_id} does not match its published digest")
         return rim
 
 

@@ -25,10 +25,6 @@ class KekRing:
     def primary(self) -> KekProvider:
         return self._primary
 
-    @property
-    def references(self) -> list[str]:
-        return sorted(self._all)
-
     def for_ref(self, reference: str) -> KekProvider:
         """The provider that wrapped a DEK.
 
