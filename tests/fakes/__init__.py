@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import grpc
+
+Method = tuple[Callable[..., Any], Any, Any]  # (handler, request class, response class)
+
+
+async def start_grpc_server(service: str, methods: Mapping[str, Method]) -> tuple[Any, str]:
+    """A plaintext gRPC server on 127.0.0.1 for proto-plus ``methods``; (server, endpoint)."""
+    server = grpc.aio.server()
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            handler,
+            request_deserializer=request.deserialize,
+            response_serializer=response.serialize,
+        )
+        for name, (handler, request, response) in methods.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
 
 
 async def stop_grpc_server(holder: Any) -> None:

@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.cloud import kms_v1
 
-from tests.fakes import stop_grpc_server
+from tests.fakes import start_grpc_server, stop_grpc_server
 
 SERVICE = "google.cloud.kms.v1.KeyManagementService"
 
@@ -55,25 +55,13 @@ class FakeKms:
         key.primary = len(key.versions)
 
     async def start(self) -> str:
-        self.server = grpc.aio.server()
-        handlers = {
-            "Encrypt": grpc.unary_unary_rpc_method_handler(
-                self._encrypt,
-                request_deserializer=kms_v1.EncryptRequest.deserialize,
-                response_serializer=kms_v1.EncryptResponse.serialize,
-            ),
-            "Decrypt": grpc.unary_unary_rpc_method_handler(
-                self._decrypt,
-                request_deserializer=kms_v1.DecryptRequest.deserialize,
-                response_serializer=kms_v1.DecryptResponse.serialize,
-            ),
-        }
-        self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        self.server, self.endpoint = await start_grpc_server(
+            SERVICE,
+            {
+                "Encrypt": (self._encrypt, kms_v1.EncryptRequest, kms_v1.EncryptResponse),
+                "Decrypt": (self._decrypt, kms_v1.DecryptRequest, kms_v1.DecryptResponse),
+            },
         )
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        self.endpoint = f"127.0.0.1:{port}"
         return self.endpoint
 
     async def stop(self) -> None:

@@ -16,7 +16,7 @@ import google_crc32c
 import grpc
 from google.cloud import secretmanager_v1 as sm
 
-from tests.fakes import stop_grpc_server
+from tests.fakes import start_grpc_server, stop_grpc_server
 
 SERVICE = "google.cloud.secretmanager.v1.SecretManagerService"
 SECRET_ID = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
@@ -41,7 +41,6 @@ class FakeSecretManager:
         self.calls: list[str] = []
 
     async def start(self) -> str:
-        self.server = grpc.aio.server()
         methods = {
             "CreateSecret": (self._create, sm.CreateSecretRequest, sm.Secret),
             "AddSecretVersion": (self._add, sm.AddSecretVersionRequest, sm.SecretVersion),
@@ -62,18 +61,7 @@ class FakeSecretManager:
                 sm.SecretVersion,
             ),
         }
-        handlers = {
-            name: grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=req.deserialize, response_serializer=resp.serialize
-            )
-            for name, (fn, req, resp) in methods.items()
-        }
-        self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
-        )
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        self.endpoint = f"127.0.0.1:{port}"
+        self.server, self.endpoint = await start_grpc_server(SERVICE, methods)
         return self.endpoint
 
     async def stop(self) -> None:
