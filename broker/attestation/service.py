@@ -82,15 +82,13 @@ class EvidenceVerifier:
         self._leeway = leeway
         self._local_gpu = local_gpu
         self._nras = next((i for i in issuers.values() if i.settings.kind == "nras"), None)
+        local = {"nvidia"} if local_gpu is not None else set()
+        self._kinds = frozenset({i.settings.kind for i in issuers.values()} | local)
 
     @property
     def kinds(self) -> frozenset[str]:
-        kinds = {i.settings.kind for i in self._issuers.values()} - {"nras"}
-        if self._nras is not None:
-            kinds.add("nras")
-        if self._local_gpu is not None:
-            kinds.add("nvidia")
-        return frozenset(kinds)
+        """The evidence kinds this broker is configured to verify."""
+        return self._kinds
 
     async def verify(
         self, unverified_evidence: Any, *, nonce: str, thumbprint: str, now: datetime
