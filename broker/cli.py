@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -18,9 +19,10 @@ from pathlib import Path
 from aiohttp import web
 
 from broker import cli_keys, offline
+from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import LogCorrupt, repair_torn_tail, verify_file
-from broker.config import load_settings
+from broker.config import Settings, load_settings
 from broker.errors import AttestationError, BrokerError, ConfigError
 from broker.policy.testing import find_opa, run_policy_tests
 
@@ -97,16 +99,32 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
-    app = create_app(settings)
-    web.run_app(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        ssl_context=server_ssl_context(settings),
-        access_log=logging.getLogger("broker.access"),
-        print=lambda message: print(message, file=sys.stderr),
-    )
+    asyncio.run(_serve_until_signalled(settings))
     return 0
+
+
+async def _serve_until_signalled(settings: Settings) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down cleanly (connections drained)."""
+    runner = BrokerRunner(
+        create_app(settings), settings.server, access_log=logging.getLogger("broker.access")
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(
+            runner,
+            settings.server.host,
+            settings.server.port,
+            ssl_context=server_ssl_context(settings),
+        )
+        await site.start()
+        print(f"broker serving on {settings.server.listen}", file=sys.stderr)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -161,7 +179,7 @@ def _verify(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "error": {
-                        "code": exc.code.value if not isinstance(exc, ConfigError) else "bad_input",
+                        "code": exc.code.value,
                         "message": exc.message,
                     }
                 }

@@ -43,6 +43,14 @@ class ServerSettings:
     nonce_ttl_seconds: int = 120
     max_outstanding_nonces: int = 100_000
     clock_leeway_seconds: int = 30
+    # Slow-client limits (docs/configuration.md): a connection that has not sent a complete
+    # request head in header_timeout_seconds is closed; an idle keep-alive connection is closed
+    # after keepalive_timeout_seconds; a body must arrive within body_timeout_seconds (408).
+    header_timeout_seconds: float = 10.0
+    keepalive_timeout_seconds: float = 15.0
+    body_timeout_seconds: float = 30.0
+    max_connections_per_ip: int = 256  # further connections from that address are closed
+    max_token_lifetime_seconds: int = 3600  # exp - iat of any token, unless an issuer says
 
     @property
     def host(self) -> str:
@@ -253,6 +261,15 @@ def _convert(key: str, value: Any, type_name: Any, base_dir: Path) -> Any:  # no
         if isinstance(value, str) and value.strip().isdigit():
             return int(value)
         raise ConfigError(key, "must be an integer")
+    if type_text == "float":
+        if isinstance(value, bool):
+            raise ConfigError(key, "must be a number")
+        if isinstance(value, int | float):
+            return float(value)
+        try:
+            return float(str(value))
+        except ValueError as exc:
+            raise ConfigError(key, "must be a number") from exc
     if "Path" in type_text:
         if not isinstance(value, str) or not value:
             raise ConfigError(key, "must be a non-empty path")
@@ -382,6 +399,11 @@ def _validate_server(server: ServerSettings) -> None:
         "server.max_body_bytes": server.max_body_bytes,
         "server.nonce_ttl_seconds": server.nonce_ttl_seconds,
         "server.max_outstanding_nonces": server.max_outstanding_nonces,
+        "server.header_timeout_seconds": server.header_timeout_seconds,
+        "server.keepalive_timeout_seconds": server.keepalive_timeout_seconds,
+        "server.body_timeout_seconds": server.body_timeout_seconds,
+        "server.max_connections_per_ip": server.max_connections_per_ip,
+        "server.max_token_lifetime_seconds": server.max_token_lifetime_seconds,
     }
     for key, value in limits.items():
         if value <= 0:

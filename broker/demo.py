@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import DecisionLog, verify_file
 from broker.client import BrokerClient, BrokerClientError
@@ -77,7 +78,7 @@ async def _run(workdir: Path) -> bool:
         encrypt_stream(await keys.unwrap(record), key_id(DEMO_KEY, 1), io.BytesIO(SAMPLE), sealed)
     _say("owner", f"created {DEMO_KEY} v1; encrypted {len(SAMPLE)} bytes of weights with it")
 
-    runner = web.AppRunner(create_app(settings), access_log=None)
+    runner = BrokerRunner(create_app(settings), settings.server)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl_context(settings))
     await site.start()

@@ -7,7 +7,9 @@ an HTTP status. The tree is split by who is at fault:
 * ``PolicyDenied`` (403): the evidence verified, the policy said no.
 * ``UpstreamError`` (502/503): a dependency (JWKS source, KEK, key store, nonce store, policy
   engine, decision log) could not answer. Nothing is released.
-* ``ConfigError``: bad configuration; raised at start-up, never rendered to a client.
+* ``ConfigError``: bad configuration; raised at start-up. It is deliberately *not* a
+  ``BrokerError``: the error middleware cannot render it, so a configuration problem reached at
+  request time is a logged ``internal_error`` without details, never its text.
 
 Messages are written for the client and must never contain secrets; exception chains and
 tracebacks go to the server log only.
@@ -25,6 +27,8 @@ class ErrorCode(StrEnum):
 
     # request shape
     BAD_REQUEST = "bad_request"
+    BAD_INPUT = "bad_input"  # CLI: an argument or input file is unusable
+    REQUEST_TIMEOUT = "request_timeout"
     MALFORMED_JSON = "malformed_json"
     BODY_TOO_LARGE = "body_too_large"
     NOT_FOUND = "not_found"
@@ -52,6 +56,7 @@ class ErrorCode(StrEnum):
     EVIDENCE_SIGNATURE_INVALID = "evidence_signature_invalid"
     SUBMOD_DIGEST_MISMATCH = "submod_digest_mismatch"
     FWID_MISMATCH = "fwid_mismatch"
+    GPU_ARCH_MISMATCH = "gpu_arch_mismatch"
     RIM_INVALID = "rim_invalid"
     AUDIENCE_MISMATCH = "audience_mismatch"
     # binding of evidence to this request
@@ -66,6 +71,7 @@ class ErrorCode(StrEnum):
     KEY_UNKNOWN = "key_unknown"
     KEY_VERSION_UNAVAILABLE = "key_version_unavailable"
     KEY_EXISTS = "key_exists"
+    CONFLICT = "conflict"  # a concurrent change won; retry with fresh state
     # policy
     POLICY_DENIED = "policy_denied"
     # upstreams (nothing released)
@@ -115,6 +121,13 @@ class BodyTooLarge(InputError):
 class UnsupportedMediaType(InputError):
     status = 415
     default_code = ErrorCode.UNSUPPORTED_MEDIA_TYPE
+
+
+class RequestTimeout(InputError):
+    """The client did not send its body within the configured time (408)."""
+
+    status = 408
+    default_code = ErrorCode.REQUEST_TIMEOUT
 
 
 class Unauthorized(InputError):
@@ -169,11 +182,15 @@ class UpstreamError(BrokerError):
     default_code = ErrorCode.NOT_READY
 
 
-class ConfigError(BrokerError):
-    """Invalid configuration; raised at start-up and reported naming the key."""
+class ConfigError(Exception):
+    """Invalid configuration or CLI input; raised at start-up and reported naming the key.
 
-    default_code = ErrorCode.INTERNAL
+    Not a ``BrokerError`` on purpose (see the module docstring).
+    """
+
+    code = ErrorCode.BAD_INPUT
 
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(f"config {key}: {problem}")
         self.key = key
+        self.message = f"config {key}: {problem}"

@@ -1,7 +1,9 @@
 """The release path of protocol v1 (DESIGN.md §2), as one service.
 
-Order, for every parsed request:
+Order, for every request body that parsed as a JSON object:
 
+0. check the body's shape (key name, version, nonce, runner key, wrap) — a malformed request
+   is a ``deny`` record like any other, its nonce untouched (it cannot be trusted to name one);
 1. consume the nonce atomically (whatever happens next, it is spent);
 2. verify the evidence and its binding to the nonce and the runner key;
 3. resolve the key version;
@@ -11,9 +13,11 @@ Order, for every parsed request:
    nothing leaves;
 7. only then return the wrapped key.
 
-Every outcome after parsing is logged, including failed attestation, so auditors see attempts
-as well as releases. The whole sequence runs shielded from cancellation: a client that hangs
-up cannot cut "log, then release" in half.
+The release is total: every outcome ends in exactly one record, ``allow``, ``deny`` (a 4xx:
+the caller's fault, with its code) or ``error`` (a 5xx: ours or an upstream's). An exception
+that is not a ``BrokerError`` is a bug; it is still recorded (``internal_error``) and nothing
+is released. The whole sequence runs shielded from cancellation: a client that hangs up cannot
+cut "log, then release" in half.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from typing import Any
 from broker.attestation.claims import RequestFacts, build_input
 from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evidence_digests
 from broker.audit.log import DecisionLog, canonical
-from broker.crypto.jwk import RunnerKey
-from broker.errors import BrokerError, PolicyDenied
-from broker.keys.service import KeyService
+from broker.crypto.jwk import RunnerKey, parse_runner_key
+from broker.errors import BrokerError, ErrorCode, InputError, PolicyDenied
+from broker.fields import optional_version, string_field
+from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
 from broker.keys.store.base import KeyVersionRecord
-from broker.keys.wrap import key_id, wrap_to_runner
+from broker.keys.wrap import WRAP_MODES, check_wrap_mode, key_id, wrap_to_runner
 from broker.metrics import Metrics
-from broker.nonces import NonceStore
+from broker.nonces import MAX_NONCE_CHARS, NonceStore
 from broker.policy.engine import Decision, PolicyEngine
 
 log = logging.getLogger(__name__)
@@ -65,12 +70,46 @@ class ReleasedKey:
     algorithm: str = "AES-256"
 
 
+RELEASE_FIELDS = ("key", "nonce", "evidence", "runner_key")
+RELEASE_OPTIONAL = ("version", "wrap")
+
+
+def parse_release_request(unverified_body: Mapping[str, Any]) -> ReleaseRequest:
+    """Step 0: the body's fields, typed. Evidence stays unverified.
+
+    Raises:
+        InputError: ``bad_request`` or ``runner_key_invalid`` naming the field.
+    """
+    wrap = unverified_body.get("wrap", "jwe")
+    if not isinstance(wrap, str) or wrap not in WRAP_MODES:
+        raise InputError(f"wrap must be one of {', '.join(WRAP_MODES)}")
+    parsed = ReleaseRequest(
+        key=validate_key_name(string_field(unverified_body, "key", max_chars=MAX_KEY_NAME)),
+        version=optional_version(unverified_body),
+        nonce=string_field(unverified_body, "nonce", max_chars=MAX_NONCE_CHARS),
+        unverified_evidence=unverified_body.get("evidence"),  # type: ignore[arg-type]
+        runner_key=parse_runner_key(unverified_body.get("runner_key")),
+        wrap=wrap,
+    )
+    check_wrap_mode(wrap, parsed.runner_key)
+    return parsed
+
+
+class InternalFailure(BrokerError):
+    """An exception that is not a ``BrokerError`` reached the release: a bug. Logged with its
+    traceback server-side; the client and the record see only ``internal_error``."""
+
+    status = 500
+    default_code = ErrorCode.INTERNAL
+
+
 @dataclass
 class _Outcome:
     """What the decision record says; filled in as the release proceeds."""
 
     decision_id: str
-    request: ReleaseRequest
+    unverified_body: Mapping[str, Any]
+    request: ReleaseRequest | None = None
     evidence: VerifiedEvidence | None = None
     record: KeyVersionRecord | None = None
     decision: Decision | None = None
@@ -105,26 +144,30 @@ class ReleaseService:
         return self._policy
 
     async def release(
-        self, request: ReleaseRequest, *, now: datetime, request_id: str
+        self, unverified_body: Mapping[str, Any], *, now: datetime, request_id: str
     ) -> ReleasedKey:
-        """Run the release; cancellation of the caller does not interrupt it.
+        """Parse, verify, decide, log and wrap; cancellation of the caller does not interrupt it.
 
         Raises:
             BrokerError: the specific reason, after the decision was logged.
         """
-        task = asyncio.ensure_future(self._release(request, now=now, request_id=request_id))
+        task = asyncio.ensure_future(self._release(unverified_body, now=now, request_id=request_id))
         return await asyncio.shield(task)
 
     async def _release(
-        self, request: ReleaseRequest, *, now: datetime, request_id: str
+        self, unverified_body: Mapping[str, Any], *, now: datetime, request_id: str
     ) -> ReleasedKey:
         started = time.perf_counter()
-        outcome = _Outcome(decision_id=str(uuid.uuid4()), request=request)
+        outcome = _Outcome(decision_id=str(uuid.uuid4()), unverified_body=unverified_body)
         wrapped: str | None = None
         try:
-            wrapped = await self._decide(outcome, now)
+            outcome.request = parse_release_request(unverified_body)
+            wrapped = await self._decide(outcome, outcome.request, now)
         except BrokerError as exc:
             outcome.error = exc
+        except Exception:  # a bug: recorded, nothing released, details only in the server log
+            log.exception("release %s: unexpected failure", outcome.decision_id)
+            outcome.error = InternalFailure("internal error")
         await self._audit.append(self._record(outcome, now=now, request_id=request_id))
         result = _result(outcome)
         code = outcome.error.code.value if outcome.error else "ok"
@@ -132,7 +175,7 @@ class ReleaseService:
         self._metrics.release_latency.labels(result).observe(time.perf_counter() - started)
         if outcome.error is not None:
             raise outcome.error
-        if wrapped is None or outcome.record is None:
+        if wrapped is None or outcome.record is None or outcome.request is None:
             raise RuntimeError("release finished without a wrapped key or a key record")
         return ReleasedKey(
             key=outcome.record.name,
@@ -143,8 +186,7 @@ class ReleaseService:
             algorithm=outcome.record.algorithm.value,
         )
 
-    async def _decide(self, outcome: _Outcome, now: datetime) -> str:
-        request = outcome.request
+    async def _decide(self, outcome: _Outcome, request: ReleaseRequest, now: datetime) -> str:
         await self._nonces.consume(request.nonce, now)
         outcome.evidence = await self._verifier.verify(
             request.unverified_evidence,
@@ -181,7 +223,9 @@ class ReleaseService:
         )
 
     def _record(self, outcome: _Outcome, *, now: datetime, request_id: str) -> dict[str, Any]:
+        """The decision record. Total: built from whatever the release learned, never raising."""
         request = outcome.request
+        body = outcome.unverified_body
         evidence = outcome.evidence
         error = outcome.error
         record = outcome.record
@@ -191,8 +235,8 @@ class ReleaseService:
             "request_id": request_id,
             "time": now.isoformat(),
             "path": "broker/release",
-            "key": request.key,
-            "version": request.version if record is None else record.version,
+            "key": request.key if request else _loggable_string(body.get("key")),
+            "version": (request.version if request else None) if record is None else record.version,
             "kid": None if record is None else key_id(record.name, record.version),
             "result": _result(outcome),
             "code": error.code.value if error else None,
@@ -200,11 +244,19 @@ class ReleaseService:
             "reasons": [] if outcome.decision is None else list(outcome.decision.reasons),
             "policy_digest": self._policy.digest,
             "input_digest": outcome.input_digest,
-            "runner_key_thumbprint": request.runner_key.thumbprint,
-            "wrap": request.wrap,
-            "evidence_digests": dict(evidence_digests(request.unverified_evidence)),
+            "runner_key_thumbprint": request.runner_key.thumbprint if request else None,
+            "wrap": request.wrap if request else _loggable_string(body.get("wrap")),
+            "evidence_digests": evidence_digests(body.get("evidence")),
             "identity": None if evidence is None else dict(evidence.identity),
         }
+
+
+def _loggable_string(value: Any) -> str | None:
+    """A field of a request that failed its shape check, as the record shows it: a short
+    printable string, or nothing (a hostile value is not copied into the log)."""
+    if isinstance(value, str) and len(value) <= MAX_KEY_NAME and value.isprintable():
+        return value
+    return None
 
 
 def _result(outcome: _Outcome) -> str:

@@ -43,11 +43,15 @@ def check_admin(request: web.Request) -> None:
     digests = request.app[STATE].settings.admin.token_sha256
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    presented = hashlib.sha256(token.strip().encode()).hexdigest().encode()
+    token = token.strip()
+    # aiohttp decodes header bytes with surrogateescape; a token is printable ASCII (RFC 6750
+    # b64token), so anything else simply does not match (it used to raise: a 500).
+    usable = token.isascii() and token.isprintable()
+    presented = hashlib.sha256(token.encode() if usable else b"").hexdigest().encode()
     matched = False
     for digest in digests:  # no early exit: the time taken does not depend on which matched
         matched |= hmac.compare_digest(presented, digest.encode())
-    if scheme.lower() != "bearer" or not token.strip() or not matched:
+    if scheme.lower() != "bearer" or not usable or not token or not matched:
         raise Unauthorized("admin credentials are missing or wrong")
 
 
@@ -67,7 +71,6 @@ async def create_key(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json_object(
         request,
-        max_bytes=state.settings.server.max_body_bytes,
         required=("name", "purpose"),
         optional=("algorithm",),
     )
@@ -99,9 +102,7 @@ async def destroy_version(request: web.Request) -> web.Response:
 
 async def _version_action(request: web.Request, action: str) -> web.Response:
     state = request.app[STATE]
-    body = await read_json_object(
-        request, max_bytes=state.settings.server.max_body_bytes, required=("name", "version")
-    )
+    body = await read_json_object(request, required=("name", "version"))
     name = validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
     version = optional_version(body)
     if version is None:
@@ -115,9 +116,7 @@ async def _version_action(request: web.Request, action: str) -> web.Response:
 
 
 async def _name_only(request: web.Request, state: BrokerState) -> str:
-    body = await read_json_object(
-        request, max_bytes=state.settings.server.max_body_bytes, required=("name",)
-    )
+    body = await read_json_object(request, required=("name",))
     return validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
 
 

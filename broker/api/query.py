@@ -6,7 +6,8 @@ from aiohttp import web
 
 from broker.api.state import STATE
 from broker.crypto.query import sign_statement, statement_jwks
-from broker.errors import ErrorCode, InputError, NotFound, UpstreamError
+from broker.errors import ErrorCode, NotFound, UpstreamError
+from broker.fields import version_query
 from broker.keys.service import validate_key_name
 from broker.keys.store.base import Purpose
 
@@ -21,10 +22,8 @@ async def public_key(request: web.Request) -> web.Response:
             "query-key statements need [keys] signing_key", code=ErrorCode.NOT_READY
         )
     name = validate_key_name(request.match_info["name"])
-    version_text = request.query.get("version")
-    if version_text is not None and not version_text.isdigit():
-        raise InputError("version must be a positive integer")
-    record = await state.release.keys.resolve(name, int(version_text) if version_text else None)
+    version = version_query(request.query.get("version"))
+    record = await state.release.keys.resolve(name, version)
     if record.purpose is not Purpose.QUERY:
         raise NotFound(f"{name!r} is not a query key", code=ErrorCode.KEY_UNKNOWN)
     statement = sign_statement(

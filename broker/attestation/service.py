@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from broker.attestation import binding, claims, gca, ita
 from broker.attestation.jwks import JwksSource, TrustedKeySet
 from broker.attestation.nvidia import local, nras, rim
 from broker.attestation.nvidia.sources import OcspChecker, RimSource, RimUnavailable
+from broker.audit.log import canonical
 from broker.config import IssuerSettings
 from broker.errors import AttestationError, ErrorCode, InputError
 
@@ -57,12 +57,26 @@ class VerifiedEvidence:
     gpus: Sequence[Mapping[str, Any]] = field(default_factory=list)
 
 
-def evidence_digests(unverified_evidence: Mapping[str, Any]) -> dict[str, str]:
-    """SHA-256 of each piece of evidence as sent, for the decision log (never the evidence)."""
+def evidence_digests(unverified_evidence: Any) -> dict[str, str]:
+    """SHA-256 of each piece of evidence as sent, for the decision log (never the evidence).
+
+    A string (a token) is hashed as its UTF-8 bytes; any other JSON value as its canonical JSON
+    (sorted keys, no spaces, UTF-8), so the digest does not depend on how the runner formatted
+    it. Evidence that is not an object is digested whole under ``"evidence"``. Total.
+    """
+    pieces = (
+        unverified_evidence
+        if isinstance(unverified_evidence, dict)
+        else {"evidence": unverified_evidence}
+    )
     digests = {}
-    for kind, value in sorted(unverified_evidence.items()):
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-        digests[kind] = "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    for kind, value in sorted(pieces.items()):
+        data = (
+            value.encode("utf-8", "backslashreplace")
+            if isinstance(value, str)
+            else canonical(value)
+        )
+        digests[str(kind)[:64]] = "sha256:" + hashlib.sha256(data).hexdigest()
     return digests
 
 

@@ -47,10 +47,16 @@ class LogCorrupt(Exception):
         self.problem = problem
 
 
-def canonical(record: Mapping[str, Any]) -> bytes:
+def canonical(record: Any) -> bytes:
+    """Canonical JSON: sorted keys, no spaces, UTF-8.
+
+    A lone surrogate (JSON allows ``"\\ud800"``; Python keeps it in the str) cannot be UTF-8;
+    ``backslashreplace`` writes it back as the same JSON escape, so the line stays valid UTF-8,
+    parses to the same value, and re-canonicalises to the same bytes.
+    """
     return json.dumps(
         record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    ).encode("utf-8", "backslashreplace")
 
 
 def record_hash(record: Mapping[str, Any]) -> str:

@@ -72,7 +72,7 @@ def parse_runner_key(unverified_jwk: Any) -> RunnerKey:
         else:
             raise _invalid("runner_key kty must be EC, RSA, OKP or HPKE")
     except ValueError as exc:
-        raise _invalid("runner_key members are not valid base64url key values") from exc
+        raise _invalid("runner_key members are not a valid public key") from exc
     return RunnerKey(jwk=members, key=key, thumbprint=thumbprint(members))
 
 
@@ -99,8 +99,13 @@ def _parse_ec(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyOb
     if len(x_bytes) != size or len(y_bytes) != size:
         raise _invalid("runner_key EC coordinates have the wrong length")
     point = b"\x04" + x_bytes + y_bytes
-    # from_encoded_point checks that the point is on the curve (invalid-curve attacks).
-    key = ec.EllipticCurvePublicKey.from_encoded_point(curve, point)
+    # from_encoded_point checks that the point is on the curve (invalid-curve attacks);
+    # P-256 and P-384 have cofactor 1, so every point on the curve but infinity (which the
+    # uncompressed form cannot express) has full order.
+    try:
+        key = ec.EllipticCurvePublicKey.from_encoded_point(curve, point)
+    except ValueError as exc:
+        raise _invalid("runner_key EC point is not on the curve") from exc
     return {"crv": crv, "kty": "EC", "x": x, "y": y}, key
 
 
@@ -110,8 +115,10 @@ def _parse_rsa(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyO
     e_int = int.from_bytes(b64url_decode(e), "big")
     if not MIN_RSA_BITS <= n_int.bit_length() <= MAX_RSA_BITS:
         raise _invalid(f"runner_key RSA modulus must be {MIN_RSA_BITS}..{MAX_RSA_BITS} bits")
-    if e_int < 3 or e_int % 2 == 0:
+    if e_int < 3 or e_int % 2 == 0 or e_int >= n_int:
         raise _invalid("runner_key RSA exponent is not valid")
+    if n_int % 2 == 0:
+        raise _invalid("runner_key RSA modulus is even")
     key = rsa.RSAPublicNumbers(e_int, n_int).public_key()
     return {"e": e, "kty": "RSA", "n": n}, key
 
@@ -124,7 +131,7 @@ def _parse_okp(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyO
     raw = b64url_decode(x)
     if len(raw) != 32:
         raise _invalid("runner_key X25519 key must be 32 bytes")
-    return {"crv": crv, "kty": "OKP", "x": x}, x25519.X25519PublicKey.from_public_bytes(raw)
+    return {"crv": crv, "kty": "OKP", "x": x}, _x25519_full_order(raw)
 
 
 def _parse_hybrid(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyObject]:
@@ -138,9 +145,25 @@ def _parse_hybrid(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicK
         raise _invalid("runner_key pk must be an ML-KEM-768 public key and an X25519 key")
     key = hpke.MLKEM768X25519PublicKey(
         mlkem.MLKEM768PublicKey.from_public_bytes(raw[:1184]),
-        x25519.X25519PublicKey.from_public_bytes(raw[1184:]),
+        _x25519_full_order(raw[1184:]),
     )
     return {"kem": HPKE_HYBRID_KEM, "kty": "HPKE", "pk": pk}, key
+
+
+# A key agreement with a clamped scalar (a multiple of the cofactor 8) yields the all-zero
+# secret exactly for the small-order points (RFC 7748 §6.1), and OpenSSL refuses to return it.
+# One exchange with a fixed scalar is therefore a complete small-order test: 0, 1, p-1, the two
+# order-8 points and all their non-canonical encodings, without a hand-kept blocklist.
+_PROBE = x25519.X25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
+
+
+def _x25519_full_order(raw: bytes) -> x25519.X25519PublicKey:
+    key = x25519.X25519PublicKey.from_public_bytes(raw)
+    try:
+        _PROBE.exchange(key)
+    except ValueError as exc:
+        raise _invalid("runner_key X25519 key is a small-order point") from exc
+    return key
 
 
 def hybrid_jwk(raw_public: bytes) -> dict[str, str]:

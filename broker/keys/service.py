@@ -157,9 +157,14 @@ class KeyService:
     async def rotate(self, name: str, *, now: datetime) -> KeyVersionRecord:
         """A new version with fresh material; earlier versions stay as they are."""
         latest = await self._require_latest(name)
-        record = await self._new_version(
-            name, latest.version + 1, latest.purpose, now=now, algorithm=latest.algorithm
-        )
+        try:
+            record = await self._new_version(
+                name, latest.version + 1, latest.purpose, now=now, algorithm=latest.algorithm
+            )
+        except Conflict as exc:  # another rotation took this version number first
+            raise Conflict(
+                f"key {name!r} was rotated concurrently; retry", code=ErrorCode.CONFLICT
+            ) from exc
         self._cache.invalidate(name)
         await self._log("rotate", record, now)
         return record
@@ -314,7 +319,10 @@ class KeyService:
 
     async def _replace(self, updated: KeyVersionRecord, current: KeyVersionRecord) -> None:
         if not await self._store.replace(updated, expect_kek_ref=current.kek_ref):
-            raise Conflict(f"key {updated.name!r} version {updated.version} changed meanwhile")
+            raise Conflict(
+                f"key {updated.name!r} version {updated.version} changed meanwhile; retry",
+                code=ErrorCode.CONFLICT,
+            )
 
     async def _log(self, action: str, record: KeyVersionRecord, now: datetime) -> None:
         await self._log_event(

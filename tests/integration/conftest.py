@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 from blockbuster import BlockBuster, blockbuster_ctx
 
+from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
 from broker.client import BrokerClient
 from broker.config import Settings, load_settings
@@ -145,7 +146,7 @@ async def start_broker(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
             async with open_key_service(settings.keys, create_missing_kek=True) as keys:
                 await keys.create(KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
                 await keys.create(GPU_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
-        runner = web.AppRunner(create_app(settings), access_log=None)
+        runner = BrokerRunner(create_app(settings), settings.server)
         await runner.setup()
         runners.append(runner)
         site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl_context(settings))

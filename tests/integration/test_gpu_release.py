@@ -252,7 +252,7 @@ async def test_two_gpu_pieces_refused(gpu_broker: RunningBroker) -> None:
                 {
                     "key": GPU_KEY,
                     "nonce": challenge.nonce,
-                    "runner_key": {"kty": "OKP", "crv": "X25519", "x": "A" * 43},
+                    "runner_key": {"kty": "OKP", "crv": "X25519", "x": "CQ" + "A" * 41},
                     "evidence": {"gca": "x", "nras": [], "nvidia": {}},
                 },
             )

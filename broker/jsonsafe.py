@@ -1,0 +1,50 @@
+"""JSON from untrusted bytes, bounded in nesting depth.
+
+``json.loads`` recurses per nesting level: a body of ``[[[[…`` reaches ``RecursionError`` (a
+500 before this module existed) and, just below the limit, every later walk over the value
+(canonical dumps, policy input) recurses too. Every parser of attacker-controlled JSON goes
+through ``loads_bounded``, which turns both into ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Deepest legitimate document: NRAS results (list > object > object > list) and policy
+# input (~6 levels). 64 leaves ample room and stays far from the interpreter's limit.
+MAX_JSON_DEPTH = 64
+
+
+def loads_bounded(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON and refuse documents nested deeper than ``max_depth``.
+
+    Raises:
+        ValueError: not JSON, not UTF-8, or nested too deeply.
+    """
+    try:
+        value = json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("JSON is nested too deeply") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError("JSON is not UTF-8") from exc
+    if not depth_within(value, max_depth):
+        raise ValueError(f"JSON is nested deeper than {max_depth} levels")
+    return value
+
+
+def depth_within(value: Any, max_depth: int) -> bool:
+    """Whether ``value``'s containers nest at most ``max_depth`` deep (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > max_depth:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
