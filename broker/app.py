@@ -31,7 +31,8 @@ from broker.attestation.nvidia.sources import (
     NoOcsp,
     OcspChecker,
 )
-from broker.attestation.service import EvidenceVerifier, LocalGpuTrust, TrustedIssuer
+from broker.attestation.pipeline import IssuerTrust, Trust
+from broker.attestation.service import EvidenceVerifier, GpuSources
 from broker.audit.log import DecisionLog
 from broker.config import Settings
 from broker.errors import ConfigError
@@ -85,12 +86,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             eval_timeout_seconds=settings.policy.eval_timeout_ms / 1000,
         )
         stack.callback(engine.close)
-        verifier = EvidenceVerifier(
-            await _issuers(settings, session),
-            audience=settings.server.audience,
-            leeway=timedelta(seconds=settings.server.clock_leeway_seconds),
-            local_gpu=await _local_gpu(settings, session),
-        )
+        verifier = await _evidence_verifier(settings, session)
         state.release = ReleaseService(
             nonces=state.nonces,
             verifier=verifier,
@@ -113,28 +109,40 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             state.release = None
 
 
-async def _issuers(settings: Settings, session: aiohttp.ClientSession) -> dict[str, TrustedIssuer]:
-    issuers: dict[str, TrustedIssuer] = {}
+async def _evidence_verifier(
+    settings: Settings, session: aiohttp.ClientSession
+) -> EvidenceVerifier:
+    """Trust from configuration; key sets, RIMs and OCSP answers fetched per request."""
+    issuers: dict[str, IssuerTrust] = {}
+    sources: dict[str, JwksSource] = {}
     for index, entry in enumerate(settings.issuers):
-        source: JwksSource | None = None
         if entry.jwks_file is not None:
             try:
-                source = await FileJwksSource.load(entry.jwks_file)
+                sources[entry.issuer] = await FileJwksSource.load(entry.jwks_file)
             except JwksError as exc:
                 raise ConfigError(f"issuers[{index}].jwks_file", str(exc)) from exc
         elif entry.jwks_url is not None:
-            source = UrlJwksSource(
+            sources[entry.issuer] = UrlJwksSource(
                 entry.jwks_url,
                 session,
                 cache_seconds=entry.jwks_cache_seconds,
                 refresh_min_seconds=entry.jwks_refresh_min_seconds,
             )
         roots = await _certificates(f"issuers[{index}].root_cert", entry.root_cert)
-        issuers[entry.issuer] = TrustedIssuer(settings=entry, keys=source, roots=roots)
-    return issuers
+        issuers[entry.issuer] = IssuerTrust(settings=entry, roots=roots)
+    nvidia = settings.nvidia
+    trust = Trust(
+        issuers=issuers,
+        audience=settings.server.audience,
+        leeway=timedelta(seconds=settings.server.clock_leeway_seconds),
+        device_roots=await _certificates("nvidia.device_root", nvidia.device_root),
+        rim_roots=await _certificates("nvidia.rim_root", nvidia.rim_root),
+        local_gpu=nvidia.enabled,
+    )
+    return EvidenceVerifier(trust, key_sources=sources, gpu=_gpu_sources(settings, session))
 
 
-async def _local_gpu(settings: Settings, session: aiohttp.ClientSession) -> LocalGpuTrust | None:
+def _gpu_sources(settings: Settings, session: aiohttp.ClientSession) -> GpuSources | None:
     nvidia = settings.nvidia
     if not nvidia.enabled:
         return None
@@ -155,12 +163,7 @@ async def _local_gpu(settings: Settings, session: aiohttp.ClientSession) -> Loca
         if nvidia.ocsp_url
         else NoOcsp()
     )
-    return LocalGpuTrust(
-        device_roots=await _certificates("nvidia.device_root", nvidia.device_root),
-        rim_roots=await _certificates("nvidia.rim_root", nvidia.rim_root),
-        rims=rims,
-        ocsp=ocsp,
-    )
+    return GpuSources(rims=rims, ocsp=ocsp)
 
 
 async def _statement_signer(settings: Settings) -> ec.EllipticCurvePrivateKey | None:

@@ -23,7 +23,7 @@ from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import LogCorrupt, repair_torn_tail, verify_file
 from broker.config import Settings, load_settings
-from broker.errors import AttestationError, BrokerError, ConfigError
+from broker.errors import BrokerError, ConfigError, InputError
 from broker.policy.testing import find_opa, run_policy_tests
 
 EXIT_NO = 1
@@ -174,7 +174,7 @@ def _audit_repair(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     try:
         result = offline.run(args)
-    except (AttestationError, ConfigError) as exc:
+    except (InputError, ConfigError) as exc:
         print(
             json.dumps(
                 {

@@ -50,7 +50,6 @@ class ServerSettings:
     keepalive_timeout_seconds: float = 15.0
     body_timeout_seconds: float = 30.0
     max_connections_per_ip: int = 256  # further connections from that address are closed
-    max_token_lifetime_seconds: int = 3600  # exp - iat of any token, unless an issuer says
 
     @property
     def host(self) -> str:
@@ -73,6 +72,9 @@ class IssuerSettings:
     tolerated_jku: tuple[str, ...] = ()  # a jku header equal to one of these is ignored
     jwks_refresh_min_seconds: int = 30
     jwks_cache_seconds: int = 3600
+    # Longest accepted exp - iat. Google's, NVIDIA's: 3600 s; Intel's: 300 s. A longer-lived
+    # token is refused (token_claim_invalid): a stolen one would stay useful for longer.
+    max_token_lifetime_seconds: int = 3600
 
     @property
     def effective_algorithms(self) -> tuple[str, ...]:
@@ -403,7 +405,6 @@ def _validate_server(server: ServerSettings) -> None:
         "server.keepalive_timeout_seconds": server.keepalive_timeout_seconds,
         "server.body_timeout_seconds": server.body_timeout_seconds,
         "server.max_connections_per_ip": server.max_connections_per_ip,
-        "server.max_token_lifetime_seconds": server.max_token_lifetime_seconds,
     }
     for key, value in limits.items():
         if value <= 0:
@@ -412,7 +413,7 @@ def _validate_server(server: ServerSettings) -> None:
         raise ConfigError("server.clock_leeway_seconds", "must be between 0 and 300")
 
 
-def _validate_issuer(name: str, issuer: IssuerSettings) -> None:
+def _validate_issuer(name: str, issuer: IssuerSettings) -> None:  # noqa: PLR0912
     if issuer.kind not in ISSUER_KINDS:
         raise ConfigError(f"{name}.kind", f"unknown kind (supported: {sorted(ISSUER_KINDS)})")
     if not issuer.token_types or set(issuer.token_types) - TOKEN_TYPES:
@@ -435,5 +436,7 @@ def _validate_issuer(name: str, issuer: IssuerSettings) -> None:
             raise ConfigError(f"{name}.algorithms", f"algorithm {alg!r} is not allowed")
         if alg not in DEFAULT_ALGORITHMS[issuer.kind]:
             raise ConfigError(f"{name}.algorithms", f"{alg} is not an algorithm {issuer.kind} uses")
+    if not 1 <= issuer.max_token_lifetime_seconds <= 86400:
+        raise ConfigError(f"{name}.max_token_lifetime_seconds", "must be 1..86400")
     if issuer.jwks_refresh_min_seconds < 1 or issuer.jwks_cache_seconds < 1:
         raise ConfigError(name, "JWKS cache and refresh intervals must be positive")

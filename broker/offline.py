@@ -1,26 +1,28 @@
 """``broker verify``: verify one piece of evidence offline, for security teams and auditors.
 
-Uses the same pure verifiers as the service, with trust material from files (defaults from
-``certs/``) and the time from ``--at`` (default: now). Checks whose inputs are not given
-(audience, nonce, issuer) are skipped and listed under ``"skipped"`` in the output.
+It runs the service's own pipeline (``attestation.pipeline.verify_evidence``) with trust
+material from files (defaults from ``certs/``) instead of the network, and the time from
+``--at`` (default: now). Checks whose inputs are not given (audience, nonce, runner-key
+binding, OCSP) are skipped and listed under ``"skipped"`` in the output.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from cryptography import x509
 
-from broker.attestation import binding, claims, gca, ita
+from broker.attestation import jose, pipeline
 from broker.attestation.jwks import JwksError, TrustedKeySet, parse_jwks
-from broker.attestation.nvidia import local, nras, rim
-from broker.errors import AttestationError, ConfigError, ErrorCode
+from broker.attestation.nvidia import local
+from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
+from broker.config import DEFAULT_ALGORITHMS, IssuerSettings
+from broker.errors import ConfigError
+from broker.jsonsafe import loads_bounded
 
 CERTS = Path(__file__).resolve().parent.parent / "certs"
 DEFAULT_ROOTS = {
@@ -36,22 +38,6 @@ DEFAULT_ISSUERS = {
 }
 
 
-@dataclass
-class Report:
-    kind: str
-    at: datetime
-    fragment: dict[str, Any] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
-
-    def render(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "verified_at": self.at.isoformat(),
-            **self.fragment,
-            "skipped": self.skipped,
-        }
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", choices=["gca", "ita", "nras", "nvidia"])
     parser.add_argument(
@@ -65,31 +51,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", type=Path, help="trust anchor PEM (default: certs/)")
     parser.add_argument("--chain", type=Path, help="nvidia: the GPU certificate chain (PEM)")
     parser.add_argument(
-        "--rim", type=Path, nargs="*", default=[], help="nvidia: driver and VBIOS RIMs"
+        "--rim",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="[ID=]FILE",
+        help="nvidia: RIM files, repeatable (--rim A --rim B or --rim A B); a RIM serves the "
+        "id named before '=', else its file name without .swidtag (as in [nvidia] rim_dir)",
     )
+    parser.add_argument("--rim-dir", type=Path, help="nvidia: a directory of <RIM id>.swidtag")
     parser.add_argument("--rim-root", type=Path, default=DEFAULT_RIM_ROOT)
-    parser.add_argument("--arch", default="HOPPER", choices=sorted(local.ARCHES))
+    parser.add_argument(
+        "--arch",
+        choices=sorted(local.ARCHES),
+        help="nvidia raw report: the declared architecture (default: inferred from the chain)",
+    )
     parser.add_argument(
         "--nonce",
-        help="gca/ita: a value eat_nonce must contain; "
-        "ita held data / nras / nvidia: the nonce in hex",
+        help="the broker nonce; with --thumbprint every binding check of a release is made. "
+        "Alone: gca/ita: a value eat_nonce must contain (ita held data: hex); "
+        "nras/nvidia: the GPU nonce in hex",
     )
+    parser.add_argument("--thumbprint", help="the runner key's RFC 7638 thumbprint")
     parser.add_argument("--audience", help="the audience the token must carry")
     parser.add_argument("--issuer", help="the issuer the token must name (default per kind)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Verify and return the printable report.
+    """Verify with the service's pipeline and return the printable report.
 
     Raises:
         AttestationError: the evidence does not verify.
-        ConfigError: a trust file is missing or unusable, or ``--at`` is not RFC 3339.
+        InputError: the evidence has the wrong shape.
+        ConfigError: a trust file is missing or unusable, or an argument is malformed.
     """
     at = _time(args.at)
-    report = Report(kind=args.kind, at=at)
-    verifier = {"gca": _gca, "ita": _ita, "nras": _nras, "nvidia": _nvidia}[args.kind]
-    verifier(args, report)
-    return report.render()
+    evidence = {args.kind: _evidence(args)}
+    issuer = _issuer_trust(args, evidence)
+    trust = Trust(
+        issuers={issuer.settings.issuer: issuer} if issuer else {},
+        audience=args.audience,
+        device_roots=_pem(args.root or DEFAULT_ROOTS["nvidia"], "--root")
+        if args.kind == "nvidia"
+        else (),
+        rim_roots=_pem(args.rim_root, "--rim-root") if args.kind == "nvidia" else (),
+        local_gpu=args.kind == "nvidia",
+    )
+    verified = pipeline.verify_evidence(
+        evidence,
+        trust,
+        _material(args, issuer, evidence, trust),
+        bound_to=_binding(args),
+        now=at,
+        require_cpu=False,
+    )
+    skipped = list(verified.skipped)
+    if args.kind == "nvidia":
+        skipped.append("ocsp")
+    fragment: dict[str, Any] = {"kind": args.kind, "verified_at": at.isoformat()}
+    if verified.tee:
+        fragment["tee"] = verified.tee
+        if args.kind == "gca":
+            fragment["token_type"] = "pki" if _is_pki(evidence["gca"]) else "oidc"
+    if verified.gpus:
+        fragment["gpus"] = list(verified.gpus)
+    fragment["claims"] = dict(verified.raw_claims)
+    fragment["skipped"] = _unique(skipped)
+    return fragment
+
+
+def _unique(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
 
 
 def _time(text: str | None) -> datetime:
@@ -109,12 +141,101 @@ def _read(path: Path, what: str) -> bytes:
         raise ConfigError(what, f"cannot read {path}") from exc
 
 
-def _roots(args: argparse.Namespace) -> list[x509.Certificate]:
-    path = args.root or DEFAULT_ROOTS[args.kind]
+def _pem(path: Path, what: str) -> list[x509.Certificate]:
     try:
-        return x509.load_pem_x509_certificates(_read(path, "--root"))
+        return x509.load_pem_x509_certificates(_read(path, what))
     except ValueError as exc:
-        raise ConfigError("--root", f"{path} is not PEM") from exc
+        raise ConfigError(what, f"{path} is not PEM") from exc
+
+
+def _json(data: bytes, what: str) -> Any:
+    try:
+        return loads_bounded(data)
+    except ValueError as exc:
+        raise ConfigError(what, "not JSON") from exc
+
+
+def _evidence(args: argparse.Namespace) -> Any:
+    data = _read(args.files[0], "FILE")
+    if args.kind in ("gca", "ita"):
+        return data.decode("ascii", "replace").strip()
+    if args.kind == "nras":
+        return _json(data, "FILE")
+    if data.lstrip().startswith(b"{"):
+        return _json(data, "FILE")
+    if args.chain is None:
+        raise ConfigError("--chain", "a raw report needs its certificate chain")
+    try:
+        report = bytes.fromhex(data.decode("ascii").strip())
+    except ValueError as exc:
+        raise ConfigError("FILE", "a raw report must be hex text") from exc
+    import base64  # noqa: PLC0415 - only this branch re-encodes
+
+    item = {
+        "evidence": base64.b64encode(report).decode(),
+        "certificate": base64.b64encode(_read(args.chain, "--chain")).decode(),
+    }
+    return {"evidence_list": [item], **({"arch": args.arch} if args.arch else {})}
+
+
+def _issuer_trust(args: argparse.Namespace, evidence: dict[str, Any]) -> IssuerTrust | None:
+    """The issuer entry the service would have for this token, from the arguments."""
+    kind = args.kind
+    if kind == "nvidia":
+        return None
+    token = evidence[kind] if kind != "nras" else ""
+    name = args.issuer or DEFAULT_ISSUERS.get(kind) or jose.unverified_claim(token, "iss") or ""
+    pki = kind == "gca" and _is_pki(token)
+    settings = IssuerSettings(
+        kind=kind,
+        issuer=name,
+        algorithms=DEFAULT_ALGORITHMS[kind],
+        token_types=(("pki",) if pki else ("oidc",)),
+        tolerated_jku=("https://portal.trustauthority.intel.com/certs",) if kind == "ita" else (),
+    )
+    roots = _pem(args.root or DEFAULT_ROOTS[kind], "--root") if kind != "gca" or pki else []
+    return IssuerTrust(settings=settings, roots=roots)
+
+
+def _is_pki(token: Any) -> bool:
+    try:
+        return "x5c" in jose.parse_header(str(token), DEFAULT_ALGORITHMS["gca"]).fields
+    except Exception:  # noqa: BLE001 - the pipeline reports the header's problem itself
+        return False
+
+
+def _material(
+    args: argparse.Namespace,
+    issuer: IssuerTrust | None,
+    evidence: dict[str, Any],
+    trust: Trust,
+) -> Material:
+    key_sets: dict[str, TrustedKeySet] = {}
+    if issuer is not None and issuer.settings.uses_jwks:
+        key_sets[issuer.settings.issuer] = _keys(args)
+    if args.kind != "nvidia":
+        return Material(key_sets=key_sets)
+    needs = pipeline.requirements(evidence, trust, require_cpu=False)
+    rims: dict[str, bytes] = {}
+    problems: dict[str, str] = {}
+    offered = _offered_rims(args)
+    for rim_id in needs.rim_ids:
+        if rim_id in offered:
+            rims[rim_id] = _read(offered[rim_id], "--rim")
+        else:
+            problems[rim_id] = "not given (--rim or --rim-dir)"
+    return Material(key_sets=key_sets, rims=rims, rim_problems=problems)
+
+
+def _offered_rims(args: argparse.Namespace) -> dict[str, Path]:
+    offered: dict[str, Path] = {}
+    if args.rim_dir is not None:
+        offered.update({p.stem: p for p in sorted(args.rim_dir.glob("*.swidtag"))})
+    for text in args.rim:
+        rim_id, equals, path = str(text).partition("=")
+        file = Path(path if equals else rim_id)
+        offered[rim_id if equals else file.name.removesuffix(".swidtag")] = file
+    return offered
 
 
 def _keys(args: argparse.Namespace) -> TrustedKeySet:
@@ -126,146 +247,10 @@ def _keys(args: argparse.Namespace) -> TrustedKeySet:
         raise ConfigError("--jwks", str(exc)) from exc
 
 
-def _token(args: argparse.Namespace) -> str:
-    return _read(args.files[0], "FILE").decode("ascii", "replace").strip()
-
-
-def _issuer(args: argparse.Namespace, token: str, report: Report) -> str:
-    if args.issuer or args.kind in DEFAULT_ISSUERS:
-        return str(args.issuer or DEFAULT_ISSUERS[args.kind])
-    report.skipped.append("issuer")
-    return gca.unverified_issuer(token) or ""
-
-
-def _eat_nonce(args: argparse.Namespace, token_claims: dict[str, Any], report: Report) -> None:
-    if args.nonce is None:
-        report.skipped.append("nonce")
-        return
-    values = binding.eat_nonce_values(token_claims.get("eat_nonce"))
-    if args.nonce not in values:
-        raise AttestationError("eat_nonce does not contain --nonce", code=ErrorCode.NONCE_MISMATCH)
-
-
-def _gca(args: argparse.Namespace, report: Report) -> None:
-    token = _token(args)
-    trust = gca.GcaTrust(
-        issuer=_issuer(args, token, report),
-        algorithms=("RS256",),
-        keys=_keys(args) if args.jwks else None,
-        roots=_roots(args),
-    )
-    verified = gca.verify_gca_token(token, trust=trust, audience=args.audience, now=report.at)
-    if args.audience is None:
-        report.skipped.append("audience")
-    _eat_nonce(args, dict(verified.claims), report)
-    report.fragment = {
-        "token_type": verified.token_type,
-        "tee": claims.gca_tee(verified),
-        "claims": {"gca": dict(verified.claims)},
-    }
-
-
-def _ita(args: argparse.Namespace, report: Report) -> None:
-    token = _token(args)
-    trust = ita.ItaTrust(
-        issuer=_issuer(args, token, report),
-        algorithms=ita.ITA_ALGORITHMS,
-        keys=_keys(args),
-        roots=_roots(args),
-    )
-    verified = ita.verify_ita_token(token, trust=trust, audience=args.audience, now=report.at)
-    token_claims = dict(verified.claims)
-    if "aud" in token_claims and args.audience is None:
-        report.skipped.append("audience")
-    if "eat_nonce" in token_claims:
-        _eat_nonce(args, token_claims, report)
-    else:
-        held = ita.held_data(token_claims)
-        ita.check_report_data(token_claims, held)
-        if args.nonce is None:
-            report.skipped.append("nonce (held data)")
-        elif held != bytes.fromhex(args.nonce):
-            raise AttestationError("held data differs from --nonce", code=ErrorCode.NONCE_MISMATCH)
-    report.fragment = {"tee": claims.ita_tee(verified), "claims": {"ita": token_claims}}
-
-
-def _nras(args: argparse.Namespace, report: Report) -> None:
-    unverified = json.loads(_read(args.files[0], "FILE"))
-    trust = nras.NrasTrust(
-        issuer=_issuer(args, "", report),
-        algorithms=nras.NRAS_ALGORITHMS,
-        keys=_keys(args),
-        anchors=_roots(args),
-    )
-    nonce = _hex_nonce(args, report)
-    result = nras.verify_nras(unverified, trust=trust, expected_nonce=nonce, now=report.at)
-    report.fragment = {
-        "gpus": claims.nras_gpu_entries(result, cc_mode="unknown"),
-        "claims": {
-            "nras": {
-                "overall": dict(result.overall),
-                "gpus": {k: dict(v) for k, v in result.gpus.items()},
-            }
-        },
-    }
-
-
-def _nvidia(args: argparse.Namespace, report: Report) -> None:
-    arch, items = _local_items(args)
-    nonce = _hex_nonce(args, report)
-    entries = []
-    for index, item in enumerate(items):
-        verified = local.verify_gpu_report(
-            item, arch=arch, device_roots=_roots(args), expected_nonce=nonce, now=report.at
-        )
-        measurements, problems = _compare(args, verified, report)
-        entries.append(
-            claims.local_gpu_entry(
-                index,
-                verified,
-                measurements=measurements,
-                problems=problems,
-                ocsp="unknown",
-                cc_mode="unknown",
-            )
-        )
-    report.skipped.append("ocsp")
-    report.fragment = {"gpus": entries}
-
-
-def _local_items(args: argparse.Namespace) -> tuple[str, Sequence[local.GpuEvidence]]:
-    data = _read(args.files[0], "FILE")
-    if data.lstrip().startswith(b"{"):
-        return local.parse_local_evidence(json.loads(data))
-    if args.chain is None:
-        raise ConfigError("--chain", "a raw report needs its certificate chain")
-    try:
-        report = bytes.fromhex(data.decode("ascii").strip())
-    except ValueError as exc:
-        raise ConfigError("FILE", "a raw report must be hex text") from exc
-    return args.arch, [local.GpuEvidence(report=report, chain_pem=_read(args.chain, "--chain"))]
-
-
-def _compare(
-    args: argparse.Namespace, verified: local.VerifiedGpuReport, report: Report
-) -> tuple[str, list[str]]:
-    if not args.rim:
-        report.skipped.append("measurements (no --rim)")
-        return "unverified", ["no RIMs given"]
-    roots = x509.load_pem_x509_certificates(_read(args.rim_root, "--rim-root"))
-    rims = [rim.verify_rim(_read(p, "--rim"), roots=roots, now=report.at) for p in args.rim]
-    if len(rims) != 2:
-        raise ConfigError("--rim", "give the driver RIM and the VBIOS RIM")
-    driver, vbios = sorted(rims, key=lambda r: r.version != verified.report.driver_version)
-    comparison = local.compare_measurements(verified.report, driver, vbios)
-    return comparison.result, list(comparison.problems)
-
-
-def _hex_nonce(args: argparse.Namespace, report: Report) -> bytes | None:
-    if args.nonce is None:
-        report.skipped.append("nonce")
-        return None
-    try:
-        return bytes.fromhex(args.nonce)
-    except ValueError as exc:
-        raise ConfigError("--nonce", "must be hex") from exc
+def _binding(args: argparse.Namespace) -> Binding:
+    if args.kind in ("nras", "nvidia") and args.thumbprint is None and args.nonce is not None:
+        try:
+            return Binding(gpu_nonce=bytes.fromhex(args.nonce))
+        except ValueError as exc:
+            raise ConfigError("--nonce", "must be hex") from exc
+    return replace(Binding(), nonce=args.nonce, thumbprint=args.thumbprint)

@@ -203,6 +203,7 @@ def nras_gpu_entries(result: VerifiedNrasResult, *, cc_mode: str) -> list[dict[s
             {
                 "id": name,
                 "verifier": "nras",
+                "mode": "unknown",  # NRAS results do not state it
                 "arch": _arch(hwmodel),
                 "hwmodel": hwmodel,
                 "cc_mode": cc_mode,
@@ -247,6 +248,7 @@ def ita_gpu_entries(claims: Mapping[str, Any], *, cc_mode: str) -> list[dict[str
             {
                 "id": str(name),
                 "verifier": "ita",
+                "mode": "unknown",  # ITA's nvgpu results do not state it
                 "arch": _arch(hwmodel),
                 "hwmodel": hwmodel,
                 "cc_mode": cc_mode,
@@ -281,6 +283,7 @@ def local_gpu_entry(
         "id": f"GPU-{index}",
         "verifier": "local",
         "arch": report.arch,
+        "mode": report.mode,  # spt | mpt | ppcie | unknown (FEATURE_FLAG)
         "hwmodel": _common_name(report.chain[1]) if len(report.chain) > 1 else "",
         "cc_mode": cc_mode,
         # Debug state is not in the SPDM report; RIM-matching firmware is the production image.

@@ -20,7 +20,6 @@ Binding to the broker nonce and the runner key is checked by ``binding.check_eat
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -30,13 +29,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from broker.attestation import jose
-from broker.attestation.jwks import TrustedKey, TrustedKeySet
+from broker.attestation.jwks import MAX_X5C, TrustedKey, TrustedKeySet
 from broker.attestation.x509chain import load_b64_der, verify_chain
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.errors import AttestationError, ErrorCode
 
 REQUIRED_CLAIMS = ("iss", "aud", "exp", "iat")
-MAX_X5C = 4
 TOKEN_TYPES = frozenset({"oidc", "pki"})
 
 
@@ -59,35 +57,12 @@ class GcaTrust:
     keys: TrustedKeySet | None = None  # OIDC
     roots: Sequence[x509.Certificate] = ()  # PKI
     tolerated_jku: Collection[str] = ()
+    max_lifetime: timedelta = jose.DEFAULT_MAX_LIFETIME
 
 
 def unverified_issuer(token: str) -> str | None:
     """Read ``iss`` without verifying, only to choose which configured issuer to verify with."""
-    parts = token.split(".")
-    if len(parts) != 3 or len(token) > jose.MAX_TOKEN_BYTES:
-        return None
-    try:
-        unverified_claims = json.loads(jose.b64url_decode(parts[1]))
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(unverified_claims, dict):
-        return None
-    iss = unverified_claims.get("iss")
-    return iss if isinstance(iss, str) else None
-
-
-def parse_gca_header(
-    token: str, algorithms: Collection[str], *, tolerated_jku: Collection[str] = ()
-) -> jose.UnverifiedHeader:
-    """Step 1: the header checks. The async layer calls it to learn which ``kid`` to fetch.
-
-    Raises:
-        AttestationError: as ``jose.parse_header``, or ``token_malformed`` without a kid.
-    """
-    header = jose.parse_header(token, algorithms, tolerated_jku=tolerated_jku)
-    if not header.kid:
-        raise AttestationError("token header has no kid")
-    return header
+    return jose.unverified_claim(token, "iss")
 
 
 def verify_gca_token(
@@ -110,7 +85,7 @@ def verify_gca_token(
     Raises:
         AttestationError: with the specific code of the first failed step.
     """
-    header = parse_gca_header(token, trust.algorithms, tolerated_jku=trust.tolerated_jku)
+    header = jose.parse_header_with_kid(token, trust.algorithms, tolerated_jku=trust.tolerated_jku)
     if "x5c" in header.fields:
         if not trust.roots:
             raise AttestationError(
@@ -128,7 +103,13 @@ def verify_gca_token(
         key = select_key(trust.keys, header).key
         token_type = "oidc"  # noqa: S105 - a token kind
     verified = jose.verify_jws(
-        token, header, key, now=now, leeway=leeway, required_claims=REQUIRED_CLAIMS
+        token,
+        header,
+        key,
+        now=now,
+        leeway=leeway,
+        required_claims=REQUIRED_CLAIMS,
+        max_lifetime=trust.max_lifetime,
     )
     check_issuer_and_audience(verified.claims, issuer=trust.issuer, audience=audience)
     return VerifiedGcaToken(
@@ -145,7 +126,11 @@ def pki_signing_key(
         AttestationError: ``token_malformed``, ``cert_chain_invalid`` or ``kid_mismatch``.
     """
     x5c = header.fields.get("x5c")
-    if not isinstance(x5c, list) or not 2 <= len(x5c) <= MAX_X5C:
+    if (
+        not isinstance(x5c, list)
+        or not 2 <= len(x5c) <= MAX_X5C
+        or not all(isinstance(entry, str) for entry in x5c)
+    ):
         raise AttestationError("x5c must list the leaf, intermediate and root certificates")
     chain = [load_b64_der(str(entry)) for entry in x5c]
     # The root the token brings is only a hint: validation ends at the pinned root or fails.

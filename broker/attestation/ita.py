@@ -33,7 +33,7 @@ from typing import Any
 from cryptography import x509
 
 from broker.attestation import binding, jose
-from broker.attestation.gca import check_issuer_and_audience, parse_gca_header, select_key
+from broker.attestation.gca import check_issuer_and_audience, select_key
 from broker.attestation.jwks import TrustedKey, TrustedKeySet
 from broker.attestation.x509chain import load_der, verify_chain
 from broker.crypto.jwk import public_jwk
@@ -57,6 +57,7 @@ class ItaTrust:
     keys: TrustedKeySet
     roots: Sequence[x509.Certificate]
     tolerated_jku: Collection[str] = (INTEL_CERTS_URL,)
+    max_lifetime: timedelta = jose.DEFAULT_MAX_LIFETIME
 
 
 def verify_ita_token(
@@ -80,6 +81,7 @@ def verify_ita_token(
         now=now,
         leeway=leeway,
         tolerated_jku=trust.tolerated_jku,
+        max_lifetime=trust.max_lifetime,
     )
     claims = verified.claims
     check_issuer_and_audience(
@@ -97,6 +99,7 @@ def verify_pinned_jws(
     now: datetime,
     leeway: timedelta,
     tolerated_jku: Collection[str] = (),
+    max_lifetime: timedelta = jose.DEFAULT_MAX_LIFETIME,
 ) -> jose.VerifiedJws:
     """Header checks, key by ``kid``/``alg`` whose ``x5c`` chains to a pinned anchor, then the
     signature and times (the common part of ITA and NRAS token verification).
@@ -104,11 +107,17 @@ def verify_pinned_jws(
     Raises:
         AttestationError: with the specific code of the first failed check.
     """
-    header = parse_gca_header(token, algorithms, tolerated_jku=tolerated_jku)
+    header = jose.parse_header_with_kid(token, algorithms, tolerated_jku=tolerated_jku)
     trusted = select_key(keys, header)
     check_key_chain(trusted, anchors, now=now)
     return jose.verify_jws(
-        token, header, trusted.key, now=now, leeway=leeway, required_claims=("iss", "exp", "iat")
+        token,
+        header,
+        trusted.key,
+        now=now,
+        leeway=leeway,
+        required_claims=("iss", "exp", "iat"),
+        max_lifetime=max_lifetime,
     )
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -26,10 +25,12 @@ from typing import Any
 import jwt
 
 from broker.errors import AttestationError, ErrorCode
+from broker.jsonsafe import MAX_JSON_DEPTH, depth_within, loads_bounded
 
 MAX_TOKEN_BYTES = 64 * 1024
 MAX_HEADER_BYTES = 16 * 1024
 DEFAULT_LEEWAY = timedelta(seconds=30)
+DEFAULT_MAX_LIFETIME = timedelta(hours=1)  # exp - iat; issuers may configure their own
 FORBIDDEN_HEADERS = frozenset({"jku", "x5u", "jwk", "crit"})
 TIME_CLAIMS = ("exp", "iat", "nbf")
 
@@ -92,8 +93,8 @@ def parse_header(
     if len(parts[0]) > MAX_HEADER_BYTES:
         raise AttestationError("token header exceeds the size limit")
     try:
-        header = json.loads(b64url_decode(parts[0]))
-    except (ValueError, UnicodeDecodeError) as exc:
+        header = loads_bounded(b64url_decode(parts[0]), max_depth=8)
+    except ValueError as exc:
         raise AttestationError("token header is not base64url JSON") from exc
     if not isinstance(header, dict):
         raise AttestationError("token header is not a JSON object")
@@ -117,6 +118,36 @@ def parse_header(
     return UnverifiedHeader(alg=alg, kid=kid, fields=header)
 
 
+def parse_header_with_kid(
+    token: str, allowed_algorithms: Collection[str], *, tolerated_jku: Collection[str] = ()
+) -> UnverifiedHeader:
+    """``parse_header``, and the header must name its key (``kid``): every issuer we trust
+    (Google, Intel, NVIDIA) does, and choosing a key without one would be guesswork.
+
+    Raises:
+        AttestationError: as ``parse_header``, or ``token_malformed`` without a kid.
+    """
+    header = parse_header(token, allowed_algorithms, tolerated_jku=tolerated_jku)
+    if not header.kid:
+        raise AttestationError("token header has no kid")
+    return header
+
+
+def unverified_claim(token: str, name: str) -> str | None:
+    """Read one string claim without verifying, only to choose which trust to verify with."""
+    parts = token.split(".")
+    if len(parts) != 3 or len(token) > MAX_TOKEN_BYTES:
+        return None
+    try:
+        unverified_claims = loads_bounded(b64url_decode(parts[1]))
+    except ValueError:
+        return None
+    if not isinstance(unverified_claims, dict):
+        return None
+    value = unverified_claims.get(name)
+    return value if isinstance(value, str) else None
+
+
 def verify_jws(
     token: str,
     header: UnverifiedHeader,
@@ -125,6 +156,7 @@ def verify_jws(
     now: datetime,
     leeway: timedelta = DEFAULT_LEEWAY,
     required_claims: Collection[str] = TIME_CLAIMS,
+    max_lifetime: timedelta = DEFAULT_MAX_LIFETIME,
 ) -> VerifiedJws:
     """Verify the signature with a trusted ``key`` and the time claims against ``now``.
 
@@ -135,6 +167,7 @@ def verify_jws(
         now: the one clock reading of this request (timezone-aware).
         leeway: tolerated clock skew for ``exp``, ``nbf`` and ``iat``.
         required_claims: claims that must be present.
+        max_lifetime: the longest ``exp - iat`` accepted (both present).
 
     Raises:
         AttestationError: ``token_signature_invalid``, ``token_malformed``,
@@ -164,12 +197,22 @@ def verify_jws(
         raise AttestationError(
             "token signature does not verify", code=ErrorCode.TOKEN_SIGNATURE_INVALID
         ) from exc
-    except jwt.InvalidTokenError as exc:
+    except (jwt.InvalidTokenError, RecursionError) as exc:
         raise AttestationError("token could not be decoded") from exc
     claims = decoded["payload"]
-    if not isinstance(claims, dict):
-        raise AttestationError("token payload is not a JSON object")
+    if not isinstance(claims, dict) or not depth_within(claims, MAX_JSON_DEPTH):
+        raise AttestationError("token payload is not a JSON object of bounded depth")
     check_times(claims, now=now, leeway=leeway)
+    exp, iat = claims.get("exp"), claims.get("iat")
+    if (
+        isinstance(exp, int | float)
+        and isinstance(iat, int | float)
+        and exp - iat > max_lifetime.total_seconds()
+    ):
+        raise AttestationError(
+            f"token lifetime exp - iat exceeds {int(max_lifetime.total_seconds())} s",
+            code=ErrorCode.TOKEN_CLAIM_INVALID,
+        )
     return VerifiedJws(header=decoded["header"], claims=claims)
 
 

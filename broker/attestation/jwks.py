@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 MAX_JWKS_BYTES = 256 * 1024
 MAX_JWKS_KEYS = 64
 MIN_RSA_BITS = 2048
-MAX_X5C = 10
+MAX_X5C = 5  # leaf, intermediates, root: every vendor chain here has 3
 JWKS_FETCH_TIMEOUT_SECONDS = 5.0
 
 

@@ -262,8 +262,8 @@ async def test_two_gpu_pieces_refused(gpu_broker: RunningBroker) -> None:
 async def test_revoked_gpu_certificate_denied_through_ocsp(
     start_broker: Callable[..., Any], world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
 ) -> None:
-    gpu = world[0]
-    responder = OcspResponder(gpu)
+    gpu, authority = world[0], world[1]
+    responder = OcspResponder(gpu, extra_chains=[(authority.chain, authority.keys)])
 
     async def handle(request: web.Request) -> web.Response:
         return web.Response(body=responder.answer(await request.read()))
@@ -283,6 +283,8 @@ async def test_revoked_gpu_certificate_denied_through_ocsp(
             with pytest.raises(BrokerClientError) as caught:
                 await client.release(GPU_KEY, token, gpu_source=LocalGpu(gpu))
         assert "GPU GPU-0: device certificate status revoked" in caught.value.details["reasons"]
-        assert responder.requests == 6  # ocsp_cache_seconds = 0: asked again each time
+        # Per release: 3 device-chain certificates + 3 for each of the two RIM signer chains;
+        # ocsp_cache_seconds = 0: asked again each time.
+        assert responder.requests == 2 * (3 + 3 + 3)
     finally:
         await runner.cleanup()

@@ -1,9 +1,10 @@
-"""OCSP for GPU device chains against a real HTTP responder on loopback."""
+"""OCSP for GPU device chains against a real HTTP responder on loopback, checked as RFC 6960
+§3.2 says (freshness, delegated responders)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import aiohttp
 import pytest
@@ -35,7 +36,8 @@ async def responder() -> AsyncIterator[tuple[OcspResponder, str]]:
 
 async def status(url: str, gpu: SimulatedGpu) -> str:
     async with aiohttp.ClientSession() as session:
-        return await HttpOcspChecker(url, session, timeout_seconds=5).status(gpu.chain)
+        checker = HttpOcspChecker(url, session, timeout_seconds=5, cache_seconds=0)
+        return await checker.status(gpu.chain, datetime.now(UTC))
 
 
 async def test_all_good(responder: tuple[OcspResponder, str]) -> None:
@@ -48,9 +50,14 @@ async def test_answers_are_cached(responder: tuple[OcspResponder, str]) -> None:
     fake, url = responder
     async with aiohttp.ClientSession() as session:
         checker = HttpOcspChecker(url, session, timeout_seconds=5)
-        assert await checker.status(fake.gpu.chain) == "good"
-        assert await checker.status(fake.gpu.chain) == "good"
-    assert fake.requests == 3
+        now = datetime.now(UTC)
+        assert await checker.status(fake.gpu.chain, now) == "good"
+        assert await checker.status(fake.gpu.chain, now) == "good"
+        assert fake.requests == 3
+        # Past its nextUpdate (one hour here) the cached answer is not used, and the fresh
+        # one, issued now, is itself stale for a request two hours later.
+        assert await checker.status(fake.gpu.chain, now + timedelta(hours=2)) == "unknown"
+    assert fake.requests == 6
 
 
 async def test_revoked_intermediate_reported(responder: tuple[OcspResponder, str]) -> None:
@@ -68,3 +75,33 @@ async def test_forged_response_is_unknown_not_good(responder: tuple[OcspResponde
 async def test_unreachable_responder_is_unknown() -> None:
     gpu = SimulatedGpu(datetime.now(UTC))
     assert await status("http://127.0.0.1:9/", gpu) == "unknown"
+
+
+async def test_stale_good_answer_replay_rejected(responder: tuple[OcspResponder, str]) -> None:
+    fake, url = responder
+    fake.stale = True  # a "good" whose nextUpdate passed an hour ago
+    assert await status(url, fake.gpu) == "unknown"
+
+
+async def test_good_answer_from_the_future_rejected(responder: tuple[OcspResponder, str]) -> None:
+    fake, url = responder
+    async with aiohttp.ClientSession() as session:
+        checker = HttpOcspChecker(url, session, timeout_seconds=5, cache_seconds=0)
+        earlier = datetime.now(UTC) - timedelta(hours=1)  # thisUpdate is after this "now"
+        assert await checker.status(fake.gpu.chain, earlier) == "unknown"
+
+
+async def test_delegated_responder_without_ocsp_signing_eku_rejected(
+    responder: tuple[OcspResponder, str],
+) -> None:
+    fake, url = responder
+    fake.delegate = "without_eku"
+    assert await status(url, fake.gpu) == "unknown"
+
+
+async def test_delegated_responder_with_ocsp_signing_eku_accepted(
+    responder: tuple[OcspResponder, str],
+) -> None:
+    fake, url = responder
+    fake.delegate = "with_eku"
+    assert await status(url, fake.gpu) == "good"

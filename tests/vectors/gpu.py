@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509 import ocsp
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.x509.oid import NameOID
 from lxml import etree
 from signxml import XMLSigner
@@ -38,6 +39,25 @@ RIM_IDS = ("NV_GPU_DRIVER_GH100_550.90.07", "NV_GPU_VBIOS_1010_0200_882_96009F00
 
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _usage(*, sign: bool, cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=sign,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+# As NVIDIA's real chains: CAs may sign certificates and CRLs; leaves sign evidence.
+KEY_CERT_SIGN = _usage(sign=False, cert_sign=True)
+DIGITAL_SIGNATURE = _usage(sign=True, cert_sign=False)
 
 
 def _cert(
@@ -59,7 +79,14 @@ def _cert(
         .not_valid_before(now - timedelta(days=1))
         .not_valid_after(now + timedelta(days=30))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(KEY_CERT_SIGN if ca else DIGITAL_SIGNATURE, critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
     )
+    if issuer:
+        builder = builder.add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+            critical=False,
+        )
     for extension in extensions or []:
         builder = builder.add_extension(extension, critical=False)
     return builder.sign(issuer_key, hashes.SHA384())
@@ -110,12 +137,13 @@ class SimulatedGpu:
             x509.ObjectIdentifier("2.23.133.5.4.1"),
             b"\x30\x35\x04\x33tcb-info-prefix" + self.fwid + trailer,
         )
-        names = [
+        chip = "GH100" if self.arch == "HOPPER" else "GB100"
+        names = [  # real names below a test root (the root's CN says so)
             "Test Device Identity CA",
-            "Test GH100 Identity",
-            "Test GH100 Provisioner ICA",
-            "Test GH100 A01 GSP BROM",
-            "Test GH100 A01 GSP FMC LF",
+            f"Test {chip} Identity",
+            f"Test {chip} Provisioner ICA",
+            f"{chip} A01 GSP BROM",
+            f"{chip} A01 GSP FMC LF",
         ]
         self.chain, self.keys = _chain(names, self.now, [tcb_info])
         self.leaf_key = self.keys[0]
@@ -180,6 +208,7 @@ class RimAuthority:
 
     now: datetime
     chain: list[x509.Certificate] = field(default_factory=list)
+    keys: list[ec.EllipticCurvePrivateKey] = field(default_factory=list)
     signer_key: ec.EllipticCurvePrivateKey | None = None
 
     def __post_init__(self) -> None:
@@ -189,8 +218,8 @@ class RimAuthority:
             "Test Reference Value L3",
             "Test RIM L4 Signer",
         ]
-        self.chain, keys = _chain(names, self.now)
-        self.signer_key = keys[0]
+        self.chain, self.keys = _chain(names, self.now)
+        self.signer_key = self.keys[0]
 
     @property
     def root(self) -> x509.Certificate:
@@ -294,47 +323,75 @@ class SimulatedNras:
 
 
 class OcspResponder:
-    """Answers OCSP requests for a simulated GPU's chain, signed by each certificate's issuer."""
+    """Answers OCSP requests for a simulated GPU's chain (and any further chains, e.g. a RIM
+    authority's), signed by each certificate's issuer or by a delegated responder.
 
-    def __init__(self, gpu: SimulatedGpu, *, revoked_serials: frozenset[int] = frozenset()) -> None:
+    Knobs for RFC 6960 tests: ``sign_with_wrong_key``; ``stale`` (thisUpdate two hours ago,
+    nextUpdate one hour ago); ``delegate`` = ``"with_eku"`` | ``"without_eku"`` (a responder
+    certificate the issuer signed, with or without id-kp-OCSPSigning).
+    """
+
+    def __init__(
+        self,
+        gpu: SimulatedGpu,
+        *,
+        revoked_serials: frozenset[int] = frozenset(),
+        extra_chains: list[tuple[list[x509.Certificate], list[ec.EllipticCurvePrivateKey]]]
+        | None = None,
+    ) -> None:
         self.gpu = gpu
+        self.chains = [(gpu.chain, gpu.keys), *(extra_chains or [])]
         self.revoked = revoked_serials
         self.requests = 0
         self.sign_with_wrong_key = False
+        self.stale = False
+        self.delegate: str | None = None
 
     def answer(self, der_request: bytes) -> bytes:
         self.requests += 1
         request = ocsp.load_der_ocsp_request(der_request)
-        for index, cert in enumerate(self.gpu.chain[:-1]):
-            if cert.serial_number != request.serial_number:
-                continue
-            issuer, issuer_key = self.gpu.chain[index + 1], self.gpu.keys[index + 1]
-            if self.sign_with_wrong_key:
-                issuer_key = ec.generate_private_key(ec.SECP384R1())
-            revoked = cert.serial_number in self.revoked
-            now = datetime.now(UTC)
-            builder = (
-                ocsp.OCSPResponseBuilder()
-                .add_response(
-                    cert=cert,
-                    issuer=issuer,
-                    algorithm=hashes.SHA384(),
-                    cert_status=ocsp.OCSPCertStatus.REVOKED
-                    if revoked
-                    else ocsp.OCSPCertStatus.GOOD,
-                    this_update=now,
-                    next_update=now + timedelta(hours=1),
-                    revocation_time=now - timedelta(hours=1) if revoked else None,
-                    revocation_reason=x509.ReasonFlags.key_compromise if revoked else None,
-                )
-                .responder_id(ocsp.OCSPResponderEncoding.HASH, issuer)
-            )
-            response = builder.sign(issuer_key, hashes.SHA384())
-            return response.public_bytes(serialization.Encoding.DER)
+        for chain, keys in self.chains:
+            for index, cert in enumerate(chain[:-1]):
+                if cert.serial_number == request.serial_number:
+                    return self._response(cert, chain[index + 1], keys[index + 1])
         unauthorized = ocsp.OCSPResponseBuilder.build_unsuccessful(
             ocsp.OCSPResponseStatus.UNAUTHORIZED
         )
         return unauthorized.public_bytes(serialization.Encoding.DER)
+
+    def _response(self, cert: x509.Certificate, issuer: x509.Certificate, issuer_key: Any) -> bytes:
+        if self.sign_with_wrong_key:
+            issuer_key = ec.generate_private_key(ec.SECP384R1())
+        revoked = cert.serial_number in self.revoked
+        now = datetime.now(UTC) - (timedelta(hours=2) if self.stale else timedelta(0))
+        builder = ocsp.OCSPResponseBuilder().add_response(
+            cert=cert,
+            issuer=issuer,
+            algorithm=hashes.SHA384(),
+            cert_status=ocsp.OCSPCertStatus.REVOKED if revoked else ocsp.OCSPCertStatus.GOOD,
+            this_update=now,
+            next_update=now + timedelta(hours=1),
+            revocation_time=now - timedelta(hours=1) if revoked else None,
+            revocation_reason=x509.ReasonFlags.key_compromise if revoked else None,
+        )
+        signer_cert, signer_key = issuer, issuer_key
+        if self.delegate is not None:
+            signer_key = ec.generate_private_key(ec.SECP384R1())
+            extensions: list[x509.ExtensionType] = []
+            if self.delegate == "with_eku":
+                extensions.append(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.OCSP_SIGNING]))
+            signer_cert = _cert(
+                "Test OCSP Responder",
+                signer_key,
+                (issuer.subject, issuer_key),
+                now=datetime.now(UTC),
+                ca=False,
+                extensions=extensions,
+            )
+            builder = builder.certificates([signer_cert])
+        builder = builder.responder_id(ocsp.OCSPResponderEncoding.HASH, signer_cert)
+        response = builder.sign(signer_key, hashes.SHA384())
+        return response.public_bytes(serialization.Encoding.DER)
 
 
 @dataclass

@@ -34,6 +34,10 @@ from broker.attestation.x509chain import load_pem_chain, verify_chain
 from broker.errors import AttestationError, ErrorCode
 
 ARCHES = {"HOPPER": "GH100", "BLACKWELL": "GB100"}
+# The attestation (FMC leaf) certificate's CN names the chip: "GH100 A01 GSP FMC LF",
+# "GB100 A01 GSP FMC LF" (EVIDENCE.md §3.3); GB2xx parts are Blackwell too.
+CHIP_PREFIXES = (("GH100", "HOPPER"), ("GB1", "BLACKWELL"), ("GB2", "BLACKWELL"))
+GPU_MODES = {0: "spt", 1: "mpt", 2: "ppcie"}  # opaque FEATURE_FLAG (36)
 TCB_INFO_OIDS = ("2.23.133.5.4.1", "2.23.133.5.4.1.1")
 MAX_GPUS = 8
 MAX_CHAIN_BYTES = 64 * 1024
@@ -44,6 +48,18 @@ GPU_CHAIN_LENGTH = 5
 class GpuEvidence:
     report: bytes
     chain_pem: bytes
+
+
+@dataclass(frozen=True)
+class UnverifiedGpuReport:
+    """A parsed report and chain, nothing verified: tells the I/O layer what to fetch."""
+
+    arch: str
+    report: spdm.SpdmReport
+    chain: Sequence[x509.Certificate]
+
+    def rim_ids(self) -> tuple[str, str]:
+        return rim_ids_for(self.arch, self.report)
 
 
 @dataclass(frozen=True)
@@ -58,20 +74,31 @@ class VerifiedGpuReport:
     def ueid(self) -> str:
         return str(self.chain[0].serial_number)
 
+    @property
+    def mode(self) -> str:
+        """``spt`` | ``mpt`` | ``ppcie`` from the report's FEATURE_FLAG; ``unknown`` on
+        reports that predate the field (OPAQUE_DATA_VERSION < 1)."""
+        raw = self.report.opaque.get(spdm.OPAQUE_FEATURE_FLAG, b"")
+        return (
+            GPU_MODES.get(int.from_bytes(raw, "little"), "unknown") if len(raw) == 2 else "unknown"
+        )
+
     def rim_ids(self) -> tuple[str, str]:
-        """(driver RIM id, VBIOS RIM id) as NVIDIA's RIM service names them."""
-        driver = self.report.driver_version
-        if self.arch == "HOPPER":
-            driver_id = f"NV_GPU_DRIVER_GH100_{driver}"
-        else:
-            driver_id = (
-                f"NV_GPU_CC_DRIVER_{self.report.ascii_field(spdm.OPAQUE_CHIP_INFO)}_{driver}"
-            )
-        vbios = self.report.vbios_version.replace(".", "").upper()
-        project = self.report.ascii_field(spdm.OPAQUE_PROJECT)
-        sku = self.report.ascii_field(spdm.OPAQUE_PROJECT_SKU)
-        chip = self.report.ascii_field(spdm.OPAQUE_CHIP_SKU)
-        return driver_id, f"NV_GPU_VBIOS_{project}_{sku}_{chip}_{vbios}"
+        return rim_ids_for(self.arch, self.report)
+
+
+def rim_ids_for(arch: str, report: spdm.SpdmReport) -> tuple[str, str]:
+    """(driver RIM id, VBIOS RIM id) as NVIDIA's RIM service names them."""
+    driver = report.driver_version
+    if arch == "HOPPER":
+        driver_id = f"NV_GPU_DRIVER_GH100_{driver}"
+    else:
+        driver_id = f"NV_GPU_CC_DRIVER_{report.ascii_field(spdm.OPAQUE_CHIP_INFO)}_{driver}"
+    vbios = report.vbios_version.replace(".", "").upper()
+    project = report.ascii_field(spdm.OPAQUE_PROJECT)
+    sku = report.ascii_field(spdm.OPAQUE_PROJECT_SKU)
+    chip = report.ascii_field(spdm.OPAQUE_CHIP_SKU)
+    return driver_id, f"NV_GPU_VBIOS_{project}_{sku}_{chip}_{vbios}"
 
 
 @dataclass(frozen=True)
@@ -81,9 +108,10 @@ class MeasurementComparison:
     problems: tuple[str, ...]
 
 
-def parse_local_evidence(unverified: Any) -> tuple[str, list[GpuEvidence]]:
-    """``{"arch": "HOPPER"|"BLACKWELL", "evidence_list": [{"evidence", "certificate"}, …]}``
-    with base64 report and base64 PEM chain (NVIDIA's NRAS request shape).
+def parse_local_evidence(unverified: Any) -> tuple[str | None, list[GpuEvidence]]:
+    """``{"arch"?: "HOPPER"|"BLACKWELL", "evidence_list": [{"evidence", "certificate"}, …]}``
+    with base64 report and base64 PEM chain (NVIDIA's NRAS request shape). ``arch`` is optional:
+    the architecture is inferred from each GPU's certificate; a declared one must agree.
 
     Raises:
         AttestationError: ``evidence_malformed``.
@@ -92,39 +120,82 @@ def parse_local_evidence(unverified: Any) -> tuple[str, list[GpuEvidence]]:
         raise _malformed('expected {"arch", "evidence_list"}')
     arch = unverified.get("arch")
     items = unverified.get("evidence_list")
-    if arch not in ARCHES or not isinstance(items, list) or not 1 <= len(items) <= MAX_GPUS:
-        raise _malformed("arch must be HOPPER or BLACKWELL with 1..8 evidence entries")
+    if arch is not None and (not isinstance(arch, str) or arch not in ARCHES):
+        raise _malformed("arch must be HOPPER or BLACKWELL (or absent: inferred)")
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_GPUS:
+        raise _malformed(f"evidence_list must have 1..{MAX_GPUS} entries")
     evidence = []
     for item in items:
         if not isinstance(item, dict):
             raise _malformed("evidence entries must be objects")
+        if set(item) - {"evidence", "certificate"} or not all(
+            isinstance(item.get(k), str) for k in ("evidence", "certificate")
+        ):
+            raise _malformed("evidence entries are {evidence, certificate} base64 strings")
         try:
-            report = base64.b64decode(str(item.get("evidence", "")), validate=True)
-            chain = base64.b64decode(str(item.get("certificate", "")), validate=True)
+            report = base64.b64decode(item["evidence"], validate=True)
+            chain = base64.b64decode(item["certificate"], validate=True)
         except (binascii.Error, ValueError) as exc:
             raise _malformed("evidence and certificate must be base64") from exc
         if len(chain) > MAX_CHAIN_BYTES:
             raise _malformed("certificate chain too large")
         evidence.append(GpuEvidence(report=report, chain_pem=chain))
-    return str(arch), evidence
+    return arch, evidence
+
+
+def infer_arch(leaf: x509.Certificate, declared: str | None) -> str:
+    """The GPU architecture the attestation certificate names.
+
+    Raises:
+        AttestationError: ``gpu_arch_mismatch`` when ``declared`` contradicts it (naming
+            both), ``evidence_malformed`` when the certificate names no known chip.
+    """
+    names = leaf.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    common_name = str(names[0].value) if names else ""
+    inferred = next((a for prefix, a in CHIP_PREFIXES if common_name.startswith(prefix)), None)
+    if inferred is None:
+        raise _malformed(f"attestation certificate names no known GPU chip ({common_name[:40]!r})")
+    if declared is not None and declared != inferred:
+        raise AttestationError(
+            f"declared arch {declared} contradicts the evidence, whose certificate names "
+            f"{inferred} ({common_name[:5]})",
+            code=ErrorCode.GPU_ARCH_MISMATCH,
+        )
+    return inferred
+
+
+def parse_unverified(
+    evidence: GpuEvidence, declared_arch: str | None = None
+) -> UnverifiedGpuReport:
+    """Parse report and chain (nothing verified), for the I/O layer to know what to fetch.
+
+    Raises:
+        AttestationError: ``evidence_malformed``, ``cert_chain_invalid``, ``gpu_arch_mismatch``.
+    """
+    report = spdm.parse_report(evidence.report)
+    chain = load_pem_chain(evidence.chain_pem)
+    if not chain:
+        raise AttestationError("GPU certificate chain is empty", code=ErrorCode.CERT_CHAIN_INVALID)
+    return UnverifiedGpuReport(infer_arch(chain[0], declared_arch), report, chain)
 
 
 def verify_gpu_report(
     evidence: GpuEvidence,
     *,
-    arch: str,
+    arch: str | None,
     device_roots: Sequence[x509.Certificate],
     expected_nonce: bytes | None,
     now: datetime,
 ) -> VerifiedGpuReport:
-    """Steps 1-5 above. ``expected_nonce=None`` skips step 5 (offline CLI only).
+    """Steps 1-5 above. ``arch=None`` infers it from the certificate; a declared one must
+    agree. ``expected_nonce=None`` skips step 5 (offline CLI only).
 
     Raises:
-        AttestationError: ``evidence_malformed``, ``cert_chain_invalid``,
+        AttestationError: ``evidence_malformed``, ``cert_chain_invalid``, ``gpu_arch_mismatch``,
             ``evidence_signature_invalid``, ``fwid_mismatch`` or ``nonce_mismatch``.
     """
-    report = spdm.parse_report(evidence.report)
-    chain = load_pem_chain(evidence.chain_pem)
+    parsed = parse_unverified(evidence, arch)
+    report, chain, arch = parsed.report, list(parsed.chain), parsed.arch
     if len(chain) != GPU_CHAIN_LENGTH:
         raise AttestationError(
             f"GPU certificate chain must have {GPU_CHAIN_LENGTH} certificates",

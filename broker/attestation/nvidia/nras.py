@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -33,6 +32,7 @@ from broker.attestation.gca import check_issuer_and_audience
 from broker.attestation.ita import verify_pinned_jws
 from broker.attestation.jwks import TrustedKeySet
 from broker.errors import AttestationError, ErrorCode
+from broker.jsonsafe import loads_bounded
 
 MAX_GPUS = 8
 MAX_EAT_BYTES = 256 * 1024
@@ -45,6 +45,7 @@ class NrasTrust:
     algorithms: Collection[str]
     keys: TrustedKeySet
     anchors: Sequence[x509.Certificate]  # the pinned NRAS intermediate
+    max_lifetime: timedelta = jose.DEFAULT_MAX_LIFETIME
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def parse_detached_eat(unverified: Any) -> tuple[str, dict[str, str]]:
         if len(unverified) > MAX_EAT_BYTES:
             raise AttestationError("NRAS result too large", code=ErrorCode.EVIDENCE_MALFORMED)
         try:
-            unverified = json.loads(unverified)
+            unverified = loads_bounded(unverified)
         except ValueError as exc:
             raise AttestationError(
                 "NRAS result is not JSON", code=ErrorCode.EVIDENCE_MALFORMED
@@ -77,7 +78,11 @@ def parse_detached_eat(unverified: Any) -> tuple[str, dict[str, str]]:
         and isinstance(unverified[0][1], str)
         and isinstance(unverified[1], dict)
         and 1 <= len(unverified[1]) <= MAX_GPUS
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in unverified[1].items())
+        and unverified[0][1].isascii()
+        and all(
+            isinstance(k, str) and isinstance(v, str) and v.isascii() and len(k) <= 64
+            for k, v in unverified[1].items()
+        )
     )
     if not shape_ok:
         raise AttestationError(
@@ -133,6 +138,7 @@ def _verify_token(
         anchors=trust.anchors,
         now=now,
         leeway=leeway,
+        max_lifetime=trust.max_lifetime,
     )
     check_issuer_and_audience(verified.claims, issuer=trust.issuer, audience=None)
     return verified.claims

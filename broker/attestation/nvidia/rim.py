@@ -24,7 +24,7 @@ from lxml import etree
 from signxml.exceptions import InvalidInput, InvalidSignature
 from signxml.verifier import SignatureConfiguration, XMLVerifier
 
-from broker.attestation.x509chain import load_der, verify_chain
+from broker.attestation.x509chain import load_der, verify_chain_legacy_encoding
 from broker.errors import AttestationError, ErrorCode
 
 SWID_NS = "http://standards.iso.org/iso/19770/-2/2015/schema.xsd"
@@ -46,6 +46,7 @@ class VerifiedRim:
     tag_id: str
     version: str  # colloquialVersion
     measurements: Mapping[int, GoldenMeasurement]  # active entries by RIM index
+    chain: Sequence[x509.Certificate] = ()  # the validated signer chain, signer first (OCSP)
 
 
 def _invalid(message: str) -> AttestationError:
@@ -68,7 +69,9 @@ def verify_rim(data: bytes, *, roots: Sequence[x509.Certificate], now: datetime)
     chain = [_certificate(node.text) for node in document.iter(f"{{{DSIG_NS}}}X509Certificate")]
     if not chain:
         raise _invalid("no signer certificate")
-    verify_chain(chain[0], [c for c in chain[1:] if c not in roots], roots, now=now)
+    validated = verify_chain_legacy_encoding(
+        chain[0], [c for c in chain[1:] if c not in roots], roots, now=now
+    )
     try:
         result = XMLVerifier().verify(
             data,
@@ -80,7 +83,8 @@ def verify_rim(data: bytes, *, roots: Sequence[x509.Certificate], now: datetime)
         raise _invalid(f"signature does not verify ({type(exc).__name__})") from exc
     if isinstance(result, list):  # one Reference expected; several means another document
         raise _invalid("more than one signed reference")
-    return _read(result.signed_xml)
+    verified = _read(result.signed_xml)
+    return VerifiedRim(verified.tag_id, verified.version, verified.measurements, validated)
 
 
 def _certificate(text: str | None) -> x509.Certificate:

@@ -35,6 +35,7 @@ OPAQUE_PROJECT = 17
 OPAQUE_PROJECT_SKU = 18
 OPAQUE_FWID = 20
 OPAQUE_CHIP_INFO = 35
+OPAQUE_FEATURE_FLAG = 36
 
 
 def _malformed(message: str) -> AttestationError:
