@@ -71,9 +71,27 @@ gpus_acceptable if not data.broker.gpu_keys[input.request.key]
 gpus_acceptable if {
 	gpu_policy
 	count(input.gpus) >= gpu_policy.min_gpus
+	one_gpu_mode
 	every gpu in input.gpus {
 		gpu_ok(gpu)
 	}
+}
+
+# All of a runner's GPUs run in one mode (single-GPU passthrough "spt", multi-GPU "mpt" or
+# protected PCIe "ppcie", from the report's feature flag): a mix means some GPUs are not
+# protected the way the others are. Evidence that does not state it reads "unknown".
+gpu_modes contains mode if {
+	some gpu in input.gpus
+	mode := object.get(gpu, "mode", "unknown")
+}
+
+one_gpu_mode if count(gpu_modes) <= 1
+
+reasons contains msg if {
+	gpu_policy
+	not one_gpu_mode
+	modes := [m | some m in gpu_modes; is_string(m)]
+	msg := concat("", ["GPUs run in mixed modes (", concat(", ", sort(modes)), "); one mode is required"])
 }
 
 # A GPU is acceptable only if every condition holds (a missing field fails its condition).

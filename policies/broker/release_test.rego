@@ -156,3 +156,14 @@ test_unverified_measurements_denied if {
 test_keys_without_gpu_policy_ignore_gpus if {
 	release.allow with input as with_gpus([]) with data.broker.images as images
 }
+
+test_gpus_in_mixed_modes_denied if {
+	spt := json.patch(gpu, [{"op": "add", "path": "/mode", "value": "spt"}])
+	ppcie := json.patch(gpu, [{"op": "add", "path": "/mode", "value": "ppcie"}])
+	release.allow with input as with_gpus([spt, spt]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+	not release.allow with input as with_gpus([spt, ppcie]) with data.broker.images as images
+		with data.broker.gpu_keys as gpu_keys
+	"GPUs run in mixed modes (ppcie, spt); one mode is required" in release.reasons with input as with_gpus([spt, ppcie])
+		with data.broker.images as images with data.broker.gpu_keys as gpu_keys
+}

@@ -288,3 +288,77 @@ async def test_revoked_gpu_certificate_denied_through_ocsp(
         assert responder.requests == 2 * (3 + 3 + 3)
     finally:
         await runner.cleanup()
+
+
+async def test_gpus_in_mixed_modes_denied(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY,
+                gpu_broker.token_source(gpu_cc_mode="ON"),
+                gpu_source=LocalGpu(world[0], feature_flags=(0, 2)),  # SPT next to PPCIe
+            )
+    assert (
+        "GPUs run in mixed modes (ppcie, spt); one mode is required"
+        in caught.value.details["reasons"]
+    )
+
+
+@pytest.mark.parametrize("declared", [None, "HOPPER"])
+async def test_gpu_architecture_inferred_from_the_certificate(
+    gpu_broker: RunningBroker,
+    world: tuple[SimulatedGpu, RimAuthority, SimulatedNras],
+    declared: str | None,
+) -> None:
+    async with gpu_broker.client() as client:
+        released = await client.release(
+            GPU_KEY,
+            gpu_broker.token_source(gpu_cc_mode="ON"),
+            gpu_source=LocalGpu(world[0], declared_arch=declared),
+        )
+    assert released.key == GPU_KEY
+
+
+async def test_declared_arch_contradicting_the_evidence_names_both(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    async with gpu_broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY,
+                gpu_broker.token_source(gpu_cc_mode="ON"),
+                gpu_source=LocalGpu(world[0], declared_arch="BLACKWELL"),
+            )
+    assert caught.value.code == "gpu_arch_mismatch"
+    assert "BLACKWELL" in caught.value.message
+    assert "HOPPER" in caught.value.message
+
+
+async def test_revoked_rim_signer_denied_through_ocsp(
+    start_broker: Callable[..., Any], world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    gpu, authority = world[0], world[1]
+    responder = OcspResponder(gpu, extra_chains=[(authority.chain, authority.keys)])
+    responder.revoked = frozenset({authority.chain[0].serial_number})  # the RIM signer
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=responder.answer(await request.read()))
+
+    app = web.Application()
+    app.router.add_post("/", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+        broker = await start_gpu_broker(start_broker, world, ocsp_url=url)
+        async with broker.client() as client:
+            with pytest.raises(BrokerClientError) as caught:
+                await client.release(
+                    GPU_KEY, broker.token_source(gpu_cc_mode="ON"), gpu_source=LocalGpu(gpu)
+                )
+        assert "GPU GPU-0: device certificate status revoked" in caught.value.details["reasons"]
+    finally:
+        await runner.cleanup()

@@ -22,8 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509 import ocsp
-from cryptography.x509.oid import ExtendedKeyUsageOID
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from lxml import etree
 from signxml import XMLSigner
 from signxml.algorithms import CanonicalizationMethod, DigestAlgorithm, SignatureMethod
@@ -152,9 +151,17 @@ class SimulatedGpu:
     def root(self) -> x509.Certificate:
         return self.chain[-1]
 
-    def report(self, nonce: bytes, *, measurements: dict[int, bytes] | None = None) -> bytes:
-        """A signed SPDM 1.1 GET_MEASUREMENTS request+response, as NVML returns it."""
+    def report(
+        self,
+        nonce: bytes,
+        *,
+        measurements: dict[int, bytes] | None = None,
+        feature_flag: int | None = None,
+    ) -> bytes:
+        """A signed SPDM 1.1 GET_MEASUREMENTS request+response, as NVML returns it
+        (``feature_flag``: opaque FEATURE_FLAG 0 SPT, 1 MPT, 2 PPCIE; None: absent)."""
         values = measurements or self.measurements
+        flag = [] if feature_flag is None else [(36, struct.pack("<H", feature_flag))]
         request = bytes([0x11, 0xE0, 0x01, 0xFF]) + nonce + b"\x00"
         record = b"".join(
             bytes([index, 0x01])
@@ -174,6 +181,7 @@ class SimulatedGpu:
                 (18, b"0200\0"),
                 (20, self.fwid),
                 (35, b"GB100\0"),
+                *flag,
             ]
         )
         response = (
@@ -189,17 +197,27 @@ class SimulatedGpu:
         r, s = decode_dss_signature(der)
         return request + response + r.to_bytes(48, "big") + s.to_bytes(48, "big")
 
-    def evidence(self, nonce: bytes, **kwargs: Any) -> dict[str, Any]:
-        """The ``nvidia`` evidence member (NVIDIA's NRAS request shape)."""
-        return {
-            "arch": self.arch,
-            "evidence_list": [
-                {
-                    "evidence": base64.b64encode(self.report(nonce, **kwargs)).decode(),
-                    "certificate": base64.b64encode(pem(self.chain)).decode(),
-                }
-            ],
-        }
+    def evidence(
+        self,
+        nonce: bytes,
+        *,
+        feature_flags: tuple[int | None, ...] = (None,),
+        declared_arch: str | None = "",
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The ``nvidia`` evidence member (NVIDIA's NRAS request shape): one entry per
+        feature flag; ``declared_arch`` "" declares this GPU's own, None omits ``arch``."""
+        items = [
+            {
+                "evidence": base64.b64encode(
+                    self.report(nonce, feature_flag=flag, **kwargs)
+                ).decode(),
+                "certificate": base64.b64encode(pem(self.chain)).decode(),
+            }
+            for flag in feature_flags
+        ]
+        arch = self.arch if declared_arch == "" else declared_arch
+        return {**({"arch": arch} if arch is not None else {}), "evidence_list": items}
 
 
 @dataclass

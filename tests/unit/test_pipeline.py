@@ -1,0 +1,168 @@
+"""The pure evidence pipeline, on simulated NVIDIA evidence in NVIDIA's formats (real artifacts
+are exercised in test_real_nvidia.py and, through ``broker verify``, in test_cli.py)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import jwt
+import pytest
+
+from broker.attestation import pipeline
+from broker.attestation.jwks import parse_jwks
+from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
+from broker.config import IssuerSettings
+from broker.errors import AttestationError
+from tests.vectors.gpu import DRIVER, RIM_IDS, RimAuthority, SimulatedGpu
+
+NOW = datetime.now(UTC)
+NONCE = bytes(range(32))
+
+
+@pytest.fixture(scope="module")
+def world() -> tuple[SimulatedGpu, RimAuthority]:
+    return SimulatedGpu(NOW), RimAuthority(NOW)
+
+
+def trust_for(gpu: SimulatedGpu, authority: RimAuthority) -> Trust:
+    return Trust(
+        issuers={},
+        audience=None,
+        device_roots=[gpu.root],
+        rim_roots=[authority.root],
+        local_gpu=True,
+    )
+
+
+def rims(
+    gpu: SimulatedGpu, authority: RimAuthority, *, driver_version: str = DRIVER
+) -> dict[str, bytes]:
+    driver = {i - 1: v for i, v in gpu.measurements.items() if i <= 4}
+    vbios = {i - 1: v for i, v in gpu.measurements.items() if i > 4}
+    return {
+        RIM_IDS[0]: authority.rim(driver_version, driver),
+        RIM_IDS[1]: authority.rim("96.00.9F.00.01", vbios),
+    }
+
+
+def verify(world: tuple[SimulatedGpu, RimAuthority], evidence: Any, **material: Any) -> Any:
+    gpu, authority = world
+    return pipeline.verify_evidence(
+        {"nvidia": evidence},
+        trust_for(gpu, authority),
+        Material(**{"rims": rims(gpu, authority), **material}),
+        bound_to=Binding(gpu_nonce=NONCE),
+        now=NOW,
+        require_cpu=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "modes"),
+    [
+        ((0, 0), ["spt", "spt"]),
+        ((1,), ["mpt"]),
+        ((2, 2), ["ppcie", "ppcie"]),
+        ((None,), ["unknown"]),
+    ],
+)
+def test_gpu_mode_comes_from_the_feature_flag(
+    world: tuple[SimulatedGpu, RimAuthority], flags: tuple[int | None, ...], modes: list[str]
+) -> None:
+    verified = verify(world, world[0].evidence(NONCE, feature_flags=flags))
+    assert [g["mode"] for g in verified.gpus] == modes
+    assert all(g["measurements"] == "match" for g in verified.gpus)
+
+
+@pytest.mark.parametrize("declared", [None, "HOPPER"])
+def test_arch_inferred_or_confirmed(
+    world: tuple[SimulatedGpu, RimAuthority], declared: str | None
+) -> None:
+    verified = verify(world, world[0].evidence(NONCE, declared_arch=declared))
+    assert verified.gpus[0]["arch"] == "HOPPER"
+
+
+def test_blackwell_evidence_verified_without_arch() -> None:
+    gpu, authority = SimulatedGpu(NOW, arch="BLACKWELL"), RimAuthority(NOW)
+    trust = trust_for(gpu, authority)
+    evidence = {"nvidia": gpu.evidence(NONCE, declared_arch=None)}
+    needs = pipeline.requirements(evidence, trust, require_cpu=False)
+    assert any(rim_id.startswith("NV_GPU_CC_DRIVER_GB100_") for rim_id in needs.rim_ids)
+    verified = pipeline.verify_evidence(
+        evidence, trust, Material(), bound_to=Binding(gpu_nonce=NONCE), now=NOW, require_cpu=False
+    )
+    assert verified.gpus[0]["arch"] == "BLACKWELL"  # not a misleading fwid_mismatch
+    assert verified.gpus[0]["measurements"] == "unverified"  # no RIMs given here
+
+
+def test_contradicting_arch_is_a_clear_error(world: tuple[SimulatedGpu, RimAuthority]) -> None:
+    with pytest.raises(AttestationError) as caught:
+        verify(world, world[0].evidence(NONCE, declared_arch="BLACKWELL"))
+    assert caught.value.code.value == "gpu_arch_mismatch"
+    assert "BLACKWELL" in caught.value.message
+    assert "HOPPER" in caught.value.message
+
+
+def test_rim_version_differing_from_the_report_fails_the_measurements(
+    world: tuple[SimulatedGpu, RimAuthority],
+) -> None:
+    gpu, authority = world
+    other = rims(gpu, authority, driver_version="550.90.08")  # same golden values
+    verified = verify(world, gpu.evidence(NONCE), rims=other)
+    assert verified.gpus[0]["measurements"] == "mismatch"
+    assert any("driver RIM version 550.90.08" in p for p in verified.gpus[0]["problems"])
+
+
+def test_missing_rim_reads_unverified_naming_it(world: tuple[SimulatedGpu, RimAuthority]) -> None:
+    verified = verify(
+        world, world[0].evidence(NONCE), rims={}, rim_problems={RIM_IDS[0]: "HTTP 404"}
+    )
+    assert verified.gpus[0]["measurements"] == "unverified"
+    assert verified.gpus[0]["problems"] == [f"RIM {RIM_IDS[0]}: HTTP 404"]
+
+
+def test_ocsp_combines_device_and_rim_chains(world: tuple[SimulatedGpu, RimAuthority]) -> None:
+    gpu, authority = world
+    evidence = gpu.evidence(NONCE)
+    trust = trust_for(gpu, authority)
+    base = Material(rims=rims(gpu, authority))
+    needs = pipeline.requirements({"nvidia": evidence}, trust, require_cpu=False)
+    device = [pipeline.chain_id(chain) for chain, _ in needs.ocsp_chains]
+    rim_chains = [pipeline.chain_id(c) for c in pipeline.rim_ocsp_chains(base, trust, NOW)]
+    assert len(device) == 1
+    assert len(rim_chains) == 2
+    all_good = dict.fromkeys(device + rim_chains, "good")
+    assert verify(world, evidence, ocsp=all_good).gpus[0]["ocsp"] == "good"
+    one_rim_revoked = {**all_good, rim_chains[1]: "revoked"}
+    assert verify(world, evidence, ocsp=one_rim_revoked).gpus[0]["ocsp"] == "revoked"
+    device_only = dict.fromkeys(device, "good")
+    assert verify(world, evidence, ocsp=device_only).gpus[0]["ocsp"] == "unknown"
+
+
+def test_token_lifetime_over_the_issuer_maximum_rejected() -> None:
+    from cryptography.hazmat.primitives.asymmetric import rsa  # noqa: PLC0415
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key(), as_dict=True)
+    keys = parse_jwks(json.dumps({"keys": [{**jwk, "kid": "k1", "alg": "RS256"}]}).encode())
+    settings = IssuerSettings(kind="gca", issuer="https://iss.test", max_token_lifetime_seconds=600)
+    trust = Trust(issuers={"https://iss.test": IssuerTrust(settings)}, audience="aud")
+    iat = int(NOW.timestamp())
+    for lifetime, ok in ((600, True), (601, False)):
+        claims = {"iss": "https://iss.test", "aud": "aud", "iat": iat, "exp": iat + lifetime}
+        token = jwt.encode(claims, key, algorithm="RS256", headers={"kid": "k1"})
+        run = lambda t=token: pipeline.verify_evidence(  # noqa: E731
+            {"gca": t},
+            trust,
+            Material(key_sets={"https://iss.test": keys}),
+            bound_to=Binding(),
+            now=NOW + timedelta(seconds=1),
+        )
+        if ok:
+            assert list(run().skipped) == ["nonce"]
+        else:
+            with pytest.raises(AttestationError) as caught:
+                run()
+            assert caught.value.code.value == "token_claim_invalid"
