@@ -100,7 +100,6 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             "policy": engine.digest,
             "keys": settings.keys.store.split(":", 1)[0],
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
-            "audit_log": f"{audit.head.size} records",
         }
         log.info("broker ready: %s", state.checks)
         try:

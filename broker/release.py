@@ -143,6 +143,10 @@ class ReleaseService:
     def policy(self) -> PolicyEngine:
         return self._policy
 
+    @property
+    def audit(self) -> DecisionLog:
+        return self._audit
+
     async def release(
         self, unverified_body: Mapping[str, Any], *, now: datetime, request_id: str
     ) -> ReleasedKey:

@@ -77,6 +77,10 @@ async def create_key(request: web.Request) -> web.Response:
     name = validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
     purpose = _enum(Purpose, body["purpose"], "purpose")
     algorithm = _enum(Algorithm, body["algorithm"], "algorithm") if "algorithm" in body else None
+    if purpose is Purpose.QUERY and state.statement_signer is None:
+        raise InputError(
+            "query keys need [keys] signing_key: their public halves are published signed"
+        )
     record = await _keys(state).create(name, purpose, now=state.clock(), algorithm=algorithm)
     return web.json_response(record.describe(), status=201)
 

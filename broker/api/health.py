@@ -7,6 +7,7 @@ from aiohttp import web
 from broker.api.middleware import METRICS
 from broker.api.state import STATE
 from broker.errors import ErrorCode, UpstreamError
+from broker.keys.store.base import Purpose
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -15,15 +16,38 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready once the policy, key store, KEK and decision log are loaded.
+    """Live readiness: policy digest, key store reachable, decision log size now, and every
+    declared feature able to work (query keys need ``[keys] signing_key`` for their statements).
 
     Raises:
-        UpstreamError: ``not_ready`` (503) before that.
+        UpstreamError: ``not_ready`` (503) while starting or stopping, or naming each problem.
     """
     state = request.app[STATE]
-    if not state.ready:
+    release = state.release
+    if release is None:
         raise UpstreamError("the broker is starting or stopping", code=ErrorCode.NOT_READY)
-    return web.json_response({"status": "ready", "checks": state.checks})
+    checks = {
+        **state.checks,
+        "policy": release.policy.digest,
+        "audit_log": f"{release.audit.head.size} records",
+    }
+    problems = []
+    try:
+        versions = await release.keys.list_versions()
+    except UpstreamError:
+        problems.append("the key store does not answer")
+        versions = []
+    query_keys = sorted({v.name for v in versions if v.purpose is Purpose.QUERY})
+    if query_keys and state.statement_signer is None:
+        problems.append(
+            f"{len(query_keys)} query key(s) but no [keys] signing_key: their public halves "
+            "cannot be published with a signed statement"
+        )
+    if problems:
+        raise UpstreamError(
+            "not ready: " + "; ".join(problems), code=ErrorCode.NOT_READY, checks=checks
+        )
+    return web.json_response({"status": "ready", "checks": checks})
 
 
 async def metrics(request: web.Request) -> web.Response:

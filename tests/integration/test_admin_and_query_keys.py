@@ -196,3 +196,14 @@ async def test_query_key_end_to_end(admin_broker: RunningBroker, algorithm: str)
     assert opened == query
     with pytest.raises(HpkeError):
         open_query(sealed, secret=released.dek, algorithm=released.algorithm, key=KEY, version=1)
+
+
+async def test_query_key_creation_refused_without_a_statement_key(start_broker: Any) -> None:
+    broker = await start_broker(
+        environ={"BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(TOKEN.encode()).hexdigest()}
+    )
+    status, body = await call(
+        broker, "POST", "/v1/admin/keys", {"name": "models/q", "purpose": "query"}
+    )
+    assert (status, body["error"]["code"]) == (400, "bad_request")
+    assert "signing_key" in body["error"]["message"]

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from broker.client import BrokerClientError
+from broker.config import load_settings
+from broker.keys.factory import open_key_service
+from broker.keys.store.base import Purpose
 from tests.integration.conftest import KEY, RunningBroker
 
 
@@ -72,3 +78,26 @@ async def test_kek_that_cannot_unwrap_fails_closed_with_503(broker: RunningBroke
     assert (caught.value.status, caught.value.code) == (503, "kek_unavailable")
     assert broker.records()[-1]["result"] == "error"
     assert broker.records()[-1]["code"] == "kek_unavailable"
+
+
+async def test_readyz_reports_the_live_decision_log_size(broker: RunningBroker) -> None:
+    before = json.loads((await get(broker, "/readyz"))[1])["checks"]["audit_log"]
+    async with broker.client() as client:
+        await client.release(KEY, broker.token_source())
+    after = json.loads((await get(broker, "/readyz"))[1])["checks"]["audit_log"]
+    assert int(after.split()[0]) == int(before.split()[0]) + 1  # not the count at start-up
+
+
+async def test_query_keys_without_a_statement_key_are_not_ready(start_broker: Any) -> None:
+    async def add_query_key(workdir: Path) -> None:
+        settings = await asyncio.to_thread(load_settings, workdir / "broker.toml", {})
+        async with open_key_service(settings.keys) as keys:
+            await keys.create("models/q", Purpose.QUERY, now=datetime.now(UTC))
+
+    broker: RunningBroker = await start_broker()
+    await add_query_key(broker.workdir)
+    status, body = await get(broker, "/readyz")
+    assert status == 503
+    error = json.loads(body)["error"]
+    assert error["code"] == "not_ready"
+    assert "no [keys] signing_key" in error["message"]

@@ -8,15 +8,23 @@ Path attributes ``token`` and ``object`` (and optionally ``id``, hex) select the
 attributes ``module-path`` and ``pin-value`` or ``pin-source`` (``file:PATH``; preferred, so the
 PIN stays out of the config file) open the session. Wrapping is CKM_AES_GCM with a 96-bit IV from
 the token's RNG and the DEK's associated data; the wrapped form is
-``0x02 || iv(12) || ciphertext || tag``. All PKCS#11 calls are blocking C calls: they run on one
-dedicated thread that owns the session, and any failure is ``kek_unavailable``.
+``0x02 || iv(12) || ciphertext || tag``.
+
+One session per token per process. PKCS#11 login state belongs to the application, not to a
+session: a second ``C_Login`` on the same token fails with ``CKR_USER_ALREADY_LOGGED_IN``. So
+every key on a token — the current KEK, ``kek_previous`` entries on the same token during a
+rotation, and ``keys kek-create`` — shares one logged-in R/W session (``_TokenSession``),
+reference-counted, and one thread that makes every call on it (PKCS#11 calls block; sessions
+are not to be used from two threads at once). Any failure is ``kek_unavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable, Mapping
+import secrets
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,13 +103,94 @@ def _pairs(text: str, separator: str) -> dict[str, str]:
     return pairs
 
 
+class _TokenSession:
+    """The one logged-in session of this process on one token, and the thread that uses it."""
+
+    def __init__(self, uri: Pkcs11Uri) -> None:
+        self.key = (str(uri.module_path), uri.token)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkcs11")
+        self.session: Any = None
+        self.users = 0
+        self.token_serial = ""
+
+    def open_sync(self, uri: Pkcs11Uri) -> None:
+        if self.session is None:
+            token = pkcs11.lib(str(uri.module_path)).get_token(token_label=uri.token)
+            self.session = token.open(user_pin=uri.pin, rw=True)
+            self.token_serial = _text(token.serial)
+
+    def close_sync(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
+_SESSIONS: dict[tuple[str, str], _TokenSession] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
+def _acquire(uri: Pkcs11Uri) -> _TokenSession:
+    with _SESSIONS_LOCK:
+        shared = _SESSIONS.get((str(uri.module_path), uri.token))
+        if shared is None:
+            shared = _SESSIONS[(str(uri.module_path), uri.token)] = _TokenSession(uri)
+        shared.users += 1
+        return shared
+
+
+def _release(shared: _TokenSession) -> bool:
+    """Drop one user; True when it was the last (the caller then closes the session)."""
+    with _SESSIONS_LOCK:
+        shared.users -= 1
+        if shared.users > 0:
+            return False
+        _SESSIONS.pop(shared.key, None)
+        return True
+
+
+def _text(value: Any) -> str:
+    raw = bytes(value) if isinstance(value, bytes | bytearray) else str(value).encode()
+    return raw.decode("ascii", "replace").strip()
+
+
+def _find_key(session: Any, uri: Pkcs11Uri) -> Any:
+    """The one secret key the URI names.
+
+    Raises:
+        ConfigError: none, or several (naming their ids: add ``id=`` to the URI).
+    """
+    search: dict[Any, Any] = {
+        pkcs11.Attribute.LABEL: uri.object,
+        pkcs11.Attribute.CLASS: ObjectClass.SECRET_KEY,
+    }
+    if uri.key_id:
+        search[pkcs11.Attribute.ID] = uri.key_id
+    found = list(session.get_objects(search))
+    if not found:
+        raise ConfigError("keys.kek", f"no key {uri.reference} on the token")
+    if len(found) > 1:
+        ids = ", ".join(sorted(bytes(o[pkcs11.Attribute.ID]).hex() or "(none)" for o in found))
+        raise ConfigError(
+            "keys.kek",
+            f"{len(found)} keys match {uri.reference} (ids: {ids}); add id=<hex> to the URI",
+        )
+    return found[0]
+
+
+def key_fingerprint(token_serial: str, key: Any) -> str:
+    """Identifies the key *object*: token serial, CKA_ID and label (not the label alone)."""
+    ident = bytes(key[pkcs11.Attribute.ID])
+    label = str(key[pkcs11.Attribute.LABEL])
+    material = f"{token_serial}\0{ident.hex()}\0{label}".encode()
+    return hashlib.sha256(material).hexdigest()[:16]
+
+
 class Pkcs11Kek:
     """``KekProvider`` over an AES key on a PKCS#11 token."""
 
     def __init__(self, uri: Pkcs11Uri) -> None:
         self._uri = uri
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkcs11")
-        self._session: Any = None
+        self._shared: _TokenSession | None = None
         self._key: Any = None
 
     @property
@@ -118,18 +207,19 @@ class Pkcs11Kek:
         Raises:
             UpstreamError: ``kek_unavailable`` when the token or key cannot be used.
         """
-        await self._run(self._open_sync)
+        self._shared = _acquire(self._uri)
+        try:
+            await self._run(self._open_sync)
+        except BaseException:
+            await self.close()
+            raise
 
     def _open_sync(self) -> None:
-        lib = pkcs11.lib(str(self._uri.module_path))
-        token = lib.get_token(token_label=self._uri.token)
-        self._session = token.open(user_pin=self._uri.pin)
-        search: Mapping[str, Any] = {"label": self._uri.object}
-        if self._uri.key_id:
-            search = {**search, "id": self._uri.key_id}
-        key = self._session.get_key(
-            key_type=KeyType.AES, object_class=ObjectClass.SECRET_KEY, **search
-        )
+        assert self._shared is not None  # noqa: S101 - set by open()
+        self._shared.open_sync(self._uri)
+        key = _find_key(self._shared.session, self._uri)
+        if key[pkcs11.Attribute.KEY_TYPE] != KeyType.AES:
+            raise ConfigError("keys.kek", f"{self._uri.reference} is not an AES key")
         if key[pkcs11.Attribute.EXTRACTABLE] or not key[pkcs11.Attribute.SENSITIVE]:
             raise UpstreamError(
                 "the PKCS#11 KEK must be sensitive and non-extractable",
@@ -138,14 +228,16 @@ class Pkcs11Kek:
         self._key = key
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._run(self._session.close)
-            self._session = None
-        self._executor.shutdown(wait=False)
+        shared, self._shared, self._key = self._shared, None, None
+        if shared is not None and _release(shared):
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(shared.executor, shared.close_sync)
+            shared.executor.shutdown(wait=False)
 
     async def wrap(self, dek: bytes, aad: bytes) -> bytes:
         def encrypt() -> bytes:
-            iv = bytes(self._session.generate_random(IV_BITS))
+            assert self._shared is not None  # noqa: S101 - opened
+            iv = bytes(self._shared.session.generate_random(IV_BITS))
             sealed = self._key.encrypt(
                 dek, mechanism=Mechanism.AES_GCM, mechanism_param=GCMParams(iv, aad, 128)
             )
@@ -168,10 +260,12 @@ class Pkcs11Kek:
         return await self._run(decrypt)
 
     async def _run(self, work: Callable[[], T]) -> T:
+        if self._shared is None:
+            raise UpstreamError("the PKCS#11 KEK is closed", code=ErrorCode.KEK_UNAVAILABLE)
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, work)
-        except UpstreamError:
+            return await loop.run_in_executor(self._shared.executor, work)
+        except (UpstreamError, ConfigError):
             raise
         except (pkcs11.PKCS11Error, RuntimeError, OSError) as exc:
             raise UpstreamError(
@@ -183,18 +277,52 @@ class Pkcs11Kek:
 def create_pkcs11_kek(uri: Pkcs11Uri) -> str:
     """Generate the KEK on the token: AES-256, sensitive, non-extractable, persistent.
 
+    A key with the same label (and id, if the URI names one) must not exist: two would make
+    every later lookup ambiguous. Without ``id=`` in the URI the key gets a random 16-byte
+    CKA_ID, so that it can still be told apart from any key created later under the label.
+
     Returns:
-        A short, secret-free fingerprint of the new key's handle attributes.
+        A fingerprint of the new key object (token serial, CKA_ID, label).
+
+    Raises:
+        ConfigError: a key with this label already exists (naming its ids).
+        UpstreamError: ``kek_unavailable`` when the token cannot be used.
     """
-    lib = pkcs11.lib(str(uri.module_path))
-    token = lib.get_token(token_label=uri.token)
-    with token.open(user_pin=uri.pin, rw=True) as session:
-        session.generate_key(
-            KeyType.AES,
-            256,
-            label=uri.object,
-            id=uri.key_id or b"",
-            store=True,
-            template={pkcs11.Attribute.SENSITIVE: True, pkcs11.Attribute.EXTRACTABLE: False},
+    shared = _acquire(uri)
+    try:
+        future = shared.executor.submit(_create_sync, shared, uri)
+        return future.result()
+    except pkcs11.PKCS11Error as exc:
+        raise UpstreamError(
+            f"the PKCS#11 token is unavailable ({type(exc).__name__})",
+            code=ErrorCode.KEK_UNAVAILABLE,
+        ) from exc
+    finally:
+        if _release(shared):
+            shared.executor.submit(shared.close_sync).result()
+            shared.executor.shutdown(wait=False)
+
+
+def _create_sync(shared: _TokenSession, uri: Pkcs11Uri) -> str:
+    shared.open_sync(uri)
+    existing = list(
+        shared.session.get_objects(
+            {pkcs11.Attribute.LABEL: uri.object, pkcs11.Attribute.CLASS: ObjectClass.SECRET_KEY}
         )
-    return hashlib.sha256(uri.reference.encode()).hexdigest()[:16]
+    )
+    if existing:
+        ids = ", ".join(sorted(bytes(o[pkcs11.Attribute.ID]).hex() or "(none)" for o in existing))
+        raise ConfigError(
+            "keys.kek",
+            f"a key labelled {uri.object!r} already exists on token {uri.token!r} (ids: {ids}); "
+            "refusing to create a second one",
+        )
+    key = shared.session.generate_key(
+        KeyType.AES,
+        256,
+        label=uri.object,
+        id=uri.key_id or secrets.token_bytes(16),
+        store=True,
+        template={pkcs11.Attribute.SENSITIVE: True, pkcs11.Attribute.EXTRACTABLE: False},
+    )
+    return key_fingerprint(shared.token_serial, key)
