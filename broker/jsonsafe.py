@@ -1,9 +1,14 @@
-"""JSON from untrusted bytes, bounded in nesting depth.
+"""JSON from untrusted bytes: strict RFC 8259, bounded in nesting depth.
 
 ``json.loads`` recurses per nesting level: a body of ``[[[[…`` reaches ``RecursionError`` (a
 500 before this module existed) and, just below the limit, every later walk over the value
 (canonical dumps, policy input) recurses too. Every parser of attacker-controlled JSON goes
 through ``loads_bounded``, which turns both into ``ValueError``.
+
+Two more departures of Python's parser from RFC 8259 are refused here: ``NaN``/``Infinity``
+literals (not JSON; our canonical form cannot write them back, so a record could not be
+logged), and duplicate member names (two parsers may pick different values: a classic
+parser-differential; RFC 8259 §4 leaves it undefined, RFC 7493 I-JSON forbids it).
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ def loads_bounded(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         ValueError: not JSON, not UTF-8, or nested too deeply.
     """
     try:
-        value = json.loads(data)
+        # RFC 8259 §8.1: UTF-8 only. json.loads(bytes) would also guess UTF-16/32 from the
+        # first bytes; decoding first refuses them (and a BOM then fails the parse).
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        value = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_members)
     except RecursionError as exc:
         raise ValueError("JSON is nested too deeply") from exc
     except UnicodeDecodeError as exc:
@@ -31,6 +39,17 @@ def loads_bounded(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if not depth_within(value, max_depth):
         raise ValueError(f"JSON is nested deeper than {max_depth} levels")
     return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("JSON object has duplicate member names")
+    return result
 
 
 def depth_within(value: Any, max_depth: int) -> bool:

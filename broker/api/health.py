@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
 
 from broker.api.middleware import METRICS
+from broker.api.openapi import openapi_document
 from broker.api.state import STATE
 from broker.errors import ErrorCode, UpstreamError
 from broker.keys.store.base import Purpose
@@ -48,6 +51,14 @@ async def readyz(request: web.Request) -> web.Response:
             "not ready: " + "; ".join(problems), code=ErrorCode.NOT_READY, checks=checks
         )
     return web.json_response({"status": "ready", "checks": checks})
+
+
+_OPENAPI = json.dumps(openapi_document(), sort_keys=True).encode()
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """``GET /openapi.json``: the OpenAPI 3.1 description of every route."""
+    return web.Response(body=_OPENAPI, content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:

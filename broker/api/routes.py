@@ -1,6 +1,6 @@
 """The one route table. Each route declares who may call it.
 
-* ``PUBLIC``: health, readiness and metrics (no secrets in them).
+* ``PUBLIC``: health, readiness, metrics and the OpenAPI description (no secrets in them).
 * ``RUNNER``: the runner API; no credential, because the request itself carries attestation
   evidence that is verified before anything is released.
 * ``ADMIN``: key lifecycle; ``register`` wraps every such handler in the bearer-token check, so
@@ -39,6 +39,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/healthz", health.healthz, Permission.PUBLIC),
     Route("GET", "/readyz", health.readyz, Permission.PUBLIC),
     Route("GET", "/metrics", health.metrics, Permission.PUBLIC),
+    Route("GET", "/openapi.json", health.openapi, Permission.PUBLIC),
     Route("POST", "/v1/challenge", runner.challenge, Permission.RUNNER),
     Route("POST", "/v1/release", runner.release, Permission.RUNNER),
     Route(

@@ -455,6 +455,8 @@ def judge_measurements(
 def _issuer_for(token: Any, kind: str, trust: Trust) -> IssuerTrust:
     if not isinstance(token, str) or not token:
         raise InputError(f"evidence.{kind} must be a JWT string")
+    if len(token) > jose.MAX_TOKEN_BYTES:
+        raise AttestationError("token exceeds the size limit", code=ErrorCode.TOKEN_TOO_LARGE)
     iss = jose.unverified_claim(token, "iss")
     if iss is None:
         raise AttestationError("token payload is not JSON with an iss claim")

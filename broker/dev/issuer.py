@@ -73,6 +73,12 @@ class DevIssuer:
     def write_jwks(self, path: Path) -> None:
         path.write_text(json.dumps(self.jwks(), indent=2), encoding="utf-8")
 
+    def sign(self, claims: dict[str, Any], headers: dict[str, Any] | None = None) -> str:
+        """RS256-sign arbitrary claims with the issuer key (tests craft hostile tokens).
+        ``headers`` replace the default ``{"kid": <this key>}``."""
+        chosen = {"kid": self.kid} if headers is None else headers
+        return jwt.encode(claims, self._key, algorithm="RS256", headers=chosen)
+
     def mint(
         self,
         *,

@@ -72,6 +72,7 @@ async def start_gpu_broker(
     start_broker: Callable[..., Any],
     world: tuple[SimulatedGpu, RimAuthority, SimulatedNras],
     ocsp_url: str | None = None,
+    environ: dict[str, str] | None = None,
 ) -> RunningBroker:
     gpu, authority, nras = world
 
@@ -105,7 +106,9 @@ rim_dir = "gpu/rims"
     if ocsp_url:
         extra += f'ocsp_url = "{ocsp_url}"\nocsp_cache_seconds = 0\n'
 
-    return await start_broker(extra_toml=extra, gpu_keys=GPU_POLICY, workdir_setup=setup)  # type: ignore[no-any-return]
+    return await start_broker(  # type: ignore[no-any-return]
+        extra_toml=extra, gpu_keys=GPU_POLICY, workdir_setup=setup, environ=environ
+    )
 
 
 async def test_cpu_plus_local_gpu_evidence_releases_gpu_key(

@@ -1,0 +1,316 @@
+"""The OpenAPI 3.1 description of every route, served at ``GET /openapi.json``.
+
+Kept true by tests: every route in ``routes.ROUTES`` is described and nothing else is
+(tests/unit/test_openapi.py), every response of the hostile suite validates against it, and
+``make test`` runs schemathesis against a live broker (tests/integration/test_schemathesis.py).
+Schemas of our own bodies forbid unknown fields, as the handlers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.errors import ErrorCode
+from broker.fields import MAX_VERSION
+from broker.keys.service import KEY_NAME, MAX_KEY_NAME
+from broker.keys.store.base import Algorithm, Purpose, VersionState
+from broker.keys.wrap import WRAP_MODES
+from broker.nonces import MAX_NONCE_CHARS
+
+JSON = "application/json"
+KEY_NAME_SCHEMA = {"type": "string", "pattern": KEY_NAME.pattern, "maxLength": MAX_KEY_NAME}
+VERSION_SCHEMA = {"type": "integer", "minimum": 1, "maximum": MAX_VERSION}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    """Error answers an operation documents: the listed ones, and any other 4xx."""
+    responses = {str(s): _json(_ref("Error"), "error (see code)") for s in statuses}
+    responses["4XX"] = _json(_ref("Error"), "refused input (see code)")
+    responses["503"] = _json(_ref("Error"), "a dependency cannot answer; nothing released")
+    return responses
+
+
+def _body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
+    return {"required": required, "content": {JSON: {"schema": schema}}}
+
+
+def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "additionalProperties": False,
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["code", "message", "request_id"],
+                "properties": {
+                    "code": {"type": "string", "enum": sorted(c.value for c in ErrorCode)},
+                    "message": {"type": "string"},
+                    "request_id": {"type": "string"},
+                    "reasons": {"type": "array", "items": {"type": "string"}},
+                    "decision_id": {"type": "string"},
+                    "checks": {"type": "object"},
+                },
+            }
+        },
+    },
+    "Challenge": _object(
+        {
+            "nonce": {"type": "string"},
+            "expires_at": {"type": "string", "format": "date-time"},
+            "audience": {"type": "string"},
+        },
+        ["nonce", "expires_at", "audience"],
+    ),
+    "ReleaseRequest": _object(
+        {
+            "key": KEY_NAME_SCHEMA,
+            "version": {**VERSION_SCHEMA, "type": ["integer", "null"]},
+            "nonce": {"type": "string", "minLength": 1, "maxLength": MAX_NONCE_CHARS},
+            "evidence": {
+                "type": "object",
+                "minProperties": 1,
+                "description": "one of gca/ita (a JWT) and at most one of nras/nvidia",
+                "properties": {
+                    "gca": {"type": "string"},
+                    "ita": {"type": "string"},
+                    "nras": {"type": ["array", "string"]},
+                    "nvidia": {"type": "object"},
+                },
+                "additionalProperties": False,
+            },
+            "runner_key": {
+                "type": "object",
+                "description": "public JWK (EC P-256/P-384, RSA, OKP X25519) or HPKE hybrid",
+                "required": ["kty"],
+            },
+            "wrap": {"type": "string", "enum": list(WRAP_MODES)},
+        },
+        ["key", "nonce", "evidence", "runner_key"],
+    ),
+    "Release": _object(
+        {
+            "key": KEY_NAME_SCHEMA,
+            "version": VERSION_SCHEMA,
+            "decision_id": {"type": "string"},
+            "wrapped_key": {"type": "string"},
+            "wrap": {"type": "string", "enum": list(WRAP_MODES)},
+            "algorithm": {"type": "string"},
+        },
+        ["key", "version", "decision_id", "wrapped_key", "wrap", "algorithm"],
+    ),
+    "KeyVersion": _object(
+        {
+            "name": KEY_NAME_SCHEMA,
+            "version": VERSION_SCHEMA,
+            "purpose": {"type": "string", "enum": [p.value for p in Purpose]},
+            "algorithm": {"type": "string", "enum": [a.value for a in Algorithm]},
+            "state": {"type": "string", "enum": [s.value for s in VersionState]},
+            "kek": {"type": "string"},
+            "created_at": {"type": "string", "format": "date-time"},
+            "updated_at": {"type": ["string", "null"], "format": "date-time"},
+        },
+        ["name", "version", "purpose", "algorithm", "state", "kek", "created_at", "updated_at"],
+    ),
+    "KeyList": _object(
+        {"keys": {"type": "array", "items": _ref("KeyVersion")}},
+        ["keys"],
+    ),
+    "CreateKey": _object(
+        {
+            "name": KEY_NAME_SCHEMA,
+            "purpose": {"type": "string", "enum": [p.value for p in Purpose]},
+            "algorithm": {"type": "string", "enum": [a.value for a in Algorithm]},
+        },
+        ["name", "purpose"],
+    ),
+    "KeyName": _object({"name": KEY_NAME_SCHEMA}, ["name"]),
+    "KeyNameVersion": _object(
+        {"name": KEY_NAME_SCHEMA, "version": VERSION_SCHEMA}, ["name", "version"]
+    ),
+    "PublicKey": _object(
+        {
+            "key": KEY_NAME_SCHEMA,
+            "version": VERSION_SCHEMA,
+            "algorithm": {"type": "string"},
+            "statement": {"type": "string", "description": "ES256 JWS over the public key"},
+        },
+        ["key", "version", "algorithm", "statement"],
+    ),
+    "Jwks": {
+        "type": "object",
+        "required": ["keys"],
+        "properties": {"keys": {"type": "array", "items": {"type": "object"}}},
+    },
+    "Health": _object({"status": {"type": "string", "const": "ok"}}, ["status"]),
+    "Ready": _object(
+        {
+            "status": {"type": "string", "const": "ready"},
+            "checks": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+        ["status", "checks"],
+    ),
+}
+
+
+def _admin(summary: str, body: str | None, ok: tuple[int, str], *errors: int) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "tags": ["admin"],
+        "security": [{"bearer": []}],
+        "responses": {str(ok[0]): _json(_ref(ok[1]), "done"), **_errors(401, *errors)},
+    }
+    if body is not None:
+        operation["requestBody"] = _body(_ref(body))
+    return operation
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (a fresh dict each call)."""
+    public_name = {
+        "name": "name",
+        "in": "path",
+        "required": True,
+        "schema": KEY_NAME_SCHEMA,
+        "description": "key name; may contain '/'",
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Sealed-runner key broker",
+            "version": "1",
+            "description": "Attestation-gated release of data keys. Every error has the "
+            "Error shape with a stable code; see docs/api.md.",
+        },
+        "components": {
+            "schemas": SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "paths": {
+            "/healthz": {
+                "get": {"summary": "liveness", "responses": {"200": _json(_ref("Health"), "up")}}
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "readiness, live",
+                    "responses": {"200": _json(_ref("Ready"), "ready"), **_errors()},
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "this document",
+                    "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")},
+                }
+            },
+            "/v1/challenge": {
+                "post": {
+                    "summary": "a single-use nonce",
+                    "tags": ["runner"],
+                    "requestBody": _body(_object({}, []), required=False),
+                    "responses": {
+                        "200": _json(_ref("Challenge"), "issued"),
+                        **_errors(400, 413, 415),
+                    },
+                }
+            },
+            "/v1/release": {
+                "post": {
+                    "summary": "verify evidence, decide, log, and release a wrapped key",
+                    "tags": ["runner"],
+                    "requestBody": _body(_ref("ReleaseRequest")),
+                    "responses": {
+                        "200": _json(_ref("Release"), "released"),
+                        **_errors(400, 401, 403, 404, 408, 409, 413, 415),
+                    },
+                }
+            },
+            "/v1/keys/{name}/public": {
+                "get": {
+                    "summary": "a query key's public half with a signed statement",
+                    "tags": ["query"],
+                    "parameters": [
+                        public_name,
+                        {
+                            "name": "version",
+                            "in": "query",
+                            "required": False,
+                            "schema": VERSION_SCHEMA,
+                        },
+                    ],
+                    "responses": {
+                        "200": _json(_ref("PublicKey"), "the statement"),
+                        **_errors(400, 404),
+                    },
+                }
+            },
+            "/v1/statement-keys": {
+                "get": {
+                    "summary": "JWKS of the statement key",
+                    "tags": ["query"],
+                    "responses": {"200": _json(_ref("Jwks"), "keys"), **_errors()},
+                }
+            },
+            "/v1/admin/keys": {
+                "get": {
+                    **_admin("list key versions", None, (200, "KeyList")),
+                    "parameters": [
+                        {
+                            "name": "name",
+                            "in": "query",
+                            "required": False,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                },
+                "post": _admin(
+                    "create a key", "CreateKey", (201, "KeyVersion"), 400, 409, 413, 415
+                ),
+            },
+            "/v1/admin/keys/rotate": {
+                "post": _admin("add a version", "KeyName", (201, "KeyVersion"), 400, 404, 409)
+            },
+            "/v1/admin/keys/disable": {
+                "post": _admin(
+                    "disable a version", "KeyNameVersion", (200, "KeyVersion"), 400, 404, 409
+                )
+            },
+            "/v1/admin/keys/enable": {
+                "post": _admin(
+                    "enable a version", "KeyNameVersion", (200, "KeyVersion"), 400, 404, 409
+                )
+            },
+            "/v1/admin/keys/destroy": {
+                "post": _admin(
+                    "crypto-shred a version", "KeyNameVersion", (200, "KeyVersion"), 400, 404, 409
+                )
+            },
+        },
+    }
