@@ -63,7 +63,9 @@ async def read_body(request: web.Request, *, max_bytes: int, timeout_seconds: fl
                 chunks.append(chunk)
     except TimeoutError as exc:
         raise RequestTimeout(f"request body not received within {timeout_seconds} s") from exc
-    except (HttpProcessingError, ConnectionError) as exc:
+    except (HttpProcessingError, web.RequestPayloadError, ConnectionError) as exc:
+        # RequestPayloadError is a bare Exception (not an HttpProcessingError): aiohttp raises
+        # it for a body that breaks off or fails to decode while we read it.
         raise InputError("request body ended early or is malformed") from exc
     if request.content_length is not None and size != request.content_length:
         raise InputError("request body is shorter than its Content-Length")

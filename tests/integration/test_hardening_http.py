@@ -292,3 +292,19 @@ async def test_key_name_in_release_is_not_echoed(broker: RunningBroker) -> None:
     status, body = await post(broker, "/v1/release", dict(request, key="<script>" + KEY))
     assert status == 400
     assert "<script>" not in json.dumps(body)
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        b"zz\r\n{}\r\n0\r\n\r\n",  # chunk size not hex
+        b"5\r\n{}\r\n0\r\n\r\n",  # chunk shorter than its size
+        b"2\r\n{}XX0\r\n\r\n",  # no CRLF after the chunk
+        b"-1\r\n{}\r\n0\r\n\r\n",  # negative size
+    ],
+)
+async def test_malformed_chunked_body_is_400_not_500(broker: RunningBroker, chunks: bytes) -> None:
+    data = request_bytes("POST", "/v1/release", chunks, headers={"Transfer-Encoding": "chunked"})
+    reply = await raw_exchange(broker.url, broker.client_tls, data)
+    assert reply.status == 400, reply.body
+    assert reply.json()["error"]["code"] == "bad_request"
