@@ -117,7 +117,10 @@ async def _serve_until_signalled(settings: Settings) -> None:
             ssl_context=server_ssl_context(settings),
         )
         await site.start()
-        print(f"broker serving on {settings.server.listen}", file=sys.stderr)
+        bound = ", ".join(
+            f"{a[0]}:{a[1]}" for a in runner.addresses
+        )  # the port, if listen ends in :0
+        print(f"broker serving on {bound}", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

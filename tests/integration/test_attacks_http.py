@@ -204,3 +204,14 @@ async def test_every_attempt_is_logged_and_the_chain_verifies(broker: RunningBro
     ]
     report = await asyncio.to_thread(verify_file, broker.settings.audit.log)
     assert report.head.size == 2
+
+
+async def test_concurrent_nonce_replay_releases_exactly_once(broker: RunningBroker) -> None:
+    request = await fresh_request(broker)
+    results = await asyncio.gather(*(post(broker, "/v1/release", request) for _ in range(150)))
+    statuses = sorted(status for status, _ in results)
+    assert statuses.count(200) == 1
+    assert all(body["error"]["code"] == "nonce_reused" for status, body in results if status != 200)
+    releases = [r for r in broker.records() if r.get("type") == "release"]
+    assert len(releases) == 150
+    assert [r["result"] for r in releases].count("allow") == 1

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,79 @@ def test_key_lifecycle_commands_log_every_change(tmp_path: Path) -> None:
     actions = [json.loads(line)["action"] for line in log.read_text().splitlines()]
     assert actions == ["create", "rotate", "disable", "enable", "destroy", "create"]
     assert run("audit", "verify", str(log)).returncode == 0
+
+
+def _simulated_gpu_files(tmp_path: Path, arch: str, gpu_nonce: bytes) -> dict[str, Path]:
+    """Simulated NVIDIA evidence and trust files in NVIDIA's formats, for ``broker verify``."""
+    from tests.vectors.gpu import RimAuthority, SimulatedGpu, pem  # noqa: PLC0415
+
+    now = datetime.now(UTC)
+    gpu, authority = SimulatedGpu(now, arch=arch), RimAuthority(now)
+    files = {
+        "evidence": tmp_path / "evidence.json",
+        "root": tmp_path / "device_root.pem",
+        "rim_root": tmp_path / "rim_root.pem",
+        "rims": tmp_path / "rims",
+    }
+    files["evidence"].write_text(json.dumps(gpu.evidence(gpu_nonce, declared_arch=None)))
+    files["root"].write_bytes(pem([gpu.root]))
+    files["rim_root"].write_bytes(pem([authority.root]))
+    files["rims"].mkdir()
+    driver = {i - 1: v for i, v in gpu.measurements.items() if i <= 4}
+    vbios = {i - 1: v for i, v in gpu.measurements.items() if i > 4}
+    from broker.attestation.nvidia import local, spdm  # noqa: PLC0415
+
+    report = spdm.parse_report(gpu.report(gpu_nonce))
+    driver_id, vbios_id = local.rim_ids_for(arch, report)
+    (files["rims"] / f"{driver_id}.swidtag").write_bytes(authority.rim("550.90.07", driver))
+    (files["rims"] / f"{vbios_id}.swidtag").write_bytes(authority.rim("96.00.9F.00.01", vbios))
+    return files
+
+
+@pytest.mark.parametrize("arch", ["HOPPER", "BLACKWELL"])
+def test_verify_checks_the_gpu_nonce_binding_like_the_service(tmp_path: Path, arch: str) -> None:
+    from broker.attestation.binding import binding_digest  # noqa: PLC0415
+
+    nonce, thumb = (
+        "bWFkZS11cC1ub25jZS1mb3ItdGhlLWNsaS10ZXN0",
+        "dGh1bWJwcmludC1vZi10aGUtcnVubmVyLWtleQ",
+    )
+    files = _simulated_gpu_files(tmp_path, arch, binding_digest(nonce, thumb))
+    args = [
+        "nvidia",
+        str(files["evidence"]),
+        "--root",
+        str(files["root"]),
+        "--rim-root",
+        str(files["rim_root"]),
+        "--rim-dir",
+        str(files["rims"]),
+        "--nonce",
+        nonce,
+    ]
+    code, out = verify(*args, "--thumbprint", thumb)  # no --arch: inferred (item 12)
+    assert code == 0, out
+    (gpu,) = out["gpus"]  # type: ignore[misc]
+    assert (gpu["arch"], gpu["measurements"]) == (arch, "match")
+    assert "gpu nonce" not in out["skipped"]  # type: ignore[operator]
+    code, out = verify(*args, "--thumbprint", "another-runner-key")
+    assert (code, out["error"]["code"]) == (1, "nonce_mismatch")  # type: ignore[index]
+
+
+def test_verify_takes_rims_repeated_or_space_separated(tmp_path: Path) -> None:
+    files = _simulated_gpu_files(tmp_path, "HOPPER", bytes(32))
+    rims = sorted(str(p) for p in files["rims"].iterdir())
+    common = [
+        "nvidia",
+        str(files["evidence"]),
+        "--root",
+        str(files["root"]),
+        "--rim-root",
+        str(files["rim_root"]),
+        "--nonce",
+        "00" * 32,
+    ]
+    for form in (["--rim", rims[0], "--rim", rims[1]], ["--rim", *rims]):
+        code, out = verify(*common, *form)
+        assert code == 0, out
+        assert out["gpus"][0]["measurements"] == "match"  # type: ignore[index]
