@@ -81,6 +81,7 @@ class ErrorCode(StrEnum):
     KEK_UNAVAILABLE = "kek_unavailable"
     KEY_STORE_UNAVAILABLE = "key_store_unavailable"
     AUDIT_LOG_UNAVAILABLE = "audit_log_unavailable"
+    RIM_SOURCE_UNAVAILABLE = "rim_source_unavailable"  # the RIM directory cannot be read
     NOT_READY = "not_ready"
     # the one code for our own bugs; the message never carries details
     INTERNAL = "internal_error"

@@ -18,9 +18,7 @@ async def public_key(request: web.Request) -> web.Response:
     if state.release is None:
         raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
     if state.statement_signer is None:
-        raise UpstreamError(
-            "query-key statements need [keys] signing_key", code=ErrorCode.NOT_READY
-        )
+        raise _query_keys_off()
     name = validate_key_name(request.match_info["name"])
     version = version_query(request.query.get("version"))
     record = await state.release.keys.resolve(name, version)
@@ -49,5 +47,14 @@ async def statement_keys(request: web.Request) -> web.Response:
     """``GET /v1/statement-keys``: the JWKS of the statement key (pin it out of band)."""
     signer = request.app[STATE].statement_signer
     if signer is None:
-        raise UpstreamError("no statement key configured", code=ErrorCode.NOT_READY)
+        raise _query_keys_off()
     return web.json_response(statement_jwks(signer))
+
+
+def _query_keys_off() -> NotFound:
+    """Without ``[keys] signing_key`` this broker publishes no query keys: the resource does
+    not exist here (404), it is not a failing dependency (a 5xx would page someone)."""
+    return NotFound(
+        "this broker publishes no query keys ([keys] signing_key is not set)",
+        code=ErrorCode.NOT_FOUND,
+    )

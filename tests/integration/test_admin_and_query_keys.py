@@ -207,3 +207,12 @@ async def test_query_key_creation_refused_without_a_statement_key(start_broker: 
     )
     assert (status, body["error"]["code"]) == (400, "bad_request")
     assert "signing_key" in body["error"]["message"]
+
+
+async def test_query_endpoints_are_404_not_5xx_when_query_keys_are_off(
+    broker: RunningBroker,
+) -> None:
+    for path in ("/v1/statement-keys", f"/v1/keys/{KEY}/public"):
+        status, body = await call(broker, "GET", path, token=None)
+        assert (status, body["error"]["code"]) == (404, "not_found"), path
+        assert "signing_key" in body["error"]["message"]

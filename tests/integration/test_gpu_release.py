@@ -365,3 +365,20 @@ async def test_revoked_rim_signer_denied_through_ocsp(
         assert "GPU GPU-0: device certificate status revoked" in caught.value.details["reasons"]
     finally:
         await runner.cleanup()
+
+
+async def test_unreadable_rim_directory_is_503_and_logged(
+    start_broker: Callable[..., Any], world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    broker = await start_gpu_broker(start_broker, world)
+    rim = broker.workdir / "gpu" / "rims" / "NV_GPU_DRIVER_GH100_550.90.07.swidtag"
+    rim.unlink()
+    rim.mkdir()  # reading it fails with an OSError other than "not found" (as root: no EACCES)
+    async with broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY, broker.token_source(gpu_cc_mode="ON"), gpu_source=LocalGpu(world[0])
+            )
+    assert (caught.value.status, caught.value.code) == (503, "rim_source_unavailable")
+    record = broker.records()[-1]
+    assert (record["result"], record["code"]) == ("error", "rim_source_unavailable")

@@ -3,7 +3,9 @@
 * ``RimSource``: RIM bytes by id, from a directory (``<dir>/<id>.swidtag``) and/or NVIDIA's RIM
   service (``GET <rim_url>/<id>`` → ``{"id", "rim": base64, "sha256"}``), cached for
   ``rim_cache_seconds``. A RIM that cannot be had raises ``RimUnavailable``; the GPU's
-  measurements then read ``unverified`` and the policy decides (never a silent pass).
+  measurements then read ``unverified`` and the policy decides (never a silent pass). A RIM
+  directory that exists but cannot be read is a broken dependency: 503
+  ``rim_source_unavailable``, nothing released.
 * ``OcspChecker``: the revocation status of a device chain, ``good``, ``revoked`` or
   ``unknown``. Without a configured responder, or when it cannot be reached or its answer does
   not verify, the status is ``unknown``.
@@ -32,6 +34,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509 import ocsp
 from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from broker.errors import ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
 OCSP_LEEWAY = timedelta(minutes=5)
@@ -103,6 +107,11 @@ class CachingRimSource:
             return await asyncio.to_thread(path.read_bytes)
         except FileNotFoundError:
             return None
+        except OSError as exc:  # permissions, a directory in its place, I/O: a broken store
+            log.exception("RIM directory unreadable for %s", rim_id)
+            raise UpstreamError(
+                "the RIM directory cannot be read", code=ErrorCode.RIM_SOURCE_UNAVAILABLE
+            ) from exc
 
     async def _from_service(self, rim_id: str) -> bytes:
         if self._url is None or self._session is None:
