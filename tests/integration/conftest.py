@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from blockbuster import BlockBuster, blockbuster_ctx
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
@@ -105,6 +107,19 @@ def write_config(
         server_extra=server,
         extra_toml=extra_toml,
     )
+
+
+def write_statement_key(path: Path) -> Path:
+    """An EC P-256 PEM for ``[keys] signing_key`` (query-key statements)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return path
 
 
 StartBroker = Callable[..., "AsyncIterator[RunningBroker]"]

@@ -9,14 +9,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt import PyJWK
 
 from broker.client import BrokerClientError
 from broker.crypto.hpke import HpkeError
 from broker.crypto.query import StatementError, open_query, seal_query, verify_statement
-from tests.integration.conftest import KEY, QUERY_KEY, RunningBroker
+from tests.integration.conftest import KEY, QUERY_KEY, RunningBroker, write_statement_key
 
 TOKEN = "admin-test-token-5f2c"
 ADMIN_ROUTES = [
@@ -30,14 +29,7 @@ ADMIN_ROUTES = [
 
 
 def write_signing_key(workdir: Path) -> None:
-    key = ec.generate_private_key(ec.SECP256R1())
-    (workdir / "statement.key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    write_statement_key(workdir / "statement.key")
 
 
 @pytest.fixture

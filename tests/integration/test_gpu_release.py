@@ -8,7 +8,8 @@ unit tests with the same verifiers.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,24 @@ from tests.vectors.gpu import (
 )
 
 GPU_POLICY = {GPU_KEY: {"min_gpus": 1, "min_driver": "550.54", "ocsp_unknown_ok": True}}
+
+
+@asynccontextmanager
+async def serve_ocsp(responder: OcspResponder) -> AsyncIterator[str]:
+    """The simulated OCSP responder over HTTP on loopback; yields its URL."""
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=responder.answer(await request.read()))
+
+    app = web.Application()
+    app.router.add_post("/", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    finally:
+        await runner.cleanup()
 
 
 class LocalGpu:
@@ -268,16 +287,7 @@ async def test_revoked_gpu_certificate_denied_through_ocsp(
     gpu, authority = world[0], world[1]
     responder = OcspResponder(gpu, extra_chains=[(authority.chain, authority.keys)])
 
-    async def handle(request: web.Request) -> web.Response:
-        return web.Response(body=responder.answer(await request.read()))
-
-    app = web.Application()
-    app.router.add_post("/", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    async with serve_ocsp(responder) as url:
         broker = await start_gpu_broker(start_broker, world, ocsp_url=url)
         token = broker.token_source(gpu_cc_mode="ON")
         async with broker.client() as client:
@@ -289,23 +299,25 @@ async def test_revoked_gpu_certificate_denied_through_ocsp(
         # Per release: 3 device-chain certificates + 3 for each of the two RIM signer chains;
         # ocsp_cache_seconds = 0: asked again each time.
         assert responder.requests == 2 * (3 + 3 + 3)
-    finally:
-        await runner.cleanup()
+
+
+async def refused(broker: RunningBroker, gpu_source: Any) -> BrokerClientError:
+    """Release GPU_KEY with CC on and this GPU evidence; the refusal it must get."""
+    async with broker.client() as client:
+        with pytest.raises(BrokerClientError) as caught:
+            await client.release(
+                GPU_KEY, broker.token_source(gpu_cc_mode="ON"), gpu_source=gpu_source
+            )
+    return caught.value
 
 
 async def test_gpus_in_mixed_modes_denied(
     gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
 ) -> None:
-    async with gpu_broker.client() as client:
-        with pytest.raises(BrokerClientError) as caught:
-            await client.release(
-                GPU_KEY,
-                gpu_broker.token_source(gpu_cc_mode="ON"),
-                gpu_source=LocalGpu(world[0], feature_flags=(0, 2)),  # SPT next to PPCIe
-            )
+    error = await refused(gpu_broker, LocalGpu(world[0], feature_flags=(0, 2)))  # SPT + PPCIe
     assert (
         "GPUs run in mixed modes (ppcie, spt); one mode is required"
-        in caught.value.details["reasons"]
+        in error.details["reasons"]
     )
 
 
@@ -327,16 +339,10 @@ async def test_gpu_architecture_inferred_from_the_certificate(
 async def test_declared_arch_contradicting_the_evidence_names_both(
     gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
 ) -> None:
-    async with gpu_broker.client() as client:
-        with pytest.raises(BrokerClientError) as caught:
-            await client.release(
-                GPU_KEY,
-                gpu_broker.token_source(gpu_cc_mode="ON"),
-                gpu_source=LocalGpu(world[0], declared_arch="BLACKWELL"),
-            )
-    assert caught.value.code == "gpu_arch_mismatch"
-    assert "BLACKWELL" in caught.value.message
-    assert "HOPPER" in caught.value.message
+    error = await refused(gpu_broker, LocalGpu(world[0], declared_arch="BLACKWELL"))
+    assert error.code == "gpu_arch_mismatch"
+    assert "BLACKWELL" in error.message
+    assert "HOPPER" in error.message
 
 
 async def test_revoked_rim_signer_denied_through_ocsp(
@@ -346,25 +352,10 @@ async def test_revoked_rim_signer_denied_through_ocsp(
     responder = OcspResponder(gpu, extra_chains=[(authority.chain, authority.keys)])
     responder.revoked = frozenset({authority.chain[0].serial_number})  # the RIM signer
 
-    async def handle(request: web.Request) -> web.Response:
-        return web.Response(body=responder.answer(await request.read()))
-
-    app = web.Application()
-    app.router.add_post("/", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    async with serve_ocsp(responder) as url:
         broker = await start_gpu_broker(start_broker, world, ocsp_url=url)
-        async with broker.client() as client:
-            with pytest.raises(BrokerClientError) as caught:
-                await client.release(
-                    GPU_KEY, broker.token_source(gpu_cc_mode="ON"), gpu_source=LocalGpu(gpu)
-                )
-        assert "GPU GPU-0: device certificate status revoked" in caught.value.details["reasons"]
-    finally:
-        await runner.cleanup()
+        error = await refused(broker, LocalGpu(gpu))
+        assert "GPU GPU-0: device certificate status revoked" in error.details["reasons"]
 
 
 async def test_unreadable_rim_directory_is_503_and_logged(
@@ -374,11 +365,7 @@ async def test_unreadable_rim_directory_is_503_and_logged(
     rim = broker.workdir / "gpu" / "rims" / "NV_GPU_DRIVER_GH100_550.90.07.swidtag"
     rim.unlink()
     rim.mkdir()  # reading it fails with an OSError other than "not found" (as root: no EACCES)
-    async with broker.client() as client:
-        with pytest.raises(BrokerClientError) as caught:
-            await client.release(
-                GPU_KEY, broker.token_source(gpu_cc_mode="ON"), gpu_source=LocalGpu(world[0])
-            )
-    assert (caught.value.status, caught.value.code) == (503, "rim_source_unavailable")
+    error = await refused(broker, LocalGpu(world[0]))
+    assert (error.status, error.code) == (503, "rim_source_unavailable")
     record = broker.records()[-1]
     assert (record["result"], record["code"]) == ("error", "rim_source_unavailable")

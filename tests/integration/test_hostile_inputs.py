@@ -18,10 +18,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from tests.integration.conftest import QUERY_KEY, RunningBroker
+from tests.integration.conftest import QUERY_KEY, RunningBroker, write_statement_key
 from tests.integration.hostile_cases import ADMIN_TOKEN, NO_BODY, Case, Ctx, all_cases
 from tests.integration.test_gpu_release import start_gpu_broker, world  # noqa: F401
 from tests.vectors.gpu import RimAuthority, SimulatedGpu, SimulatedNras
@@ -62,14 +60,7 @@ async def test_hostile_inputs_get_exact_answers_and_every_decision_is_logged(
     world: tuple[SimulatedGpu, RimAuthority, SimulatedNras],  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    signing_key = tmp_path / "statement.key"
-    signing_key.write_bytes(
-        ec.generate_private_key(ec.SECP256R1()).private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    signing_key = write_statement_key(tmp_path / "statement.key")
     broker = await start_gpu_broker(
         start_broker,
         world,

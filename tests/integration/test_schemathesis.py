@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
+from tests.integration.conftest import write_statement_key
 from tests.integration.hostile_cases import ADMIN_TOKEN
 
 CHECKS = ",".join(
@@ -31,14 +30,7 @@ SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 async def test_schemathesis_finds_no_server_error_or_schema_violation(
     start_broker: Any, tmp_path: Path
 ) -> None:
-    signing_key = tmp_path / "statement.key"
-    signing_key.write_bytes(
-        ec.generate_private_key(ec.SECP256R1()).private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    signing_key = write_statement_key(tmp_path / "statement.key")
     broker = await start_broker(
         environ={
             "BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest(),

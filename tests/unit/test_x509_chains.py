@@ -15,24 +15,11 @@ from cryptography.x509.oid import NameOID
 
 from broker.attestation.x509chain import verify_chain, verify_chain_legacy_encoding
 from broker.errors import AttestationError
+from tests.vectors.gpu import key_usage
 
 NOW = datetime(2026, 6, 1, tzinfo=UTC)
 VALIDATORS = {"library": verify_chain, "legacy": verify_chain_legacy_encoding}
 UNKNOWN_OID = x509.ObjectIdentifier("1.3.6.1.4.1.99999.1")
-
-
-def usage(*, cert_sign: bool) -> x509.KeyUsage:
-    return x509.KeyUsage(
-        digital_signature=not cert_sign,
-        content_commitment=False,
-        key_encipherment=False,
-        data_encipherment=False,
-        key_agreement=False,
-        key_cert_sign=cert_sign,
-        crl_sign=cert_sign,
-        encipher_only=False,
-        decipher_only=False,
-    )
 
 
 @dataclass
@@ -68,7 +55,7 @@ def build(specs: list[Spec]) -> list[x509.Certificate]:
             .add_extension(
                 x509.BasicConstraints(ca=spec.ca, path_length=spec.path_length), critical=True
             )
-            .add_extension(usage(cert_sign=cert_sign), critical=True)
+            .add_extension(key_usage(sign=not cert_sign, cert_sign=cert_sign), critical=True)
             .add_extension(
                 x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
             )

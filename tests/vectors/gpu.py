@@ -40,7 +40,7 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _usage(*, sign: bool, cert_sign: bool) -> x509.KeyUsage:
+def key_usage(*, sign: bool, cert_sign: bool) -> x509.KeyUsage:
     return x509.KeyUsage(
         digital_signature=sign,
         content_commitment=False,
@@ -55,8 +55,8 @@ def _usage(*, sign: bool, cert_sign: bool) -> x509.KeyUsage:
 
 
 # As NVIDIA's real chains: CAs may sign certificates and CRLs; leaves sign evidence.
-KEY_CERT_SIGN = _usage(sign=False, cert_sign=True)
-DIGITAL_SIGNATURE = _usage(sign=True, cert_sign=False)
+KEY_CERT_SIGN = key_usage(sign=False, cert_sign=True)
+DIGITAL_SIGNATURE = key_usage(sign=True, cert_sign=False)
 
 
 def _cert(
