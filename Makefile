@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) $(OPA)
 	$(BIN)/broker demo
 
 test: $(STAMP) $(OPA) $(SOFTHSM) lint typecheck policy-test pytest

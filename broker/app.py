@@ -39,8 +39,7 @@ from broker.errors import ConfigError
 from broker.keys.factory import open_key_service
 from broker.metrics import Metrics
 from broker.nonces import MemoryNonceStore
-from broker.policy.bundle import load_policy_dir
-from broker.policy.embedded import EmbeddedPolicyEngine
+from broker.policy.manager import PolicyManager
 from broker.release import ReleaseService
 
 log = logging.getLogger(__name__)
@@ -79,13 +78,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await audit.open()
         stack.push_async_callback(audit.close)
         keys.attach_change_log(audit.append)
-        bundle = await asyncio.to_thread(load_policy_dir, settings.policy.dir)
-        engine = await asyncio.to_thread(
-            EmbeddedPolicyEngine,
-            bundle,
-            eval_timeout_seconds=settings.policy.eval_timeout_ms / 1000,
-        )
-        stack.callback(engine.close)
+        policies = PolicyManager(settings.policy, app[METRICS], clock=state.clock)
+        engine = await policies.open(audit.append)
+        stack.push_async_callback(policies.close)
+        state.policies = policies
         verifier = await _evidence_verifier(settings, session)
         state.release = ReleaseService(
             nonces=state.nonces,
@@ -94,6 +90,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             policy=engine,
             audit=audit,
             metrics=app[METRICS],
+            mask=settings.audit.mask,
         )
         state.statement_signer = await _statement_signer(settings)
         state.checks = {
@@ -102,10 +99,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
         }
         log.info("broker ready: %s", state.checks)
+        watcher = asyncio.create_task(policies.watch(), name="policy-watch")
         try:
             yield
         finally:
+            watcher.cancel()
             state.release = None
+            state.policies = None
 
 
 async def _evidence_verifier(

@@ -11,6 +11,7 @@ Environment overrides: ``BROKER_<SECTION>_<KEY>`` (upper case) replaces ``[secti
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import os
 import tomllib
@@ -105,10 +106,21 @@ class NvidiaSettings:
         return self.device_root is not None
 
 
+POLICY_ENGINES = frozenset({"wasm", "opa"})
+
+
 @dataclass(frozen=True)
 class PolicySettings:
-    dir: Path = Path("policies")
-    eval_timeout_ms: int = 500
+    """``[policy]``: which engine decides, and where the policy comes from (docs/policy.md)."""
+
+    engine: str = "wasm"  # "wasm": OPA-compiled Wasm in process | "opa": an OPA server
+    dir: Path = Path("policies")  # Rego + data.json, compiled at load and reload (wasm)
+    bundle: Path | None = None  # or a pre-built bundle from `broker policy build` (wasm)
+    bundle_verification_key: Path | None = None  # require a bundle signed with this key
+    opa_url: str | None = None  # engine = "opa"
+    opa_binary: Path | None = None  # compiles `dir`; default: next to the broker, or on PATH
+    reload_seconds: int = 5  # poll dir/bundle for changes; 0 = only SIGHUP / admin reload
+    eval_timeout_ms: int = 500  # engine = "opa": no answer in time is 503 policy_unavailable
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,8 @@ class KeySettings:
 @dataclass(frozen=True)
 class AuditSettings:
     log: Path = Path("/var/lib/broker/decisions.log")
+    # JSON pointers into the policy input replaced by their SHA-256 in records (broker.audit.mask)
+    mask: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,10 +148,27 @@ class AdminSettings:
     """Admin API credentials: SHA-256 (hex) of each accepted bearer token.
 
     Only digests live in the config file; an admin presents ``Authorization: Bearer <token>``.
-    With no digest configured the admin API refuses every request.
+    ``token_sha256`` tokens hold every role; ``[[admin.tokens]]`` entries (``sha256``, ``roles``)
+    hold the roles they list (``ADMIN_ROLES``). With no token configured the admin API refuses
+    every request.
     """
 
     token_sha256: tuple[str, ...] = ()
+    tokens: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (sha256, roles)
+
+    def roles_of(self, digest: str) -> frozenset[str]:
+        """The roles of the token with this SHA-256 digest (empty: unknown token)."""
+        roles: set[str] = set()
+        for known in self.token_sha256:
+            if hmac.compare_digest(known, digest):
+                roles |= ADMIN_ROLES
+        for known, granted in self.tokens:
+            if hmac.compare_digest(known, digest):
+                roles |= set(granted)
+        return frozenset(roles)
+
+
+ADMIN_ROLES = frozenset({"key-admin", "policy-admin", "auditor"})
 
 
 @dataclass(frozen=True)
@@ -209,7 +240,10 @@ def settings_from_mapping(
     keys = _section(KeySettings, "keys", raw, env, base_dir)
     audit = _section(AuditSettings, "audit", raw, env, base_dir)
     nvidia = _section(NvidiaSettings, "nvidia", raw, env, base_dir)
-    admin = _section(AdminSettings, "admin", raw, env, base_dir)
+    admin_raw = dict(raw.get("admin", {})) if isinstance(raw.get("admin", {}), dict) else {}
+    token_tables = admin_raw.pop("tokens", [])
+    admin = _section(AdminSettings, "admin", {"admin": admin_raw}, env, base_dir)
+    admin = AdminSettings(token_sha256=admin.token_sha256, tokens=_admin_tokens(token_tables))
     issuers = _issuers(raw.get("issuers", []), base_dir)
     settings = Settings(
         server=server,
@@ -222,6 +256,21 @@ def settings_from_mapping(
     )
     _validate(settings)
     return settings
+
+
+def _admin_tokens(raw: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    if not isinstance(raw, list):
+        raise ConfigError("admin.tokens", "must be an array of tables ([[admin.tokens]])")
+    tokens = []
+    for index, table in enumerate(raw):
+        key = f"admin.tokens[{index}]"
+        if not isinstance(table, dict) or set(table) != {"sha256", "roles"}:
+            raise ConfigError(key, "needs exactly sha256 and roles")
+        digest, roles = table["sha256"], table["roles"]
+        if not isinstance(roles, list) or not roles or set(roles) - ADMIN_ROLES:
+            raise ConfigError(f"{key}.roles", f"a non-empty subset of {sorted(ADMIN_ROLES)}")
+        tokens.append((str(digest), tuple(sorted(roles))))
+    return tuple(tokens)
 
 
 def _section(
@@ -325,17 +374,33 @@ def _validate(settings: Settings) -> None:
         if issuer.issuer in seen:
             raise ConfigError(f"issuers[{index}].issuer", "duplicate issuer")
         seen.add(issuer.issuer)
-    if settings.policy.eval_timeout_ms <= 0:
-        raise ConfigError("policy.eval_timeout_ms", "must be positive")
-    if not settings.policy.dir.is_dir():
-        raise ConfigError("policy.dir", f"not a directory: {settings.policy.dir}")
+    _validate_policy(settings.policy)
     _validate_keys(settings.keys)
-    for digest in settings.admin.token_sha256:
+    for digest in (*settings.admin.token_sha256, *(d for d, _ in settings.admin.tokens)):
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     _validate_nvidia(settings.nvidia)
     if sum(1 for i in settings.issuers if i.kind == "nras") > 1:
         raise ConfigError("issuers", "at most one nras issuer entry")
+
+
+def _validate_policy(policy: PolicySettings) -> None:
+    if policy.engine not in POLICY_ENGINES:
+        raise ConfigError("policy.engine", f"must be one of {sorted(POLICY_ENGINES)}")
+    if policy.eval_timeout_ms <= 0 or policy.reload_seconds < 0:
+        raise ConfigError("policy", "eval_timeout_ms must be positive, reload_seconds >= 0")
+    if policy.engine == "opa":
+        if policy.opa_url is None or not _url_allowed(policy.opa_url):
+            raise ConfigError("policy.opa_url", "engine opa needs an https URL (http on loopback)")
+        return
+    if policy.bundle is not None:
+        if not policy.bundle.is_file():
+            raise ConfigError("policy.bundle", f"no such file: {policy.bundle}")
+    elif not policy.dir.is_dir():
+        raise ConfigError("policy.dir", f"not a directory: {policy.dir}")
+    key = policy.bundle_verification_key
+    if key is not None and (policy.bundle is None or not key.is_file()):
+        raise ConfigError("policy.bundle_verification_key", "needs policy.bundle and a PEM file")
 
 
 def _validate_keys(keys: KeySettings) -> None:

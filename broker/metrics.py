@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -36,6 +38,35 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+        self.policy = Gauge(
+            "broker_policy_info",
+            "The policy in force (1 for its digest)",
+            ["digest"],
+            registry=self.registry,
+        )
+        self.policy_reloads = Counter(
+            "broker_policy_reloads",
+            "Policy reload attempts by result (ok, failed)",
+            ["result"],
+            registry=self.registry,
+        )
+        self.policy_last_reload = Gauge(
+            "broker_policy_last_reload_timestamp_seconds",
+            "When the last policy reload attempt finished",
+            ["result"],
+            registry=self.registry,
+        )
+
+    def policy_info(self, digest: str) -> None:
+        self.policy.clear()
+        self.policy.labels(digest).set(1)
+
+    def policy_reloaded(self, ok: bool, digest: str) -> None:
+        result = "ok" if ok else "failed"
+        self.policy_reloads.labels(result).inc()
+        self.policy_last_reload.labels(result).set(time.time())
+        self.policy_info(digest)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,6 +35,7 @@ from typing import Any
 from broker.attestation.claims import RequestFacts, build_input
 from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evidence_digests
 from broker.audit.log import DecisionLog, canonical
+from broker.audit.mask import masked
 from broker.crypto.jwk import RunnerKey, parse_runner_key
 from broker.errors import BrokerError, ErrorCode, InputError, PolicyDenied
 from broker.fields import optional_version, string_field
@@ -114,6 +115,7 @@ class _Outcome:
     record: KeyVersionRecord | None = None
     decision: Decision | None = None
     input_digest: str | None = None
+    policy_input: dict[str, Any] | None = None
     error: BrokerError | None = None
 
 
@@ -127,6 +129,7 @@ class ReleaseService:
         policy: PolicyEngine,
         audit: DecisionLog,
         metrics: Metrics,
+        mask: tuple[str, ...] = (),
     ) -> None:
         self._nonces = nonces
         self._verifier = verifier
@@ -134,6 +137,7 @@ class ReleaseService:
         self._policy = policy
         self._audit = audit
         self._metrics = metrics
+        self._mask = mask
 
     @property
     def keys(self) -> KeyService:
@@ -172,7 +176,7 @@ class ReleaseService:
         except Exception:  # a bug: recorded, nothing released, details only in the server log
             log.exception("release %s: unexpected failure", outcome.decision_id)
             outcome.error = InternalFailure("internal error")
-        await self._audit.append(self._record(outcome, now=now, request_id=request_id))
+        await self._audit.append(self._safe_record(outcome, now=now, request_id=request_id))
         result = _result(outcome)
         code = outcome.error.code.value if outcome.error else "ok"
         self._metrics.decisions.labels(result, code).inc()
@@ -213,6 +217,7 @@ class ReleaseService:
             now=now,
         )
         outcome.input_digest = "sha256:" + hashlib.sha256(canonical(policy_input)).hexdigest()
+        outcome.policy_input = policy_input
         outcome.decision = decision = await self._policy.evaluate(policy_input)
         if not decision.allowed:
             raise PolicyDenied(decision.reasons, outcome.decision_id)
@@ -225,6 +230,24 @@ class ReleaseService:
             decision_id=outcome.decision_id,
             mode=request.wrap,
         )
+
+    def _safe_record(
+        self, outcome: _Outcome, *, now: datetime, request_id: str
+    ) -> dict[str, Any]:
+        """``_record``, and if building it fails (a bug), a minimal record and no release."""
+        try:
+            return self._record(outcome, now=now, request_id=request_id)
+        except Exception:
+            log.exception("release %s: building the record failed", outcome.decision_id)
+            outcome.error = InternalFailure("internal error")
+            return {
+                "type": "release",
+                "decision_id": outcome.decision_id,
+                "request_id": request_id,
+                "time": now.isoformat(),
+                "result": "error",
+                "code": ErrorCode.INTERNAL.value,
+            }
 
     def _record(self, outcome: _Outcome, *, now: datetime, request_id: str) -> dict[str, Any]:
         """The decision record. Total: built from whatever the release learned, never raising."""
@@ -252,6 +275,13 @@ class ReleaseService:
             "wrap": request.wrap if request else _loggable_string(body.get("wrap")),
             "evidence_digests": evidence_digests(body.get("evidence")),
             "identity": None if evidence is None else dict(evidence.identity),
+            # the policy input, masked, so that `broker policy replay` can re-decide it
+            "input": None
+            if outcome.policy_input is None
+            else masked(
+                outcome.policy_input,
+                (*self._mask, *(outcome.decision.mask if outcome.decision is not None else ())),
+            ),
         }
 
 

@@ -1,14 +1,15 @@
-"""Admin API: key lifecycle over HTTP. Every route here requires ``Permission.ADMIN``.
+"""Admin API: key lifecycle and policy reload over HTTP; every route declares the role it needs.
 
-Authentication: ``Authorization: Bearer <token>``; the SHA-256 of the token must equal one of
-``[admin] token_sha256``, compared in constant time against every configured digest. Key names
-contain ``/``, so actions take the name in the body rather than in the path.
+Authentication: ``Authorization: Bearer <token>``; the SHA-256 of the token is compared in
+constant time against every configured digest (``[admin] token_sha256``: every role;
+``[[admin.tokens]]``: the roles listed). A missing, wrong or under-privileged token is the same
+``401 unauthorized``. Key names contain ``/``, so actions take the name in the body rather than
+in the path.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -24,35 +25,41 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 E = TypeVar("E", Purpose, Algorithm)
 
 
-def require_admin(handler: Handler) -> Handler:
-    """Wrap a handler so that it runs only for a valid admin bearer token."""
+def require_role(handler: Handler, role: str) -> Handler:
+    """Wrap a handler so that it runs only for a bearer token that holds ``role``."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
-        check_admin(request)
+        request[ADMIN_WHO] = check_admin(request, role)
         return await handler(request)
 
     return guarded
 
 
-def check_admin(request: web.Request) -> None:
-    """Raise ``Unauthorized`` unless the request carries a configured admin token.
+ADMIN_WHO: web.RequestKey[str] = web.RequestKey("admin_who", str)
+
+
+def check_admin(request: web.Request, role: str) -> str:
+    """Raise ``Unauthorized`` unless the request carries a configured token holding ``role``.
+
+    Returns:
+        A name for the caller fit for records: ``token:<first 12 hex of its SHA-256>``.
 
     Raises:
-        Unauthorized: 401 ``unauthorized`` (the same answer for a missing and a wrong token).
+        Unauthorized: 401 ``unauthorized`` (the same answer for a missing, wrong or
+            under-privileged token).
     """
-    digests = request.app[STATE].settings.admin.token_sha256
+    admin = request.app[STATE].settings.admin
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     token = token.strip()
     # aiohttp decodes header bytes with surrogateescape; a token is printable ASCII (RFC 6750
     # b64token), so anything else simply does not match (it used to raise: a 500).
     usable = token.isascii() and token.isprintable()
-    presented = hashlib.sha256(token.encode() if usable else b"").hexdigest().encode()
-    matched = False
-    for digest in digests:  # no early exit: the time taken does not depend on which matched
-        matched |= hmac.compare_digest(presented, digest.encode())
-    if scheme.lower() != "bearer" or not usable or not token or not matched:
+    presented = hashlib.sha256(token.encode() if usable else b"").hexdigest()
+    roles = admin.roles_of(presented)  # compares against every digest, no early exit
+    if scheme.lower() != "bearer" or not usable or not token or role not in roles:
         raise Unauthorized("admin credentials are missing or wrong")
+    return f"token:{presented[:12]}"
 
 
 def _keys(state: BrokerState) -> KeyService:
@@ -130,3 +137,15 @@ def _enum(kind: type[E], value: object, field: str) -> E:
     except ValueError as exc:
         allowed = ", ".join(member.value for member in kind)
         raise InputError(f"{field} must be one of {allowed}") from exc
+
+
+async def reload_policy(request: web.Request) -> web.Response:
+    """``POST /v1/admin/policy/reload`` (role ``policy-admin``): check, test and swap the policy;
+    the last good one keeps serving if anything fails."""
+    state = request.app[STATE]
+    if state.policies is None:
+        raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
+    if request.can_read_body:
+        await read_json_object(request, required=())
+    outcome = await state.policies.reload(trigger="admin", who=request[ADMIN_WHO])
+    return web.json_response(outcome.describe(), status=200 if outcome.ok else 409)

@@ -3,9 +3,9 @@
 * ``PUBLIC``: health, readiness, metrics and the OpenAPI description (no secrets in them).
 * ``RUNNER``: the runner API; no credential, because the request itself carries attestation
   evidence that is verified before anything is released.
-* ``ADMIN``: key lifecycle; ``register`` wraps every such handler in the bearer-token check, so
-  an admin route cannot be reached without credentials. A route without a declared permission
-  cannot be registered.
+* ``KEY_ADMIN``, ``POLICY_ADMIN`` (and ``AUDITOR``): admin roles; ``register`` wraps every such
+  handler in the bearer-token check for that role, so an admin route cannot be reached without
+  credentials that hold it. A route without a declared permission cannot be registered.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Permission(StrEnum):
     PUBLIC = "public"
     RUNNER = "runner"
-    ADMIN = "admin"
+    KEY_ADMIN = "key-admin"
+    POLICY_ADMIN = "policy-admin"
+    AUDITOR = "auditor"
+
+
+ADMIN_PERMISSIONS = frozenset({Permission.KEY_ADMIN, Permission.POLICY_ADMIN, Permission.AUDITOR})
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,13 @@ ROUTES: tuple[Route, ...] = (
         "GET", "/v1/keys/{name:[a-z0-9][a-z0-9._/-]*}/public", query.public_key, Permission.PUBLIC
     ),
     Route("GET", "/v1/statement-keys", query.statement_keys, Permission.PUBLIC),
-    Route("GET", "/v1/admin/keys", admin.list_keys, Permission.ADMIN),
-    Route("POST", "/v1/admin/keys", admin.create_key, Permission.ADMIN),
-    Route("POST", "/v1/admin/keys/rotate", admin.rotate_key, Permission.ADMIN),
-    Route("POST", "/v1/admin/keys/disable", admin.disable_version, Permission.ADMIN),
-    Route("POST", "/v1/admin/keys/enable", admin.enable_version, Permission.ADMIN),
-    Route("POST", "/v1/admin/keys/destroy", admin.destroy_version, Permission.ADMIN),
+    Route("GET", "/v1/admin/keys", admin.list_keys, Permission.KEY_ADMIN),
+    Route("POST", "/v1/admin/keys", admin.create_key, Permission.KEY_ADMIN),
+    Route("POST", "/v1/admin/keys/rotate", admin.rotate_key, Permission.KEY_ADMIN),
+    Route("POST", "/v1/admin/keys/disable", admin.disable_version, Permission.KEY_ADMIN),
+    Route("POST", "/v1/admin/keys/enable", admin.enable_version, Permission.KEY_ADMIN),
+    Route("POST", "/v1/admin/keys/destroy", admin.destroy_version, Permission.KEY_ADMIN),
+    Route("POST", "/v1/admin/policy/reload", admin.reload_policy, Permission.POLICY_ADMIN),
 )
 
 
@@ -60,6 +66,6 @@ def register(app: web.Application) -> None:
         if not isinstance(route.permission, Permission):
             raise TypeError(f"route {route.path} declares no permission")
         handler = route.handler
-        if route.permission is Permission.ADMIN:
-            handler = admin.require_admin(handler)
+        if route.permission in ADMIN_PERMISSIONS:
+            handler = admin.require_role(handler, route.permission.value)
         app.router.add_route(route.method, route.path, handler)

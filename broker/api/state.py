@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.config import Settings
 from broker.nonces import NonceStore
+from broker.policy.manager import PolicyManager
 from broker.release import ReleaseService
 
 Clock = Callable[[], datetime]
@@ -26,6 +27,7 @@ class BrokerState:
     release: ReleaseService | None = None
     checks: dict[str, str] = field(default_factory=dict)
     statement_signer: ec.EllipticCurvePrivateKey | None = None
+    policies: PolicyManager | None = None
 
     @property
     def ready(self) -> bool:

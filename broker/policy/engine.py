@@ -23,6 +23,7 @@ class Decision:
     allowed: bool
     reasons: tuple[str, ...]
     policy_digest: str
+    mask: tuple[str, ...] = ()  # JSON pointers the policy's ``mask`` rule names
 
     def __bool__(self) -> bool:
         raise TypeError("read Decision.allowed explicitly")
@@ -36,7 +37,11 @@ class Decision:
         reasons = _reasons(result.get("reasons"))
         if not allowed and not reasons:
             reasons = ("policy did not allow this request",)
-        return cls(allowed, reasons, policy_digest)
+        mask = result.get("mask")
+        pointers = (
+            tuple(sorted(p for p in mask if isinstance(p, str))) if isinstance(mask, list) else ()
+        )
+        return cls(allowed, reasons, policy_digest, pointers[:MAX_REASONS])
 
 
 def _reasons(value: Any) -> tuple[str, ...]:

@@ -315,10 +315,7 @@ async def test_gpus_in_mixed_modes_denied(
     gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
 ) -> None:
     error = await refused(gpu_broker, LocalGpu(world[0], feature_flags=(0, 2)))  # SPT + PPCIe
-    assert (
-        "GPUs run in mixed modes (ppcie, spt); one mode is required"
-        in error.details["reasons"]
-    )
+    assert "GPUs run in mixed modes (ppcie, spt); one mode is required" in error.details["reasons"]
 
 
 @pytest.mark.parametrize("declared", [None, "HOPPER"])

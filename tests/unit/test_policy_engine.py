@@ -1,4 +1,5 @@
-"""The embedded (regopy) engine with the shipped default policy, and fail-closed decisions."""
+"""The Wasm engine (OPA-compiled, in process) with the shipped default policy, and fail-closed
+decisions. Needs the pinned ``opa`` (``make test`` installs it) to compile."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ from typing import Any
 import pytest
 
 from broker.errors import ConfigError, ErrorCode, UpstreamError
+from broker.policy.build import compile_policy_dir
 from broker.policy.bundle import load_policy_dir
-from broker.policy.embedded import EmbeddedPolicyEngine
 from broker.policy.engine import Decision
+from broker.policy.testing import find_opa
+from broker.policy.wasm import PolicyLoadError, WasmPolicyEngine
+
+
+def wasm_engine(policy_dir: Path) -> WasmPolicyEngine:
+    return WasmPolicyEngine(compile_policy_dir(policy_dir, opa=find_opa()))
+
 
 SHIPPED = Path(__file__).parents[2] / "policies"
 DIGEST = "sha256:" + "11" * 32
@@ -32,14 +40,14 @@ GOOD: dict[str, Any] = {
 
 
 @pytest.fixture
-def engine(tmp_path: Path) -> EmbeddedPolicyEngine:
+def engine(tmp_path: Path) -> WasmPolicyEngine:
     policies = tmp_path / "policies"
     shutil.copytree(SHIPPED, policies)
     data_path = policies / "broker" / "data.json"
     data = json.loads(data_path.read_text())
     data["images"] = {"models/llama": [DIGEST]}
     data_path.write_text(json.dumps(data))
-    return EmbeddedPolicyEngine(load_policy_dir(policies), eval_timeout_seconds=5)
+    return wasm_engine(policies)
 
 
 def variant(path: str, value: object) -> dict[str, Any]:
@@ -52,7 +60,7 @@ def variant(path: str, value: object) -> dict[str, Any]:
     return changed
 
 
-async def test_production_image_with_allowed_digest_allowed(engine: EmbeddedPolicyEngine) -> None:
+async def test_production_image_with_allowed_digest_allowed(engine: WasmPolicyEngine) -> None:
     decision = await engine.evaluate(GOOD)
     assert decision.allowed is True
     assert decision.reasons == ()
@@ -70,14 +78,14 @@ async def test_production_image_with_allowed_digest_allowed(engine: EmbeddedPoli
     ],
 )
 async def test_denials_carry_reasons(
-    engine: EmbeddedPolicyEngine, path: str, value: object, reason: str
+    engine: WasmPolicyEngine, path: str, value: object, reason: str
 ) -> None:
     decision = await engine.evaluate(variant(path, value))
     assert decision.allowed is False
     assert reason in decision.reasons
 
 
-async def test_empty_input_denied(engine: EmbeddedPolicyEngine) -> None:
+async def test_empty_input_denied(engine: WasmPolicyEngine) -> None:
     assert (await engine.evaluate({})).allowed is False
 
 
@@ -97,7 +105,7 @@ async def test_conflicting_rules_fail_closed_with_503(tmp_path: Path) -> None:
         "package broker.release\nimport rego.v1\n"
         "allow := true if input.a\nallow := false if input.b\n"
     )
-    engine = EmbeddedPolicyEngine(load_policy_dir(tmp_path), eval_timeout_seconds=5)
+    engine = wasm_engine(tmp_path)
     with pytest.raises(UpstreamError) as caught:
         await engine.evaluate({"a": True, "b": True})
     assert caught.value.code is ErrorCode.POLICY_UNAVAILABLE
@@ -105,8 +113,18 @@ async def test_conflicting_rules_fail_closed_with_503(tmp_path: Path) -> None:
 
 def test_policy_without_release_package_refused(tmp_path: Path) -> None:
     (tmp_path / "p.rego").write_text("package other\nx := 1\n")
-    with pytest.raises(ConfigError):
-        EmbeddedPolicyEngine(load_policy_dir(tmp_path), eval_timeout_seconds=5)
+    with pytest.raises(ConfigError) as caught:
+        wasm_engine(tmp_path)
+    assert "no module declares package broker.release" in caught.value.message
+
+
+def test_compile_error_is_opas_message_verbatim(tmp_path: Path) -> None:
+    (tmp_path / "p.rego").write_text(
+        "package broker.release\nimport rego.v1\nallow if { input.x = }\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        wasm_engine(tmp_path)
+    assert "rego_parse_error" in caught.value.message
 
 
 def test_empty_policy_dir_refused(tmp_path: Path) -> None:
@@ -117,7 +135,7 @@ def test_empty_policy_dir_refused(tmp_path: Path) -> None:
 def test_unparsable_policy_refused(tmp_path: Path) -> None:
     (tmp_path / "p.rego").write_text("package broker.release\nallow if {\n")
     with pytest.raises(ConfigError):
-        EmbeddedPolicyEngine(load_policy_dir(tmp_path), eval_timeout_seconds=5)
+        wasm_engine(tmp_path)
 
 
 def test_digest_changes_with_data(tmp_path: Path) -> None:
@@ -143,7 +161,7 @@ GPU: dict[str, Any] = {
 
 
 @pytest.fixture
-def gpu_engine(tmp_path: Path) -> EmbeddedPolicyEngine:
+def gpu_engine(tmp_path: Path) -> WasmPolicyEngine:
     policies = tmp_path / "policies"
     shutil.copytree(SHIPPED, policies)
     data_path = policies / "broker" / "data.json"
@@ -151,10 +169,10 @@ def gpu_engine(tmp_path: Path) -> EmbeddedPolicyEngine:
     data["images"] = {"models/llama": [DIGEST]}
     data["gpu_keys"] = {"models/llama": {"min_gpus": 1, "min_driver": "550.54"}}
     data_path.write_text(json.dumps(data))
-    return EmbeddedPolicyEngine(load_policy_dir(policies), eval_timeout_seconds=5)
+    return wasm_engine(policies)
 
 
-async def test_gpu_rule_allows_attested_gpus_in_regopy(gpu_engine: EmbeddedPolicyEngine) -> None:
+async def test_gpu_rule_allows_attested_gpus(gpu_engine: WasmPolicyEngine) -> None:
     decision = await gpu_engine.evaluate({**GOOD, "gpus": [GPU]})
     assert decision.allowed is True
 
@@ -169,34 +187,56 @@ async def test_gpu_rule_allows_attested_gpus_in_regopy(gpu_engine: EmbeddedPolic
         ("ocsp", "unknown", "GPU GPU-0: device certificate status unknown"),
     ],
 )
-async def test_gpu_rule_denies_with_reasons_in_regopy(
-    gpu_engine: EmbeddedPolicyEngine, field: str, value: str, reason: str
+async def test_gpu_rule_denies_with_reasons(
+    gpu_engine: WasmPolicyEngine, field: str, value: str, reason: str
 ) -> None:
     decision = await gpu_engine.evaluate({**GOOD, "gpus": [{**GPU, field: value}]})
     assert decision.allowed is False
     assert reason in decision.reasons
 
 
-async def test_gpu_key_without_gpus_denied_in_regopy(gpu_engine: EmbeddedPolicyEngine) -> None:
+async def test_gpu_key_without_gpus_denied(gpu_engine: WasmPolicyEngine) -> None:
     decision = await gpu_engine.evaluate({**GOOD, "gpus": []})
     assert decision.allowed is False
     assert "key models/llama needs at least 1 attested GPU(s), got 0" in decision.reasons
 
 
-async def test_gpu_missing_field_denied_in_regopy(gpu_engine: EmbeddedPolicyEngine) -> None:
+async def test_gpu_missing_field_denied(gpu_engine: WasmPolicyEngine) -> None:
     gpu = {k: v for k, v in GPU.items() if k != "cc_mode"}
     decision = await gpu_engine.evaluate({**GOOD, "gpus": [gpu]})
     assert decision.allowed is False
 
 
-async def test_unreadable_engine_output_fails_closed_with_503(tmp_path: Path) -> None:
-    # regopy renders sprintf("%v") of a literal string default with bare inner quotes: the
-    # result is not JSON. That must be a 503, never a 500 and never an allow.
+async def test_sprintf_of_a_literal_default_renders_as_opa_does(tmp_path: Path) -> None:
+    # regopy rendered this with bare inner quotes and unparsable JSON (a 503); OPA prints the
+    # string as it is.
     (tmp_path / "p.rego").write_text(
         "package broker.release\nimport rego.v1\ndefault allow := false\n"
         'reasons contains sprintf("x %v", [object.get(input, "missing", "dflt")])\n'
     )
-    engine = EmbeddedPolicyEngine(load_policy_dir(tmp_path), eval_timeout_seconds=5)
-    with pytest.raises(UpstreamError) as caught:
-        await engine.evaluate({})
-    assert caught.value.code is ErrorCode.POLICY_UNAVAILABLE
+    decision = await wasm_engine(tmp_path).evaluate({})
+    assert decision.reasons == ("x dflt",)
+
+
+async def test_runtime_error_names_rule_and_location_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "p.rego").write_text(
+        "package broker.release\nimport rego.v1\n"
+        "allow := true if input.a\nallow := false if input.b\n"
+    )
+    with pytest.raises(UpstreamError):
+        await wasm_engine(tmp_path).evaluate({"a": True, "b": True})
+    assert "p.rego:4" in caplog.text or "p.rego:3" in caplog.text
+
+
+def test_builtin_the_engine_lacks_is_named_at_load(tmp_path: Path) -> None:
+    (tmp_path / "p.rego").write_text(
+        "package broker.release\nimport rego.v1\ndefault allow := false\n"
+        'reasons contains x if x := crypto.sha256("a")\n'
+        'reasons contains http.send({"method": "get", "url": "https://x.invalid"}).body\n'
+    )
+    with pytest.raises(PolicyLoadError) as caught:
+        wasm_engine(tmp_path)
+    assert "http.send" in caught.value.message
+    assert 'engine = "opa"' in caught.value.message
