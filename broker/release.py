@@ -231,9 +231,7 @@ class ReleaseService:
             mode=request.wrap,
         )
 
-    def _safe_record(
-        self, outcome: _Outcome, *, now: datetime, request_id: str
-    ) -> dict[str, Any]:
+    def _safe_record(self, outcome: _Outcome, *, now: datetime, request_id: str) -> dict[str, Any]:
         """``_record``, and if building it fails (a bug), a minimal record and no release."""
         try:
             return self._record(outcome, now=now, request_id=request_id)

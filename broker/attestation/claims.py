@@ -72,6 +72,17 @@ def gca_tee(token: VerifiedGcaToken) -> dict[str, Any]:
             "image_id": _str(container.get("image_id")),
             "restart_policy": _str(container.get("restart_policy")),
             "service_accounts": _str_list(claims.get("google_service_accounts")),
+            "args": _str_list(container.get("args")),
+            "env": _str_map(container.get("env")),
+            "env_override": _str_map(container.get("env_override")),
+            # cosign signatures the launcher verified: key ids and algorithms, never the bytes
+            "signatures": [
+                {"key_id": _str(s.get("key_id")), "algorithm": _str(s.get("signature_algorithm"))}
+                for s in container.get("image_signatures", [])
+                if isinstance(s, dict)
+            ]
+            if isinstance(container.get("image_signatures"), list)
+            else [],
         },
         "platform": {
             "project_id": _str(gce.get("project_id")),
@@ -114,6 +125,12 @@ def _obj(value: Any) -> Mapping[str, Any]:
 
 def _str(value: Any) -> str:
     return value if isinstance(value, str) else ""
+
+
+def _str_map(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, str)}
 
 
 def _str_list(value: Any) -> list[str]:

@@ -63,6 +63,46 @@ def check_policy_dir(policy_dir: Path, *, opa: Path) -> str:
     return done.stdout + done.stderr
 
 
+MAIN_MODULE = "broker/release.rego"
+GUARDED = (("broker", "release"), ("broker_internal",))
+
+
+def check_structure(policy_dir: Path, *, opa: Path) -> None:
+    """Only ``broker/release.rego`` defines ``data.broker.release``; nothing defines the
+    generated ``data.broker_internal``; no data file is mounted under either. This is what
+    makes a per-key policy (package ``broker.key_policies.<name>``) able only to narrow access:
+    a second module's ``allow`` would otherwise widen it for every key.
+
+    Raises:
+        PolicyLoadError: naming the file and the rule.
+    """
+    for path in sorted(policy_dir.rglob("*")):
+        relative = path.relative_to(policy_dir).as_posix()
+        if path.name == "data.json" and _guarded(tuple(path.parent.relative_to(policy_dir).parts)):
+            raise PolicyLoadError(f"{relative}: data may not be mounted under data.broker.release")
+        if path.suffix != ".rego" or path.name.endswith("_test.rego"):
+            continue
+        done = run_opa(opa, "parse", "--format", "json", str(path))
+        if done.returncode != 0:
+            raise PolicyLoadError(f"opa parse failed:\n{(done.stdout + done.stderr).strip()}")
+        module = json.loads(done.stdout)
+        package = [term["value"] for term in module["package"]["path"][1:]]
+        for rule in module.get("rules", []):
+            head = rule["head"]
+            ref = head.get("ref") or [{"value": head.get("name")}]
+            full = (*package, *(str(term.get("value")) for term in ref))
+            if _guarded(full) and relative != MAIN_MODULE:
+                raise PolicyLoadError(
+                    f"{relative}: defines data.{'.'.join(full)}; only {MAIN_MODULE} may define "
+                    "rules of data.broker.release (per-key rules belong in package "
+                    "broker.key_policies.<name>, which can only add denials)"
+                )
+
+
+def _guarded(path: tuple[str, ...]) -> bool:
+    return any(path[: len(prefix)] == prefix for prefix in GUARDED)
+
+
 def build_bundle(
     policy_dir: Path, output: Path, *, opa: Path, signing_key: Path | None = None
 ) -> None:
@@ -72,6 +112,7 @@ def build_bundle(
         PolicyLoadError: with OPA's compiler message verbatim.
     """
     check_policy_dir(policy_dir, opa=opa)
+    check_structure(policy_dir, opa=opa)
     with tempfile.TemporaryDirectory(prefix="broker-policy-") as tmp:
         wrapper = Path(tmp) / "wrapper"
         (wrapper / "broker_internal").mkdir(parents=True)

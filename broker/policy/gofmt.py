@@ -3,14 +3,14 @@
 OPA's Wasm target leaves ``sprintf`` to the host. OPA's own (``topdown/strings.go``) converts
 each argument, then calls Go's ``fmt.Sprintf``:
 
-* a number: ``int`` when its JSON text parses as an int64, else ``*big.Int`` when it parses as
+* a number: ``int64`` when its JSON text parses as one, else ``*big.Int`` when it parses as
   a base-10 integer, else ``float64``;
 * a string: the Go string itself;
 * anything else (boolean, null, array, object, set): the Rego term's ``String()`` text — arrays
   ``[1, "a"]``, objects ``{"a": 1}`` and sets ``{1, 2}`` in OPA's sort order, ``set()``,
   strings inside quoted as Go's ``strconv.Quote`` does.
 
-So ``%s`` of a number is ``%!s(int=5)``, ``%v`` of a fractional float is Go's shortest ``%g``
+So ``%s`` of a number is ``%!s(int64=5)``, ``%v`` of a fractional float is Go's shortest ``%g``
 (``1.2345675e+06``), ``%d`` of a string is ``%!d(string=abc)`` — exactly what a policy author
 sees from ``opa eval``. ``tests/unit/test_gofmt.py`` pins cases; the Wasm-vs-OPA differential
 test checks them on generated inputs.
@@ -117,7 +117,7 @@ class _Reader:
         self._space()
         if self.text.startswith("}", self.at):
             self.at += 1
-            return {}
+            return _Object(())  # `{}` is the empty object; the empty set dumps as set()
         first = self.value(depth + 1)
         self._space()
         if self.text.startswith(":", self.at):
@@ -324,7 +324,7 @@ def _go_type(arg: Any) -> str:
     if isinstance(arg, bool):
         return "bool"
     if isinstance(arg, int):
-        return "int"
+        return "int64"  # OPA 1.x converts with Number.Int64()
     if isinstance(arg, _BigInt):
         return "*big.Int"
     if isinstance(arg, float):

@@ -14,6 +14,8 @@ allow if {
 	hardware_tee
 	image_allowed
 	gpus_acceptable
+	count(key_requirement_failures) == 0
+	count(key_policy_denials) == 0
 }
 
 # The evidence came from a verified Google Cloud Attestation token for Confidential Space.
@@ -169,9 +171,12 @@ ocsp_acceptable(gpu) if {
 }
 
 # "550.90.07" >= "550.54" compared numerically, part by part (at most 3 parts of < 1000 each).
+# The pattern comes first: to_number differs at the edges between OPA's evaluators (Go's accepts
+# "550_1", OPA's Wasm runtime does not), and a version is digits and dots, nothing else.
 version_at_least(have, want) if version_number(have) >= version_number(want)
 
 version_number(v) := n if {
+	regex.match(`^[0-9]{1,3}(\.[0-9]{1,3}){0,2}$`, v)
 	parts := [to_number(p) | some p in split(v, ".")]
 	padded := array.concat(parts, [0, 0, 0])
 	n := (((padded[0] * 1000) + padded[1]) * 1000) + padded[2]
@@ -193,3 +198,75 @@ reasons contains msg if {
 	not gpu_ok(gpu)
 	msg := sprintf("GPU %v is not acceptable", [object.get(gpu, "id", null)])
 }
+
+# --- Per-key requirements (data) ---------------------------------------------------------------
+# data.broker.key_requirements[<key>] may list, each optional:
+#   image_signers   key ids; the image must carry a cosign signature by one of them
+#   projects, zones GCE project ids / zones the VM must run in
+#   restart_policy  the container restart policy (Never, Always, OnFailure)
+#   env             {NAME: value} the container environment must have exactly
+#   args            the exact container arguments
+# Every listed requirement must hold; a missing or malformed claim fails it.
+# (undefined when the key has none: then no requirement can fail)
+key_requirements := data.broker.key_requirements[input.request.key]
+
+key_requirement_failures contains "image_signers" if {
+	key_requirements.image_signers
+	not signed_by_allowed_signer
+}
+
+signed_by_allowed_signer if {
+	some signature in input.tee.workload.signatures
+	signature.key_id in key_requirements.image_signers
+}
+
+key_requirement_failures contains "projects" if {
+	key_requirements.projects
+	not input.tee.platform.project_id in key_requirements.projects
+}
+
+key_requirement_failures contains "zones" if {
+	key_requirements.zones
+	not input.tee.platform.zone in key_requirements.zones
+}
+
+key_requirement_failures contains "restart_policy" if {
+	key_requirements.restart_policy
+	not input.tee.workload.restart_policy == key_requirements.restart_policy
+}
+
+key_requirement_failures contains "env" if {
+	some name, value in key_requirements.env
+	not input.tee.workload.env[name] == value
+}
+
+key_requirement_failures contains "args" if {
+	key_requirements.args
+	not input.tee.workload.args == key_requirements.args
+}
+
+reasons contains concat("", ["key ", input.request.key, " requires ", failed]) if {
+	some failed in key_requirement_failures
+	is_string(input.request.key)
+}
+
+# --- Per-key policies (Rego) ---------------------------------------------------------------------
+# A module in package broker.key_policies.<name> names the keys it governs in `applies_to`
+# (exact names, or prefixes ending in "/") and adds reasons to `deny`. It can only narrow access
+# to those keys: nothing outside this file defines data.broker.release (`broker policy check`
+# and every load refuse a module that tries). See docs/policy.md for a worked example.
+key_policy_applies(policy) if input.request.key in policy.applies_to
+
+key_policy_applies(policy) if {
+	some prefix in policy.applies_to
+	endswith(prefix, "/")
+	startswith(input.request.key, prefix)
+}
+
+key_policy_denials contains reason if {
+	some policy in data.broker.key_policies
+	key_policy_applies(policy)
+	some reason in policy.deny
+}
+
+reasons contains reason if some reason in key_policy_denials

@@ -167,3 +167,72 @@ test_gpus_in_mixed_modes_denied if {
 	"GPUs run in mixed modes (ppcie, spt); one mode is required" in release.reasons with input as with_gpus([spt, ppcie])
 		with data.broker.images as images with data.broker.gpu_keys as gpu_keys
 }
+
+requirements := {"models/llama": {
+	"image_signers": ["signer-1"],
+	"projects": ["prod-project"],
+	"zones": ["us-central1-a"],
+	"restart_policy": "Never",
+	"env": {"MODE": "prod"},
+	"args": ["/runner"],
+}}
+
+cs_good := json.patch(good, [
+	{"op": "add", "path": "/tee/workload/signatures", "value": [{"key_id": "signer-1", "algorithm": "ECDSA_P256_SHA256"}]},
+	{"op": "add", "path": "/tee/workload/restart_policy", "value": "Never"},
+	{"op": "add", "path": "/tee/workload/env", "value": {"MODE": "prod", "HOME": "/"}},
+	{"op": "add", "path": "/tee/workload/args", "value": ["/runner"]},
+	{"op": "add", "path": "/tee/platform", "value": {"project_id": "prod-project", "zone": "us-central1-a"}},
+])
+
+test_key_requirements_met_allows if {
+	release.allow with input as cs_good with data.broker.images as images
+		with data.broker.key_requirements as requirements
+}
+
+test_each_key_requirement_denies_with_its_reason if {
+	cases := {
+		"image_signers": {"op": "replace", "path": "/tee/workload/signatures", "value": [{"key_id": "other"}]},
+		"projects": {"op": "replace", "path": "/tee/platform/project_id", "value": "dev-project"},
+		"zones": {"op": "replace", "path": "/tee/platform/zone", "value": "europe-west4-a"},
+		"restart_policy": {"op": "replace", "path": "/tee/workload/restart_policy", "value": "Always"},
+		"env": {"op": "replace", "path": "/tee/workload/env/MODE", "value": "debug"},
+		"args": {"op": "replace", "path": "/tee/workload/args", "value": ["/runner", "--debug"]},
+	}
+	every name, patch in cases {
+		changed := json.patch(cs_good, [patch])
+		not release.allow with input as changed with data.broker.images as images
+			with data.broker.key_requirements as requirements
+		concat("", ["key models/llama requires ", name]) in release.reasons with input as changed
+			with data.broker.images as images with data.broker.key_requirements as requirements
+	}
+}
+
+test_missing_claims_fail_requirements if {
+	changed := json.patch(cs_good, [{"op": "remove", "path": "/tee/workload/signatures"}])
+	not release.allow with input as changed with data.broker.images as images
+		with data.broker.key_requirements as requirements
+}
+
+key_policy := {"only_prod": {
+	"applies_to": {"models/"},
+	"deny": {"nope"},
+}}
+
+test_key_policy_narrows_only_its_keys if {
+	not release.allow with input as good with data.broker.images as images
+		with data.broker.key_policies as key_policy
+	"nope" in release.reasons with input as good with data.broker.images as images
+		with data.broker.key_policies as key_policy
+	other := json.patch(good, [{"op": "replace", "path": "/request/key", "value": "tools/x"}])
+	release.allow with input as other with data.broker.images as {"tools/x": [digest]}
+		with data.broker.key_policies as key_policy
+}
+
+test_malformed_driver_versions_denied if {
+	every version in {" 550.90", "550_1", "550.90.07 ", "1e3", "0x226", "550.90.07.01", "５５０", ""} {
+		bad := json.patch(gpu, [{"op": "replace", "path": "/driver_version", "value": version}])
+		not release.allow with input as with_gpus([bad]) with data.broker.images as images
+			with data.broker.gpu_keys as gpu_keys
+	}
+}

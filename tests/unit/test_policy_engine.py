@@ -19,6 +19,12 @@ from broker.policy.testing import find_opa
 from broker.policy.wasm import PolicyLoadError, WasmPolicyEngine
 
 
+def main_module(policy_dir: Path) -> Path:
+    """Where a policy's main module lives (the only one that may define release rules)."""
+    (policy_dir / "broker").mkdir(parents=True, exist_ok=True)
+    return policy_dir / "broker" / "release.rego"
+
+
 def wasm_engine(policy_dir: Path) -> WasmPolicyEngine:
     return WasmPolicyEngine(compile_policy_dir(policy_dir, opa=find_opa()))
 
@@ -101,7 +107,7 @@ def test_anything_but_boolean_true_denies(result: object) -> None:
 
 
 async def test_conflicting_rules_fail_closed_with_503(tmp_path: Path) -> None:
-    (tmp_path / "p.rego").write_text(
+    main_module(tmp_path).write_text(
         "package broker.release\nimport rego.v1\n"
         "allow := true if input.a\nallow := false if input.b\n"
     )
@@ -112,14 +118,14 @@ async def test_conflicting_rules_fail_closed_with_503(tmp_path: Path) -> None:
 
 
 def test_policy_without_release_package_refused(tmp_path: Path) -> None:
-    (tmp_path / "p.rego").write_text("package other\nx := 1\n")
+    main_module(tmp_path).write_text("package other\nx := 1\n")
     with pytest.raises(ConfigError) as caught:
         wasm_engine(tmp_path)
     assert "no module declares package broker.release" in caught.value.message
 
 
 def test_compile_error_is_opas_message_verbatim(tmp_path: Path) -> None:
-    (tmp_path / "p.rego").write_text(
+    main_module(tmp_path).write_text(
         "package broker.release\nimport rego.v1\nallow if { input.x = }\n"
     )
     with pytest.raises(ConfigError) as caught:
@@ -133,7 +139,7 @@ def test_empty_policy_dir_refused(tmp_path: Path) -> None:
 
 
 def test_unparsable_policy_refused(tmp_path: Path) -> None:
-    (tmp_path / "p.rego").write_text("package broker.release\nallow if {\n")
+    main_module(tmp_path).write_text("package broker.release\nallow if {\n")
     with pytest.raises(ConfigError):
         wasm_engine(tmp_path)
 
@@ -210,7 +216,7 @@ async def test_gpu_missing_field_denied(gpu_engine: WasmPolicyEngine) -> None:
 async def test_sprintf_of_a_literal_default_renders_as_opa_does(tmp_path: Path) -> None:
     # regopy rendered this with bare inner quotes and unparsable JSON (a 503); OPA prints the
     # string as it is.
-    (tmp_path / "p.rego").write_text(
+    main_module(tmp_path).write_text(
         "package broker.release\nimport rego.v1\ndefault allow := false\n"
         'reasons contains sprintf("x %v", [object.get(input, "missing", "dflt")])\n'
     )
@@ -221,17 +227,17 @@ async def test_sprintf_of_a_literal_default_renders_as_opa_does(tmp_path: Path) 
 async def test_runtime_error_names_rule_and_location_in_the_log(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    (tmp_path / "p.rego").write_text(
+    main_module(tmp_path).write_text(
         "package broker.release\nimport rego.v1\n"
         "allow := true if input.a\nallow := false if input.b\n"
     )
     with pytest.raises(UpstreamError):
         await wasm_engine(tmp_path).evaluate({"a": True, "b": True})
-    assert "p.rego:4" in caplog.text or "p.rego:3" in caplog.text
+    assert "release.rego:4" in caplog.text or "release.rego:3" in caplog.text
 
 
 def test_builtin_the_engine_lacks_is_named_at_load(tmp_path: Path) -> None:
-    (tmp_path / "p.rego").write_text(
+    main_module(tmp_path).write_text(
         "package broker.release\nimport rego.v1\ndefault allow := false\n"
         'reasons contains x if x := crypto.sha256("a")\n'
         'reasons contains http.send({"method": "get", "url": "https://x.invalid"}).body\n'
@@ -240,3 +246,38 @@ def test_builtin_the_engine_lacks_is_named_at_load(tmp_path: Path) -> None:
         wasm_engine(tmp_path)
     assert "http.send" in caught.value.message
     assert 'engine = "opa"' in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("name", "module"),
+    [
+        ("extra.rego", "package broker.release\nimport rego.v1\nallow if input.backdoor\n"),
+        ("b.rego", "package broker\nimport rego.v1\nrelease.allow if input.backdoor\n"),
+        (
+            "key_policies/x.rego",
+            'package broker.key_policies.x\nimport rego.v1\napplies_to := {"a"}\n',
+        ),  # control: allowed
+    ],
+)
+def test_only_the_main_module_may_define_release_rules(
+    tmp_path: Path, name: str, module: str
+) -> None:
+    policies = tmp_path / "policies"
+    shutil.copytree(SHIPPED, policies)
+    (policies / "broker" / name).parent.mkdir(parents=True, exist_ok=True)
+    (policies / "broker" / name).write_text(module)
+    if name.startswith("key_policies"):
+        assert wasm_engine(policies).digest
+        return
+    with pytest.raises(PolicyLoadError) as caught:
+        wasm_engine(policies)
+    assert "only broker/release.rego may define" in caught.value.message
+
+
+def test_data_under_the_release_package_is_refused(tmp_path: Path) -> None:
+    policies = tmp_path / "policies"
+    shutil.copytree(SHIPPED, policies)
+    (policies / "broker" / "release").mkdir()
+    (policies / "broker" / "release" / "data.json").write_text('{"allow": true}')
+    with pytest.raises(PolicyLoadError):
+        wasm_engine(policies)
