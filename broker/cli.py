@@ -20,6 +20,7 @@ from aiohttp import web
 
 from broker import cli_keys, offline
 from broker.api.server import BrokerRunner
+from broker.api.state import STATE
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import LogCorrupt, repair_torn_tail, verify_file
 from broker.config import Settings, load_settings
@@ -125,6 +126,16 @@ async def _serve_until_signalled(settings: Settings) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        reloads: set[asyncio.Task[object]] = set()
+
+        def reload_policy() -> None:  # SIGHUP: check, test and swap the policy
+            state = runner.app[STATE]
+            if state.policies is not None:
+                task = asyncio.create_task(state.policies.reload(trigger="sighup"))
+                reloads.add(task)
+                task.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, reload_policy)
         await stop.wait()
     finally:
         await runner.cleanup()

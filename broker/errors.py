@@ -74,6 +74,7 @@ class ErrorCode(StrEnum):
     CONFLICT = "conflict"  # a concurrent change won; retry with fresh state
     # policy
     POLICY_DENIED = "policy_denied"
+    POLICY_INVALID = "policy_invalid"  # a reload refused: the last good policy keeps serving
     # upstreams (nothing released)
     NONCE_STORE_FULL = "nonce_store_full"
     JWKS_UNAVAILABLE = "jwks_unavailable"

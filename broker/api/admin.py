@@ -17,7 +17,7 @@ from aiohttp import web
 
 from broker.api.body import optional_version, read_json_object, string_field
 from broker.api.state import STATE, BrokerState
-from broker.errors import ErrorCode, InputError, Unauthorized, UpstreamError
+from broker.errors import Conflict, ErrorCode, InputError, Unauthorized, UpstreamError
 from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
 from broker.keys.store.base import Algorithm, Purpose
 
@@ -148,4 +148,11 @@ async def reload_policy(request: web.Request) -> web.Response:
     if request.can_read_body:
         await read_json_object(request, required=())
     outcome = await state.policies.reload(trigger="admin", who=request[ADMIN_WHO])
-    return web.json_response(outcome.describe(), status=200 if outcome.ok else 409)
+    if not outcome.ok:
+        raise Conflict(
+            "the new policy was refused; the last good policy keeps serving",
+            code=ErrorCode.POLICY_INVALID,
+            problem=outcome.problem,
+            active_digest=outcome.digest,
+        )
+    return web.json_response(outcome.describe())

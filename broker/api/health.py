@@ -34,6 +34,12 @@ async def readyz(request: web.Request) -> web.Response:
         "policy": release.policy.digest,
         "audit_log": f"{release.audit.head.size} records",
     }
+    reload = state.policies.last_reload if state.policies is not None else None
+    if reload is not None:
+        checks["policy_last_reload"] = (
+            f"{'ok' if reload.ok else 'failed'} at {reload.time} ({reload.trigger})"
+            + ("" if reload.ok else "; the last good policy is serving")
+        )
     problems = []
     try:
         versions = await release.keys.list_versions()

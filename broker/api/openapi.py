@@ -67,6 +67,8 @@ SCHEMAS: dict[str, Any] = {
                     "reasons": {"type": "array", "items": {"type": "string"}},
                     "decision_id": {"type": "string"},
                     "checks": {"type": "object"},
+                    "problem": {"type": ["string", "null"]},
+                    "active_digest": {"type": "string"},
                 },
             }
         },
@@ -159,6 +161,18 @@ SCHEMAS: dict[str, Any] = {
         "required": ["keys"],
         "properties": {"keys": {"type": "array", "items": {"type": "object"}}},
     },
+    "PolicyReload": _object(
+        {
+            "ok": {"type": "boolean"},
+            "trigger": {"type": "string"},
+            "time": {"type": "string", "format": "date-time"},
+            "active_digest": {"type": "string"},
+            "previous_digest": {"type": ["string", "null"]},
+            "changed": {"type": "boolean"},
+            "problem": {"type": ["string", "null"]},
+        },
+        ["ok", "trigger", "time", "active_digest", "previous_digest", "changed", "problem"],
+    ),
     "Health": _object({"status": {"type": "string", "const": "ok"}}, ["status"]),
     "Ready": _object(
         {
@@ -306,6 +320,14 @@ def openapi_document() -> dict[str, Any]:
                 "post": _admin(
                     "enable a version", "KeyNameVersion", (200, "KeyVersion"), 400, 404, 409
                 )
+            },
+            "/v1/admin/policy/reload": {
+                "post": {
+                    **_admin("check, test and swap the policy", None, (200, "PolicyReload"), 409),
+                    "tags": ["admin"],
+                    "security": [{"bearer": []}],
+                    "requestBody": _body(_object({}, []), required=False),
+                }
             },
             "/v1/admin/keys/destroy": {
                 "post": _admin(

@@ -116,6 +116,20 @@ def test_serve_runs_tls_until_sigterm(tmp_path: Path) -> None:
         assert body["status"] == "ready"
         with pytest.raises(OSError, match=r"Connection reset|Remote end closed|EOF"):  # TLS only
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        # SIGHUP reloads the policy: a changed data file goes live, with a change record.
+        data = tmp_path / "b" / "policies" / "broker" / "data.json"
+        data.write_text(data.read_text().replace('"images"', '"images_renamed"'))
+        process.send_signal(signal.SIGHUP)
+        for _ in range(100):
+            with urllib.request.urlopen(
+                f"https://127.0.0.1:{port}/readyz", context=context, timeout=2
+            ) as r:
+                checks = json.loads(r.read())["checks"]
+            if checks["policy"] != body["checks"]["policy"]:
+                break
+            time.sleep(0.1)
+        assert checks["policy_last_reload"].startswith("ok at")
+        assert "(sighup)" in checks["policy_last_reload"]
     finally:
         process.send_signal(signal.SIGTERM)
         process.communicate(timeout=15)
