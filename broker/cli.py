@@ -18,14 +18,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from broker import cli_keys, offline
+from broker import cli_keys, cli_policy, offline
 from broker.api.server import BrokerRunner
 from broker.api.state import STATE
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import LogCorrupt, repair_torn_tail, verify_file
 from broker.config import Settings, load_settings
 from broker.errors import BrokerError, ConfigError, InputError
-from broker.policy.testing import find_opa, run_policy_tests
 
 EXIT_NO = 1
 EXIT_USAGE = 2
@@ -91,10 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     policy = commands.add_parser("policy", help="work on Rego policies").add_subparsers(
         required=True, metavar="ACTION"
     )
-    test = policy.add_parser("test", help="run the *_test.rego unit tests with OPA")
-    test.add_argument("dir", type=Path, nargs="?", default=Path("policies"))
-    test.add_argument("--opa", help="path of the opa binary")
-    test.set_defaults(run=_policy_test)
+    cli_policy.add_commands(policy)
     return parser
 
 
@@ -202,12 +198,6 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_NO
     print(json.dumps(result, indent=2, default=str))
     return 0
-
-
-def _policy_test(args: argparse.Namespace) -> int:
-    run = run_policy_tests(args.dir, opa=find_opa(args.opa))
-    print(run.output, end="")
-    return 0 if run.passed else EXIT_NO
 
 
 if __name__ == "__main__":

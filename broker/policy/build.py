@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import re
+import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -45,9 +46,16 @@ OPA_TIMEOUT_SECONDS = 120
 MAX_BUNDLE_BYTES = 32 * 1024 * 1024
 
 
-def run_opa(opa: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_opa(
+    opa: Path, *args: str, input_text: str | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(  # noqa: S603 - fixed argv, no shell
-        [str(opa), *args], capture_output=True, text=True, timeout=OPA_TIMEOUT_SECONDS, check=False
+        [str(opa), *args],
+        capture_output=True,
+        text=True,
+        timeout=OPA_TIMEOUT_SECONDS,
+        check=False,
+        input=input_text,
     )
 
 
@@ -114,15 +122,30 @@ def build_bundle(
     check_policy_dir(policy_dir, opa=opa)
     check_structure(policy_dir, opa=opa)
     with tempfile.TemporaryDirectory(prefix="broker-policy-") as tmp:
-        wrapper = Path(tmp) / "wrapper"
-        (wrapper / "broker_internal").mkdir(parents=True)
-        (wrapper / WRAPPER_PACKAGE).write_text(WRAPPER, encoding="utf-8")
-        args = ["build", "-t", "wasm", "-e", ENTRYPOINT, "--ignore", "*_test.rego"]
+        # One staged bundle directory (the policy without its tests, plus the wrapper): OPA
+        # signs only in bundle mode (-b), which reads one root directory.
+        staged = Path(tmp) / "bundle"
+        shutil.copytree(policy_dir, staged, ignore=shutil.ignore_patterns("*_test.rego", ".*"))
+        (staged / "broker_internal").mkdir(exist_ok=True)
+        (staged / WRAPPER_PACKAGE).write_text(WRAPPER, encoding="utf-8")
+        args = ["build", "-b", "-t", "wasm", "-e", ENTRYPOINT]
         if signing_key is not None:
             args += ["--signing-key", str(signing_key), "--signing-alg", _alg(signing_key)]
-        done = run_opa(opa, *args, "-o", str(output), str(policy_dir), str(wrapper))
+        done = run_opa(opa, *args, "-o", str(output), str(staged))
         if done.returncode != 0:
             raise PolicyLoadError(f"opa build failed:\n{(done.stdout + done.stderr).strip()}")
+
+
+def _public_alg(key: Path) -> str:
+    """ES256 for an EC public key, RS256 for RSA (OPA needs the algorithm to verify)."""
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key  # noqa: PLC0415
+
+    try:
+        public = load_pem_public_key(key.read_bytes())
+    except (ValueError, TypeError) as exc:
+        raise PolicyLoadError(f"{key} is not a PEM public key") from exc
+    return "ES256" if isinstance(public, ec.EllipticCurvePublicKey) else "RS256"
 
 
 def _alg(key: Path) -> str:
@@ -183,6 +206,8 @@ def load_bundle(
                 str(path),
                 "--verification-key",
                 str(verification_key),
+                "--signing-alg",
+                _public_alg(verification_key),
                 "-o",
                 str(Path(tmp) / "checked.tar.gz"),
             )
@@ -195,7 +220,9 @@ def load_bundle(
     return CompiledPolicy(wasm=wasm, data=data, digest=digest, source=str(path))
 
 
-def _read_bundle(raw: bytes, source: str) -> tuple[bytes, dict[str, Any]]:
+def _read_bundle(
+    raw: bytes, source: str, *, entrypoint: str | None = ENTRYPOINT
+) -> tuple[bytes, dict[str, Any]]:
     files: dict[str, bytes] = {}
     try:
         with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as archive:
@@ -217,7 +244,7 @@ def _read_bundle(raw: bytes, source: str) -> tuple[bytes, dict[str, Any]]:
     if not isinstance(data, dict):
         raise PolicyLoadError(f"{source}: data.json is not an object")
     entrypoints = [w.get("entrypoint") for w in manifest.get("wasm", []) if isinstance(w, dict)]
-    if entrypoints and ENTRYPOINT not in entrypoints:
+    if entrypoint is not None and entrypoints and entrypoint not in entrypoints:
         raise PolicyLoadError(f"{source}: the bundle's entrypoints {entrypoints} lack {ENTRYPOINT}")
     return files["policy.wasm"], data
 
@@ -227,3 +254,25 @@ def bundle_manifest(path: Path) -> dict[str, Any]:
     with tarfile.open(path, mode="r:gz") as archive:
         member = archive.extractfile(".manifest") if ".manifest" in archive.getnames() else None
         return dict(json.loads(member.read())) if member else {}
+
+
+def compile_entrypoints(
+    policy_dir: Path, entrypoints: list[str], *, opa: Path, with_tests: bool = True
+) -> CompiledPolicy:
+    """A module with the given entrypoints (``broker policy test`` compiles the test rules).
+
+    Raises:
+        PolicyLoadError: with OPA's message.
+    """
+    with tempfile.TemporaryDirectory(prefix="broker-policy-") as tmp:
+        output = Path(tmp) / "bundle.tar.gz"
+        args = ["build", "-t", "wasm"]
+        for entrypoint in entrypoints:
+            args += ["-e", entrypoint]
+        if not with_tests:
+            args += ["--ignore", "*_test.rego"]
+        done = run_opa(opa, *args, "-o", str(output), str(policy_dir))
+        if done.returncode != 0:
+            raise PolicyLoadError(f"opa build failed:\n{(done.stdout + done.stderr).strip()}")
+        wasm, data = _read_bundle(output.read_bytes(), str(policy_dir), entrypoint=None)
+    return CompiledPolicy(wasm=wasm, data=data, digest="tests", source=str(policy_dir))

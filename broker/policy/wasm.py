@@ -16,8 +16,9 @@ Evaluation is bounded by wasmtime *fuel* (``EVAL_FUEL`` instructions), not wall 
 loop is never blocked for longer than that budget, and no thread is needed to interrupt it.
 
 Builtins left to the host: ``sprintf`` (``gofmt.go_sprintf``, OPA's Go output to the
-character). A policy that needs any other one does not load: the error names it and points to
-the OPA server engine (``[policy] engine = "opa"``).
+character) and ``json.patch`` (``hostbuiltins``; Rego unit tests use it). A policy that needs
+any other one does not load: the error names it and points to the OPA server engine
+(``[policy] engine = "opa"``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import wasmtime
 from broker.errors import ConfigError, ErrorCode, UpstreamError
 from broker.policy.engine import Decision
 from broker.policy.gofmt import go_sprintf, parse_rego_value
+from broker.policy.hostbuiltins import json_patch
 
 log = logging.getLogger(__name__)
 ENTRYPOINT = "broker_internal/decision/result"
@@ -70,7 +72,10 @@ def _host_sprintf(args: list[Any]) -> Any:
     return go_sprintf(template, values)
 
 
-HOST_BUILTINS: dict[str, Callable[[list[Any]], Any]] = {"sprintf": _host_sprintf}
+HOST_BUILTINS: dict[str, Callable[[list[Any]], Any]] = {
+    "sprintf": _host_sprintf,
+    "json.patch": json_patch,
+}
 
 
 class _BuiltinUndefined(Exception):
@@ -117,8 +122,11 @@ def _module(compiled: CompiledPolicy) -> wasmtime.Module:
 class WasmPolicyInstance:
     """One instantiated module with its data loaded. Not thread-safe; used on the loop thread."""
 
-    def __init__(self, compiled: CompiledPolicy, *, fuel: int = EVAL_FUEL) -> None:
+    def __init__(
+        self, compiled: CompiledPolicy, *, fuel: int = EVAL_FUEL, entrypoint: str = ENTRYPOINT
+    ) -> None:
         module = _module(compiled)
+        self._entrypoint_name = entrypoint
         self._store = wasmtime.Store(_ENGINE)
         self._fuel = fuel
         self._compiled = compiled
@@ -243,12 +251,12 @@ class WasmPolicyInstance:
         entrypoints = json.loads(
             self._read_cstring(int(self._call("opa_json_dump", self._call("entrypoints"))))
         )
-        if ENTRYPOINT not in entrypoints:
+        if self._entrypoint_name not in entrypoints:
             raise PolicyLoadError(
-                f"{self._compiled.source}: the module has no entrypoint {ENTRYPOINT} "
+                f"{self._compiled.source}: the module has no entrypoint {self._entrypoint_name} "
                 "(build it with `broker policy build`)"
             )
-        return int(entrypoints[ENTRYPOINT])
+        return int(entrypoints[self._entrypoint_name])
 
     def _dispatch(self, builtin_id: int, _context: int, *arg_addrs: int) -> int:
         implementation = self._builtins.get(builtin_id)

@@ -1,0 +1,307 @@
+"""``broker policy …``: the security team's workflow, on OPA's own tools and the broker's engine.
+
+write → ``fmt`` / ``check`` / ``test`` → ``eval`` → ``replay`` against past decisions → ``build``
+a (signed) bundle → reload. Exit codes: 0 success (``replay`` exits 0 even when decisions
+change); 1 the answer is "no" (check or tests failed); 2 bad usage, unreadable input, or a
+policy that does not compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from broker.errors import ConfigError
+from broker.jsonsafe import loads_bounded
+from broker.policy.build import (
+    build_bundle,
+    check_policy_dir,
+    check_structure,
+    compile_entrypoints,
+    compile_policy_dir,
+    load_bundle,
+    run_opa,
+)
+from broker.policy.engine import Decision
+from broker.policy.testing import find_opa
+from broker.policy.wasm import CompiledPolicy, WasmPolicyInstance
+
+EXIT_NO = 1
+EXIT_USAGE = 2
+# What the broker sets in the input (docs/policy.md). A reference outside these is a typo or a
+# field from another product: `broker policy check` warns about it.
+KNOWN_INPUT: dict[str, Any] = {
+    "schema": None,
+    "time": None,
+    "claims": "*",
+    "gpus": "*",
+    "request": {"key": None, "version": None, "purpose": None, "runner_key_thumbprint": None},
+    "tee": {
+        "verifier": None, "issuer": None, "technology": None, "hwmodel": None, "debug": None,
+        "secure_boot": None, "tcb_status": None, "advisory_ids": None, "measurements": "*",
+        "software": {"name": None, "version": None, "support": None},
+        "workload": {
+            "image_reference": None, "image_digest": None, "image_id": None,
+            "restart_policy": None, "service_accounts": None, "args": None, "env": "*",
+            "env_override": "*", "signatures": "*",
+        },
+        "platform": {
+            "project_id": None, "project_number": None, "zone": None, "instance_id": None,
+            "instance_name": None,
+        },
+    },
+}  # fmt: skip
+INPUT_REF = re.compile(r"\binput((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+
+
+def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        parser = policy.add_parser(name, help=help_text)
+        parser.add_argument(
+            "--opa", help="path of the opa binary (default: found as the broker does)"
+        )
+        return parser
+
+    check = command("check", "opa check --strict, structure rules, and an input-schema lint")
+    check.add_argument("dir", type=Path)
+    check.set_defaults(run=_check)
+    fmt = command("fmt", "opa fmt (rewrites files; --check only lists what would change)")
+    fmt.add_argument("dir", type=Path)
+    fmt.add_argument("--check", action="store_true")
+    fmt.set_defaults(run=_fmt)
+    test = command("test", "the Rego unit tests with OPA and through the broker's engine")
+    test.add_argument("dir", type=Path, nargs="?", default=Path("policies"))
+    test.set_defaults(run=_test)
+    evaluate = command("eval", "decide one input as the broker would")
+    evaluate.add_argument("--policy", type=Path, default=Path("policies"), help="DIR or BUNDLE")
+    evaluate.add_argument("--input", required=True, help="FILE, or - for standard input")
+    evaluate.add_argument("--explain", action="store_true", help="OPA's trace (opa eval)")
+    evaluate.set_defaults(run=_eval)
+    replay = command("replay", "re-decide logged decisions with a candidate policy")
+    replay.add_argument("--log", type=Path, required=True, action="append")
+    replay.add_argument("--policy", type=Path, default=Path("policies"), help="DIR or BUNDLE")
+    replay.add_argument("--since", help="RFC 3339: only decisions at or after this time")
+    replay.add_argument("--key", help="only decisions about this key")
+    replay.set_defaults(run=_replay)
+    build = command("build", "an OPA bundle (Wasm) for deployment, optionally signed")
+    build.add_argument("dir", type=Path)
+    build.add_argument("-o", "--output", type=Path, required=True)
+    build.add_argument("--signing-key", type=Path, help="PEM private key (RSA or EC)")
+    build.set_defaults(run=_build)
+
+
+def _opa(args: argparse.Namespace) -> Path:
+    return find_opa(args.opa)
+
+
+def _check(args: argparse.Namespace) -> int:
+    opa = _opa(args)
+    print(check_policy_dir(args.dir, opa=opa).strip() or "opa check --strict: ok")
+    check_structure(args.dir, opa=opa)
+    print("structure: ok (only broker/release.rego defines data.broker.release)")
+    warnings = list(lint_input_paths(args.dir))
+    for warning in warnings:
+        print(f"warning: {warning}")
+    print(f"input lint: {len(warnings)} warning(s)")
+    return 0
+
+
+def lint_input_paths(policy_dir: Path) -> Iterator[str]:
+    """``input.a.b`` references the broker never sets (warnings, not errors)."""
+    for path in sorted(policy_dir.rglob("*.rego")):
+        text = path.read_text(encoding="utf-8")
+        for number, line in enumerate(text.splitlines(), start=1):
+            code = line.split("#", 1)[0]
+            for match in INPUT_REF.finditer(code):
+                parts = match.group(1).lstrip(".").split(".")
+                unknown = _unknown_prefix(parts)
+                if unknown:
+                    yield (
+                        f"{path.relative_to(policy_dir)}:{number}: input.{unknown} is not set by "
+                        "the broker (docs/policy.md lists the input)"
+                    )
+
+
+def _unknown_prefix(parts: list[str]) -> str | None:
+    node: Any = KNOWN_INPUT
+    for index, part in enumerate(parts):
+        if node == "*":
+            return None
+        if not isinstance(node, dict):
+            return None  # a leaf value: methods/indexing beyond it are the policy's business
+        if part not in node:
+            return ".".join(parts[: index + 1])
+        node = node[part]
+    return None
+
+
+def _fmt(args: argparse.Namespace) -> int:
+    opa = _opa(args)
+    done = (
+        run_opa(opa, "fmt", "--list", "--fail", str(args.dir))
+        if args.check
+        else run_opa(opa, "fmt", "-w", str(args.dir))
+    )
+    print((done.stdout + done.stderr).strip() or "formatted")
+    return 0 if done.returncode == 0 else EXIT_NO
+
+
+def _test(args: argparse.Namespace) -> int:
+    """OPA's verdict per test, and the same test rules evaluated by the broker's Wasm engine."""
+    opa = _opa(args)
+    done = run_opa(opa, "test", "--format", "json", str(args.dir))
+    try:
+        results = json.loads(done.stdout) if done.stdout.strip() else []
+    except ValueError:
+        print((done.stdout + done.stderr).strip(), file=sys.stderr)
+        return EXIT_NO
+    if not results:
+        print((done.stdout + done.stderr).strip() or f"no tests in {args.dir}", file=sys.stderr)
+        return EXIT_NO
+    entrypoints = {
+        f"{r['package'].removeprefix('data.').replace('.', '/')}/{r['name']}": r for r in results
+    }
+    compiled = compile_entrypoints(args.dir, sorted(entrypoints), opa=opa)
+    failures = differences = 0
+    for entrypoint, result in sorted(entrypoints.items()):
+        opa_pass = not result.get("fail") and not result.get("error")
+        broker_pass = WasmPolicyInstance(compiled, entrypoint=entrypoint).evaluate({}) is True
+        failures += not opa_pass
+        differences += opa_pass != broker_pass
+        verdict = "PASS" if opa_pass else "FAIL"
+        agree = (
+            ""
+            if opa_pass == broker_pass
+            else f"  <- the broker's engine says {'PASS' if broker_pass else 'FAIL'}"
+        )
+        print(f"{verdict} {entrypoint}{agree}")
+    print(
+        f"{len(results) - failures}/{len(results)} passed (OPA); "
+        f"{differences} difference(s) with the broker's engine"
+    )
+    return 0 if failures == 0 and differences == 0 else EXIT_NO
+
+
+def _compiled(policy: Path, opa: Path) -> CompiledPolicy:
+    return compile_policy_dir(policy, opa=opa) if policy.is_dir() else load_bundle(policy)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    opa = _opa(args)
+    raw = sys.stdin.buffer.read() if args.input == "-" else _read(Path(args.input), "--input")
+    try:
+        document = loads_bounded(raw)
+    except ValueError as exc:
+        raise ConfigError("--input", f"not JSON: {exc}") from exc
+    compiled = _compiled(args.policy, opa)
+    decision = Decision.from_result(
+        WasmPolicyInstance(compiled).evaluate(document), compiled.digest
+    )
+    print(
+        json.dumps(
+            {
+                "allow": decision.allowed,
+                "reasons": list(decision.reasons),
+                "policy_digest": decision.policy_digest,
+            }
+        )
+    )
+    if args.explain:
+        if not args.policy.is_dir():
+            raise ConfigError("--explain", "needs --policy DIR (a Wasm bundle carries no Rego)")
+        done = run_opa(
+            opa,
+            "eval",
+            "--format",
+            "pretty",
+            "--explain",
+            "full",
+            "--ignore",
+            "*_test.rego",
+            "-d",
+            str(args.policy),
+            "--stdin-input",
+            "data.broker.release",
+            input_text=raw.decode("utf-8", "replace"),
+        )
+        print(done.stdout + done.stderr, file=sys.stderr)
+    return 0
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(what, f"cannot read {path}") from exc
+
+
+def _replay(args: argparse.Namespace) -> int:
+    since = _time(args.since) if args.since else None
+    compiled = _compiled(args.policy, _opa(args))
+    instance = WasmPolicyInstance(compiled)
+    summary = {
+        "decisions": 0,
+        "unchanged": 0,
+        "allow_to_deny": 0,
+        "deny_to_allow": 0,
+        "reasons_changed": 0,
+        "skipped": 0,
+    }
+    for record in _records(args.log):
+        if record.get("type") != "release" or (args.key and record.get("key") != args.key):
+            continue
+        if since is not None and _time(str(record.get("time"))) < since:
+            continue
+        if not isinstance(record.get("input"), dict) or record.get("result") not in (
+            "allow",
+            "deny",
+        ):
+            summary["skipped"] += 1  # decided before the policy ran (attestation), or no input
+            continue
+        summary["decisions"] += 1
+        new = Decision.from_result(instance.evaluate(record["input"]), compiled.digest)
+        old_allow = record["result"] == "allow"
+        old_reasons = sorted(record.get("reasons") or [])
+        if new.allowed == old_allow and list(new.reasons) == old_reasons:
+            summary["unchanged"] += 1
+            continue
+        if new.allowed != old_allow:
+            summary["allow_to_deny" if old_allow else "deny_to_allow"] += 1
+        else:
+            summary["reasons_changed"] += 1
+        changed = {k: record.get(k) for k in ("decision_id", "time", "key")}
+        changed["old"] = {"allow": old_allow, "reasons": old_reasons}
+        changed["new"] = {"allow": new.allowed, "reasons": list(new.reasons)}
+        print(json.dumps(changed))
+    print(json.dumps({"summary": summary, "policy_digest": compiled.digest}))
+    return 0
+
+
+def _records(logs: list[Path]) -> Iterator[dict[str, Any]]:
+    for log in logs:
+        for number, line in enumerate(_read(log, "--log").splitlines(), start=1):
+            try:
+                record = loads_bounded(line)
+            except ValueError as exc:
+                raise ConfigError("--log", f"{log}:{number} is not a JSON record") from exc
+            if isinstance(record, dict):
+                yield record
+
+
+def _time(text: str) -> datetime:
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise ConfigError("--since", f"not an RFC 3339 time: {text!r}") from exc
+
+
+def _build(args: argparse.Namespace) -> int:
+    build_bundle(args.dir, args.output, opa=_opa(args), signing_key=args.signing_key)
+    print(json.dumps({"bundle": str(args.output), "signed": args.signing_key is not None}))
+    return 0

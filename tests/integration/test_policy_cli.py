@@ -1,0 +1,194 @@
+"""``broker policy check|fmt|test|eval|replay|build`` as a security team runs them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from broker.policy.build import load_bundle
+from broker.policy.testing import find_opa
+from broker.policy.wasm import PolicyLoadError
+from tests.integration.test_cli import ROOT, run
+
+SHIPPED = ROOT / "policies"
+EXAMPLE = ROOT / "docs" / "examples" / "per-key-policy"
+DIGEST = "sha256:" + "ab" * 32
+
+
+def policy_copy(tmp_path: Path, *, example: bool = False) -> Path:
+    target = tmp_path / "policies"
+    shutil.copytree(SHIPPED, target)
+    if example:
+        shutil.copytree(EXAMPLE, target, dirs_exist_ok=True)
+    return target
+
+
+def good_input(key: str = "models/llama") -> dict[str, object]:
+    return {
+        "schema": "broker.input/v1",
+        "request": {"key": key, "version": 1, "purpose": "model-weights"},
+        "tee": {
+            "verifier": "gca",
+            "technology": "tdx",
+            "debug": False,
+            "secure_boot": True,
+            "software": {"name": "CONFIDENTIAL_SPACE", "support": ["STABLE"]},
+            "workload": {"image_digest": DIGEST},
+            "platform": {"project_id": "prod-project"},
+        },
+        "gpus": [],
+    }
+
+
+def test_check_passes_and_lints_unknown_input_paths(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path)
+    ok = run("policy", "check", str(policies))
+    assert ok.returncode == 0, ok.stderr
+    assert "input lint: 0 warning(s)" in ok.stdout
+    (policies / "broker" / "key_policies").mkdir()
+    (policies / "broker" / "key_policies" / "typo.rego").write_text(
+        'package broker.key_policies.typo\nimport rego.v1\napplies_to := {"models/x"}\n'
+        'deny contains "x" if input.tee.workload.image_digst == "y"\n'
+    )
+    linted = run("policy", "check", str(policies))
+    assert linted.returncode == 0
+    assert "input.tee.workload.image_digst is not set by the broker" in linted.stdout
+
+
+def test_check_refuses_a_module_that_widens_access(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path)
+    (policies / "broker" / "backdoor.rego").write_text(
+        "package broker.release\nimport rego.v1\nallow if input.please\n"
+    )
+    refused = run("policy", "check", str(policies))
+    assert refused.returncode == 2
+    assert "only broker/release.rego may define" in refused.stderr
+
+
+def test_fmt_check_fails_on_unformatted_rego(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path)
+    assert run("policy", "fmt", str(policies), "--check").returncode == 0
+    path = policies / "broker" / "release.rego"
+    path.write_text(path.read_text().replace("\tconfidential_space\n", "  confidential_space\n", 1))
+    assert run("policy", "fmt", str(policies), "--check").returncode == 1
+    assert run("policy", "fmt", str(policies)).returncode == 0
+    assert run("policy", "fmt", str(policies), "--check").returncode == 0
+
+
+def test_policy_test_runs_opa_and_the_broker_engine(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path, example=True)
+    passed = run("policy", "test", str(policies))
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "0 difference(s) with the broker's engine" in passed.stdout
+    assert "PASS broker/key_policy_tests/mistral/test_other_keys_are_not_narrowed" in passed.stdout
+    (policies / "broker" / "failing_test.rego").write_text(
+        "package broker.failing_test\nimport rego.v1\ntest_wrong if data.broker.release.allow\n"
+    )
+    failed = run("policy", "test", str(policies))
+    assert failed.returncode == 1
+    assert "FAIL broker/failing_test/test_wrong" in failed.stdout
+
+
+def test_eval_prints_the_decision_and_explains_it(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path)
+    data = json.loads((policies / "broker" / "data.json").read_text())
+    data["images"] = {"models/llama": [DIGEST]}
+    (policies / "broker" / "data.json").write_text(json.dumps(data))
+    document = tmp_path / "input.json"
+    document.write_text(json.dumps(good_input()))
+    result = run("policy", "eval", "--policy", str(policies), "--input", str(document))
+    assert result.returncode == 0, result.stderr
+    decision = json.loads(result.stdout)
+    assert (decision["allow"], decision["reasons"]) == (True, [])
+    assert decision["policy_digest"].startswith("sha256:")
+    explained = run(
+        "policy", "eval", "--policy", str(policies), "--input", str(document), "--explain"
+    )
+    assert "Enter data.broker.release" in explained.stderr  # OPA's own trace
+
+
+def test_replay_reports_changed_decisions(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path, example=True)
+    log = tmp_path / "decisions.log"
+    records = [
+        {"type": "release", "decision_id": "d1", "time": "2026-11-20T10:00:00+00:00",
+         "key": "models/mistral", "result": "allow", "reasons": [],
+         "input": {**good_input("models/mistral"), "gpus": []}},
+        {"type": "release", "decision_id": "d2", "time": "2026-11-21T10:00:00+00:00",
+         "key": "models/llama", "result": "deny", "reasons": ["old reason"],
+         "input": good_input()},
+        {"type": "release", "decision_id": "d3", "time": "2026-11-22T10:00:00+00:00",
+         "key": "models/llama", "result": "deny", "code": "token_expired", "input": None},
+        {"type": "policy_change", "time": "2026-11-22T11:00:00+00:00"},
+    ]  # fmt: skip
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = json.loads((policies / "broker" / "data.json").read_text())
+    data["images"] = {"models/llama": [DIGEST], "models/mistral": [DIGEST]}
+    (policies / "broker" / "data.json").write_text(json.dumps(data))
+    result = run("policy", "replay", "--log", str(log), "--policy", str(policies))
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    summary = lines[-1]["summary"]
+    assert summary == {
+        "decisions": 2, "unchanged": 0, "allow_to_deny": 1, "deny_to_allow": 1,
+        "reasons_changed": 0, "skipped": 1,
+    }  # fmt: skip
+    changed = {line["decision_id"]: line for line in lines[:-1]}
+    assert changed["d1"]["new"]["reasons"] == [
+        "models/mistral: needs a GPU in confidential-computing mode"
+    ]
+    since = run(
+        "policy", "replay", "--log", str(log), "--policy", str(policies),
+        "--since", "2026-11-21T00:00:00Z", "--key", "models/llama",
+    )  # fmt: skip
+    assert json.loads(since.stdout.splitlines()[-1])["summary"]["decisions"] == 1
+
+
+def test_build_signs_and_a_tampered_bundle_is_refused(tmp_path: Path) -> None:
+    policies = policy_copy(tmp_path)
+    key = ec.generate_private_key(ec.SECP256R1())
+    (tmp_path / "sign.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    (tmp_path / "verify.pem").write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    bundle = tmp_path / "bundle.tar.gz"
+    built = run(
+        "policy", "build", str(policies), "-o", str(bundle), "--signing-key",
+        str(tmp_path / "sign.pem"),
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    opa = find_opa()
+    loaded = load_bundle(bundle, opa=opa, verification_key=tmp_path / "verify.pem")
+    assert loaded.digest.startswith("sha256:")
+    other = ec.generate_private_key(ec.SECP256R1()).public_key()
+    (tmp_path / "other.pem").write_bytes(
+        other.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    try:
+        load_bundle(bundle, opa=opa, verification_key=tmp_path / "other.pem")
+    except PolicyLoadError as exc:
+        assert "signature does not verify" in exc.message  # noqa: PT017 - the message is the point
+    else:
+        raise AssertionError("a bundle signed by another key was accepted")
+    unsigned = tmp_path / "unsigned.tar.gz"
+    assert run("policy", "build", str(policies), "-o", str(unsigned)).returncode == 0
+    try:
+        load_bundle(unsigned, opa=opa, verification_key=tmp_path / "verify.pem")
+    except PolicyLoadError:
+        pass
+    else:
+        raise AssertionError("an unsigned bundle was accepted where a signature is required")
