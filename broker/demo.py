@@ -7,21 +7,26 @@
 4. Start the broker over TLS on 127.0.0.1 (a free port).
 5. A sealed runner with the allowed image gets the key through ``broker.client`` and decrypts
    the sample; a runner with another image is denied with the policy's reasons.
-6. Verify the decision log: the key's creation and both decisions, chain intact.
+6. The security team withdraws the allowed image with a per-key policy and reloads it through
+   the admin API (checked, tested, swapped); the same runner is now denied with the new reason.
+7. Verify the decision log: creation, allow, deny, the policy change, deny; chain intact.
 
 Returns True only if every step happened as expected.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
+import secrets
 import ssl
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 
 from broker.api.server import BrokerRunner
@@ -43,6 +48,10 @@ OTHER_DIGEST = "sha256:" + hashlib.sha256(b"tampered-runner:6.6").hexdigest()
 SAMPLE = b"layer.0.weight " + bytes(range(256)) * 4096  # ~1 MiB of pretend weights
 
 
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def utc_now() -> datetime:
     return datetime.now(UTC)
 
@@ -62,8 +71,14 @@ async def run_demo(workdir: Path | None) -> bool:
 
 async def _run(workdir: Path) -> bool:
     issuer = DevIssuer(dev_mode=True)
+    admin_token = secrets.token_urlsafe(24)  # the security team's, for the reload step
     config = write_dev_workspace(
-        workdir, issuer, audience=AUDIENCE, images={DEMO_KEY: [ALLOWED_DIGEST]}, now=utc_now()
+        workdir,
+        issuer,
+        audience=AUDIENCE,
+        images={DEMO_KEY: [ALLOWED_DIGEST]},
+        now=utc_now(),
+        extra_toml=f'[admin]\ntoken_sha256 = ["{_sha256(admin_token)}"]\n',
     )
     settings = load_settings(config, environ={})
     _say("setup", f"config {config} (TLS on loopback, development issuer {issuer.issuer})")
@@ -88,6 +103,10 @@ async def _run(workdir: Path) -> bool:
     try:
         async with BrokerClient(f"https://127.0.0.1:{port}", ssl_context=client_tls) as client:
             ok = await _runners(client, issuer, sealed.getvalue())
+            base = f"https://127.0.0.1:{port}"
+            ok = ok and await _policy_reload(
+                client, issuer, workdir=workdir, base=base, admin_token=admin_token, tls=client_tls
+            )
     finally:
         await runner.cleanup()
     return ok and _audit(settings.audit.log)
@@ -125,13 +144,70 @@ async def _runners(client: BrokerClient, issuer: DevIssuer, sealed: bytes) -> bo
     return False
 
 
+WITHDRAWN = f"""package broker.key_policies.demo_withdrawn
+
+import rego.v1
+
+applies_to := {{"{DEMO_KEY}"}}
+
+deny contains "image {ALLOWED_DIGEST[:19]}… was withdrawn by the security team" if {{
+\tinput.tee.workload.image_digest == "{ALLOWED_DIGEST}"
+}}
+"""
+
+
+async def _policy_reload(
+    client: BrokerClient,
+    issuer: DevIssuer,
+    *,
+    workdir: Path,
+    base: str,
+    admin_token: str,
+    tls: ssl.SSLContext,
+) -> bool:
+    """The security team withdraws the allowed image with a per-key policy and reloads."""
+    module = workdir / "policies" / "broker" / "key_policies" / "demo_withdrawn.rego"
+    await asyncio.to_thread(module.parent.mkdir, parents=True, exist_ok=True)
+    await asyncio.to_thread(module.write_text, WITHDRAWN, encoding="utf-8")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{base}/v1/admin/policy/reload",
+            headers={"Authorization": f"Bearer {admin_token}"},
+            ssl=tls,
+        ) as response,
+    ):
+        body = await response.json()
+    if response.status != 200 or not body.get("changed"):
+        _say("policy", f"FAILED: the reload did not take effect: {response.status} {body}")
+        return False
+    _say(
+        "policy",
+        f"security team withdrew the image and reloaded: {body['previous_digest'][:19]}… -> "
+        f"{body['active_digest'][:19]}…",
+    )
+    good = DevTokenSource(issuer, Workload(image_digest=ALLOWED_DIGEST), utc_now)
+    try:
+        await client.release(DEMO_KEY, good)
+    except BrokerClientError as exc:
+        if exc.code == "policy_denied":
+            _say("runner", f"the formerly allowed image is now denied: {exc.details['reasons']}")
+            return True
+        _say("runner", f"FAILED: refused with {exc}, not a policy deny")
+        return False
+    _say("runner", "FAILED: the withdrawn image still received the key")
+    return False
+
+
 def _audit(log_path: Path) -> bool:
     report = verify_file(log_path)
     lines = log_path.read_text(encoding="utf-8").splitlines()
     records = [json.loads(line) for line in lines]
     results = [record.get("result") or record.get("action") for record in records]
-    if results != ["create", "allow", "deny"]:
-        _say("audit", f"FAILED: expected create, allow, deny; found {results}")
+    results = [r or record.get("type") for r, record in zip(results, records, strict=True)]
+    expected = ["create", "allow", "deny", "policy_change", "deny"]
+    if results != expected:
+        _say("audit", f"FAILED: expected {', '.join(expected)}; found {results}")
         return False
     _say(
         "audit",
