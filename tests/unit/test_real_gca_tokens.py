@@ -129,3 +129,45 @@ def test_pki_token_refused_by_oidc_issuer_entry() -> None:
             now=datetime(2025, 4, 23, tzinfo=UTC),
         )
     assert caught.value.code is ErrorCode.TOKEN_HEADER_FORBIDDEN
+
+
+def test_real_token_workload_fields_reach_the_policy_input() -> None:
+    from broker.attestation.claims import gca_tee  # noqa: PLC0415
+
+    sample = SAMPLES["samples"][0]
+    tee = gca_tee(verify(sample, at_issue(sample)))
+    workload, platform = tee["workload"], tee["platform"]
+    assert workload["args"] == ["/app/cs-attestation-sample"]
+    assert workload["env"]["HOSTNAME"] == "cs-attestation-vm"
+    assert workload["env_override"] == {
+        "ATTESTATION_AUDIENCE": "https://synddb-sequencer.example.com",
+        "OUTPUT_BUCKET": "synd-db-testing-cs-attestation-samples",
+    }
+    assert workload["restart_policy"] == "Never"
+    assert workload["signatures"] == []  # this image was not cosign-signed
+    assert (platform["project_id"], platform["zone"]) == ("synd-db-testing", "us-central1-a")
+    assert tee["debug"] is True  # a debug Confidential Space image ...
+    assert tee["software"]["support"] == []  # ... carries no support attributes
+
+
+def test_cosign_signatures_are_normalised_without_their_bytes() -> None:
+    from broker.attestation.claims import gca_tee  # noqa: PLC0415
+
+    signatures = [
+        {"key_id": "projects/p/locations/global/keyRings/r/cryptoKeys/k/cryptoKeyVersions/1",
+         "signature": "MEUCIQ…", "signature_algorithm": "ECDSA_P256_SHA256"},
+        {"key_id": 7, "signature_algorithm": None},
+        "not an object",
+    ]  # fmt: skip
+    token = VerifiedGcaToken(
+        "https://confidentialcomputing.googleapis.com",
+        "kid",
+        {"submods": {"container": {"image_signatures": signatures}}},
+    )
+    assert gca_tee(token)["workload"]["signatures"] == [
+        {
+            "key_id": "projects/p/locations/global/keyRings/r/cryptoKeys/k/cryptoKeyVersions/1",
+            "algorithm": "ECDSA_P256_SHA256",
+        },
+        {"key_id": "", "algorithm": ""},
+    ]
