@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.policy.build import load_bundle
 from broker.policy.testing import find_opa
 from broker.policy.wasm import PolicyLoadError
-from tests.integration.test_cli import ROOT, run
+from tests.integration.test_cli import run
+from tests.policy_helpers import EXAMPLE, signing_pair
+from tests.policy_helpers import policy_copy as copy_policy
 
-SHIPPED = ROOT / "policies"
-EXAMPLE = ROOT / "docs" / "examples" / "per-key-policy"
 DIGEST = "sha256:" + "ab" * 32
 
 
 def policy_copy(tmp_path: Path, *, example: bool = False) -> Path:
-    target = tmp_path / "policies"
-    shutil.copytree(SHIPPED, target)
-    if example:
-        shutil.copytree(EXAMPLE, target, dirs_exist_ok=True)
-    return target
+    return copy_policy(tmp_path / "policies", extra=EXAMPLE if example else None)
 
 
 def good_input(key: str = "models/llama") -> dict[str, object]:
@@ -150,19 +142,7 @@ def test_replay_reports_changed_decisions(tmp_path: Path) -> None:
 
 def test_build_signs_and_a_tampered_bundle_is_refused(tmp_path: Path) -> None:
     policies = policy_copy(tmp_path)
-    key = ec.generate_private_key(ec.SECP256R1())
-    (tmp_path / "sign.pem").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    (tmp_path / "verify.pem").write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    signing_pair(tmp_path)
     bundle = tmp_path / "bundle.tar.gz"
     built = run(
         "policy", "build", str(policies), "-o", str(bundle), "--signing-key",
@@ -172,14 +152,10 @@ def test_build_signs_and_a_tampered_bundle_is_refused(tmp_path: Path) -> None:
     opa = find_opa()
     loaded = load_bundle(bundle, opa=opa, verification_key=tmp_path / "verify.pem")
     assert loaded.digest.startswith("sha256:")
-    other = ec.generate_private_key(ec.SECP256R1()).public_key()
-    (tmp_path / "other.pem").write_bytes(
-        other.public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    (tmp_path / "other").mkdir()
+    _, other = signing_pair(tmp_path / "other")
     try:
-        load_bundle(bundle, opa=opa, verification_key=tmp_path / "other.pem")
+        load_bundle(bundle, opa=opa, verification_key=other)
     except PolicyLoadError as exc:
         assert "signature does not verify" in exc.message  # noqa: PT017 - the message is the point
     else:

@@ -13,7 +13,6 @@ import asyncio
 import copy
 import json
 import random
-import shutil
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -28,10 +27,8 @@ from broker.policy.build import compile_policy_dir
 from broker.policy.opa_server import OpaServerEngine
 from broker.policy.testing import find_opa
 from broker.policy.wasm import WasmPolicyEngine
+from tests.policy_helpers import EXAMPLE, policy_copy
 
-ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ROOT / "policies"
-EXAMPLE = ROOT / "docs" / "examples" / "per-key-policy"
 DIGEST = "sha256:" + "ab" * 32
 GENERATED_INPUTS = 600  # random inputs, after one per field x wrong value (841)
 ODD_STRINGS = [
@@ -195,21 +192,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _policy_copy(source: Path, target: Path, extra: Path | None = None) -> Path:
-    shutil.copytree(source, target)
-    data_path = target / "broker" / "data.json"
-    data = json.loads(data_path.read_text())
-    data["images"] = {"models/llama": [DIGEST], "models/mistral": [DIGEST]}
-    data["gpu_keys"] = {"models/llama": {"min_gpus": 1, "min_driver": "550.54"}}
-    data_path.write_text(json.dumps(data))
-    if extra is not None:
-        shutil.copytree(extra, target, dirs_exist_ok=True)
-    return target
+def _policy_copy(target: Path, extra: Path | None = None) -> Path:
+    return policy_copy(
+        target,
+        extra=extra,
+        images={"models/llama": [DIGEST], "models/mistral": [DIGEST]},
+        gpu_keys={"models/llama": {"min_gpus": 1, "min_driver": "550.54"}},
+    )
 
 
 @pytest.fixture
 async def engines(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
-    policy = await asyncio.to_thread(_policy_copy, SHIPPED, tmp_path / "policy", request.param)
+    policy = await asyncio.to_thread(_policy_copy, tmp_path / "policy", request.param)
     opa = await asyncio.to_thread(find_opa)
     wasm = WasmPolicyEngine(await asyncio.to_thread(compile_policy_dir, policy, opa=opa))
     port = _free_port()

@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 
 from broker.client import BrokerClientError
 from broker.policy.build import build_bundle
 from broker.policy.testing import find_opa
 from tests.integration.conftest import KEY, RunningBroker
+from tests.policy_helpers import signing_pair
 
 
 def _free_port() -> int:
@@ -103,19 +102,7 @@ async def test_opa_server_gone_is_503_never_an_allow(
 
 
 async def test_signed_bundle_as_the_policy(start_broker: Any, tmp_path: Path) -> None:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    (tmp_path / "sign.pem").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    (tmp_path / "verify.pem").write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    signing_pair(tmp_path, "rsa")
     bundle = tmp_path / "bundle.tar.gz"
 
     def build(workdir: Path) -> None:
