@@ -33,7 +33,9 @@ from broker.attestation.nvidia.sources import (
 )
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
+from broker.audit.checkpoint import NoteSigner
 from broker.audit.log import DecisionLog
+from broker.audit.publisher import CheckpointPublisher
 from broker.config import Settings
 from broker.errors import ConfigError
 from broker.keys.factory import open_key_service
@@ -98,12 +100,27 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             "keys": settings.keys.store.split(":", 1)[0],
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
         }
+        background = [asyncio.create_task(policies.watch(), name="policy-watch")]
+        if settings.audit.signing_key is not None:
+            signer = await asyncio.to_thread(
+                NoteSigner.from_pem, settings.audit.origin, settings.audit.signing_key
+            )
+            publisher = CheckpointPublisher(
+                audit, signer, interval=settings.audit.checkpoint_seconds
+            )
+            await publisher.publish()
+            state.checkpoints = publisher
+            background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
+        state.checks["checkpoints"] = "signed" if state.checkpoints else "off (no signing_key)"
         log.info("broker ready: %s", state.checks)
-        watcher = asyncio.create_task(policies.watch(), name="policy-watch")
         try:
             yield
         finally:
-            watcher.cancel()
+            for task in background:
+                task.cancel()
+            if state.checkpoints is not None:
+                await state.checkpoints.publish()  # the last records are covered too
+                state.checkpoints = None
             state.release = None
             state.policies = None
 

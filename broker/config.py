@@ -139,6 +139,9 @@ class KeySettings:
 @dataclass(frozen=True)
 class AuditSettings:
     log: Path = Path("/var/lib/broker/decisions.log")
+    origin: str = "broker.invalid/decisions"  # checkpoints' origin line and note key name
+    signing_key: Path | None = None  # Ed25519 PEM; unset: no checkpoints (docs/audit.md)
+    checkpoint_seconds: float = 1.0  # a new checkpoint at most this often, after new records
     # JSON pointers into the policy input replaced by their SHA-256 in records (broker.audit.mask)
     mask: tuple[str, ...] = ()
 

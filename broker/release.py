@@ -69,6 +69,7 @@ class ReleasedKey:
     wrapped_key: str
     wrap: str = "jwe"
     algorithm: str = "AES-256"
+    log_index: int = -1  # the decision record's leaf index
 
 
 RELEASE_FIELDS = ("key", "nonce", "evidence", "runner_key")
@@ -176,12 +177,15 @@ class ReleaseService:
         except Exception:  # a bug: recorded, nothing released, details only in the server log
             log.exception("release %s: unexpected failure", outcome.decision_id)
             outcome.error = InternalFailure("internal error")
-        await self._audit.append(self._safe_record(outcome, now=now, request_id=request_id))
+        appended = await self._audit.append_entry(
+            self._safe_record(outcome, now=now, request_id=request_id)
+        )
         result = _result(outcome)
         code = outcome.error.code.value if outcome.error else "ok"
         self._metrics.decisions.labels(result, code).inc()
         self._metrics.release_latency.labels(result).observe(time.perf_counter() - started)
         if outcome.error is not None:
+            outcome.error.details["log_index"] = appended.index  # ask for its inclusion proof
             raise outcome.error
         if wrapped is None or outcome.record is None or outcome.request is None:
             raise RuntimeError("release finished without a wrapped key or a key record")
@@ -192,6 +196,7 @@ class ReleaseService:
             wrapped_key=wrapped,
             wrap=outcome.request.wrap,
             algorithm=outcome.record.algorithm.value,
+            log_index=appended.index,
         )
 
     async def _decide(self, outcome: _Outcome, request: ReleaseRequest, now: datetime) -> str:

@@ -69,6 +69,7 @@ SCHEMAS: dict[str, Any] = {
                     "checks": {"type": "object"},
                     "problem": {"type": ["string", "null"]},
                     "active_digest": {"type": "string"},
+                    "log_index": {"type": "integer", "minimum": 0},
                 },
             }
         },
@@ -115,8 +116,9 @@ SCHEMAS: dict[str, Any] = {
             "wrapped_key": {"type": "string"},
             "wrap": {"type": "string", "enum": list(WRAP_MODES)},
             "algorithm": {"type": "string"},
+            "log_index": {"type": "integer", "minimum": 0},
         },
-        ["key", "version", "decision_id", "wrapped_key", "wrap", "algorithm"],
+        ["key", "version", "decision_id", "wrapped_key", "wrap", "algorithm", "log_index"],
     ),
     "KeyVersion": _object(
         {
@@ -173,6 +175,18 @@ SCHEMAS: dict[str, Any] = {
         },
         ["ok", "trigger", "time", "active_digest", "previous_digest", "changed", "problem"],
     ),
+    "Proof": {
+        "type": "object",
+        "required": ["hashes"],
+        "properties": {
+            "index": {"type": "integer"},
+            "tree_size": {"type": "integer"},
+            "first": {"type": "integer"},
+            "second": {"type": "integer"},
+            "hashes": {"type": "array", "items": {"type": "string"}},
+        },
+        "additionalProperties": False,
+    },
     "Health": _object({"status": {"type": "string", "const": "ok"}}, ["status"]),
     "Ready": _object(
         {
@@ -327,6 +341,86 @@ def openapi_document() -> dict[str, Any]:
                     "tags": ["admin"],
                     "security": [{"bearer": []}],
                     "requestBody": _body(_object({}, []), required=False),
+                }
+            },
+            "/v1/log/checkpoint": {
+                "get": {
+                    "summary": "the latest signed checkpoint (C2SP signed note)",
+                    "tags": ["audit"],
+                    "security": [{"bearer": []}],
+                    "responses": {
+                        "200": {
+                            "description": "a signed note",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
+                        **_errors(401, 404),
+                    },
+                }
+            },
+            "/v1/log/entries": {
+                "get": {
+                    "summary": "records [start, end) as JSON lines (at most 1000)",
+                    "tags": ["audit"],
+                    "security": [{"bearer": []}],
+                    "parameters": [
+                        {
+                            "name": "start",
+                            "in": "query",
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                        {"name": "end", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "JSON lines, exactly as stored",
+                            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+                        },
+                        **_errors(400, 401),
+                    },
+                }
+            },
+            "/v1/log/proof/inclusion": {
+                "get": {
+                    "summary": "inclusion proof (RFC 9162 2.1.3)",
+                    "tags": ["audit"],
+                    "security": [{"bearer": []}],
+                    "parameters": [
+                        {
+                            "name": "index",
+                            "in": "query",
+                            "required": True,
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                        {
+                            "name": "tree_size",
+                            "in": "query",
+                            "required": True,
+                            "schema": {"type": "integer", "minimum": 1},
+                        },
+                    ],
+                    "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 401)},
+                }
+            },
+            "/v1/log/proof/consistency": {
+                "get": {
+                    "summary": "consistency proof (RFC 9162 2.1.4)",
+                    "tags": ["audit"],
+                    "security": [{"bearer": []}],
+                    "parameters": [
+                        {
+                            "name": "first",
+                            "in": "query",
+                            "required": True,
+                            "schema": {"type": "integer", "minimum": 1},
+                        },
+                        {
+                            "name": "second",
+                            "in": "query",
+                            "required": True,
+                            "schema": {"type": "integer", "minimum": 1},
+                        },
+                    ],
+                    "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 401)},
                 }
             },
             "/v1/admin/keys/destroy": {

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from aiohttp import web
 
-from broker.api import admin, health, query, runner
+from broker.api import admin, health, log, query, runner
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -58,6 +58,10 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/admin/keys/enable", admin.enable_version, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/keys/destroy", admin.destroy_version, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/policy/reload", admin.reload_policy, Permission.POLICY_ADMIN),
+    Route("GET", "/v1/log/checkpoint", log.checkpoint, Permission.AUDITOR),
+    Route("GET", "/v1/log/entries", log.entries, Permission.AUDITOR),
+    Route("GET", "/v1/log/proof/inclusion", log.inclusion, Permission.AUDITOR),
+    Route("GET", "/v1/log/proof/consistency", log.consistency, Permission.AUDITOR),
 )
 
 

@@ -45,6 +45,7 @@ async def release(request: web.Request) -> web.Response:
             "wrapped_key": released.wrapped_key,
             "wrap": released.wrap,
             "algorithm": released.algorithm,
+            "log_index": released.log_index,
         }
     )
 

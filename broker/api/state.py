@@ -9,6 +9,7 @@ from datetime import datetime
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from broker.audit.publisher import CheckpointPublisher
 from broker.config import Settings
 from broker.nonces import NonceStore
 from broker.policy.manager import PolicyManager
@@ -28,6 +29,7 @@ class BrokerState:
     checks: dict[str, str] = field(default_factory=dict)
     statement_signer: ec.EllipticCurvePrivateKey | None = None
     policies: PolicyManager | None = None
+    checkpoints: CheckpointPublisher | None = None
 
     @property
     def ready(self) -> bool:

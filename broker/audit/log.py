@@ -1,11 +1,13 @@
-"""Hash-chained, durable decision log (JSON lines).
+"""Hash-chained, durable decision log (JSON lines), the leaves of a Merkle tree.
 
-Each line is one record: canonical JSON (sorted keys, no spaces, UTF-8) with ``seq`` (0, 1, …),
-``prev`` (the previous record's ``hash``; 64 zeros for the first) and ``hash`` =
-SHA-256 over the canonical JSON of the record without ``hash``. Changing, removing or reordering
-a record breaks the chain at that point; a final line without its newline is a truncated write.
-Removing records from the end leaves a shorter valid chain: compare with a head you trust
-(``broker audit verify --head``); signed Merkle checkpoints will close that gap.
+Each line is one record: canonical JSON (sorted keys, no spaces, UTF-8) with ``index`` and
+``seq`` (both 0, 1, …: ``index`` is the record's leaf index in the Merkle tree), ``prev`` (the
+previous record's ``hash``; 64 zeros for the first) and ``hash`` = SHA-256 over the canonical
+JSON of the record without ``hash``. Line *i*, exactly as stored without its newline, is leaf
+*i* of an RFC 6962 tree (``merkle.py``) whose signed checkpoints (``checkpoint.py``) commit to
+the whole log: truncation, rewrites with a recomputed chain and reordering are detected against
+any checkpoint an auditor holds. The chain stays as a cheap local check that names the first
+changed record without a checkpoint.
 
 Appends are group-committed: records arriving while a write is in flight share the next
 ``write`` + ``fsync``. ``append`` returns only after the record is on disk; if writing fails,
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from broker.audit.merkle import MerkleTree
 from broker.errors import ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -192,6 +195,7 @@ def repair_torn_tail(path: Path, *, now: str) -> RepairReport | None:
         "time": now,
         "removed_bytes": len(fragment),
         "removed_sha256": hashlib.sha256(fragment).hexdigest(),
+        "index": report.head.size,
         "seq": report.head.size,
         "prev": report.head.hash,
     }
@@ -223,20 +227,68 @@ def _last_line_window(path: Path) -> bytes:
             window *= 4
 
 
+@dataclass(frozen=True)
+class Appended:
+    index: int  # the record's leaf index in the Merkle tree
+    hash: str  # the record's chain hash
+
+
 class DecisionLog:
-    """Append-only, group-committed, fsync'd decision log."""
+    """Append-only, group-committed, fsync'd decision log, with its Merkle tree in memory."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
         self._fd: int | None = None
         self._head = ChainHead(size=0, hash=GENESIS)
-        self._pending: list[tuple[dict[str, Any], asyncio.Future[str]]] = []
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[Appended]]] = []
         self._writer: asyncio.Task[None] | None = None
         self._broken = False
+        self.tree = MerkleTree()
+        self._tree_offset = 0  # bytes of the file already hashed into the tree
+        self._committed = 0  # tree size readers may use (every level of it is complete)
+        self._offsets: list[int] = []  # byte offset of each record's line
 
     @property
     def head(self) -> ChainHead:
         return self._head
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def committed_size(self) -> int:
+        """Records durably written and hashed into the tree (proofs use at most this)."""
+        return self._committed
+
+    def _catch_up(self) -> None:
+        """Hash into the tree every complete line written since (by us or other writers)."""
+        if not self._path.is_file():
+            return
+        with self._path.open("rb") as handle:
+            handle.seek(self._tree_offset)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1
+        offset = self._tree_offset
+        for line in data[:end].split(b"\n")[:-1]:
+            self._offsets.append(offset)
+            self.tree.append(line)
+            offset += len(line) + 1
+        self._tree_offset += end
+        self._committed = self.tree.size
+
+    def read_lines(self, start: int, end: int) -> list[bytes]:
+        """Records ``[start, end)`` exactly as stored (without newlines). Blocking: a thread."""
+        if not 0 <= start <= end <= self._committed:
+            raise ValueError(f"entries {start}..{end} are not in 0..{self._committed}")
+        if start == end:
+            return []
+        first = self._offsets[start]
+        last = self._offsets[end] if end < len(self._offsets) else self._tree_offset
+        with self._path.open("rb") as handle:
+            handle.seek(first)
+            data = handle.read(last - first)
+        return data.split(b"\n")[:-1]
 
     async def open(self) -> None:
         """Recover the chain head and open the file for appending.
@@ -245,6 +297,9 @@ class DecisionLog:
             LogCorrupt: when the log's last record is damaged (the broker refuses to start).
         """
         self._head = await asyncio.to_thread(read_head, self._path)
+        await asyncio.to_thread(self._catch_up)
+        if self.tree.size != self._head.size:
+            raise LogCorrupt(self.tree.size + 1, "the tree and the chain disagree on the size")
         self._fd = await asyncio.to_thread(self._open_fd)
 
     def _open_fd(self) -> int:
@@ -265,14 +320,22 @@ class DecisionLog:
             self._fd = None
 
     async def append(self, entry: Mapping[str, Any]) -> str:
-        """Append a record durably and return its hash.
+        """Append a record durably and return its hash (``append_entry`` for its index too).
+
+        Raises:
+            UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
+        """
+        return (await self.append_entry(entry)).hash
+
+    async def append_entry(self, entry: Mapping[str, Any]) -> Appended:
+        """Append a record durably; its leaf index and hash.
 
         Raises:
             UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
         """
         if self._broken or self._fd is None:
             raise _unavailable()
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
         self._pending.append((dict(entry), future))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._drain())
@@ -282,7 +345,7 @@ class DecisionLog:
         while self._pending:
             batch, self._pending = self._pending, []
             try:
-                head, hashes = await asyncio.to_thread(
+                head, appended = await asyncio.to_thread(
                     self._seal_and_write, [entry for entry, _ in batch]
                 )
             except (OSError, LogCorrupt) as exc:
@@ -294,31 +357,43 @@ class DecisionLog:
                 self._pending = []
                 return
             self._head = head
-            for (_, future), digest in zip(batch, hashes, strict=True):
+            for (_, future), result in zip(batch, appended, strict=True):
                 if not future.done():
-                    future.set_result(digest)
+                    future.set_result(result)
 
-    def _seal_and_write(self, entries: list[dict[str, Any]]) -> tuple[ChainHead, list[str]]:
-        """Under an exclusive lock: read the head, chain the batch to it, write, fsync."""
+    def _seal_and_write(self, entries: list[dict[str, Any]]) -> tuple[ChainHead, list[Appended]]:
+        """Under an exclusive lock: catch up with other writers, chain the batch to the head,
+        write, fsync, and hash the new lines into the tree."""
         if self._fd is None:
             raise OSError("decision log is closed")
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             head = read_head(self._path) if self._path.is_file() else self._head
+            self._catch_up()
+            if self.tree.size != head.size:
+                raise LogCorrupt(head.size, "the tree and the chain disagree on the size")
             lines: list[bytes] = []
-            hashes: list[str] = []
+            appended: list[Appended] = []
             for entry in entries:
-                record = {**entry, "seq": head.size, "prev": head.hash}
+                record = {**entry, "index": head.size, "seq": head.size, "prev": head.hash}
                 record["hash"] = record_hash(record)
-                lines.append(canonical(record) + b"\n")
-                hashes.append(record["hash"])
+                lines.append(canonical(record))
+                appended.append(Appended(index=head.size, hash=record["hash"]))
                 head = ChainHead(size=head.size + 1, hash=record["hash"])
-            view = memoryview(b"".join(lines))
+            data = b"".join(line + b"\n" for line in lines)
+            view = memoryview(data)
             while view:
                 written = os.write(self._fd, view)
                 view = view[written:]
             os.fsync(self._fd)
-            return head, hashes
+            offset = self._tree_offset
+            for line in lines:
+                self._offsets.append(offset)
+                self.tree.append(line)
+                offset += len(line) + 1
+            self._tree_offset += len(data)
+            self._committed = self.tree.size
+            return head, appended
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 

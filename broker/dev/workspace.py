@@ -11,6 +11,9 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
 from broker.dev.issuer import DevIssuer
 from broker.dev.tls import make_dev_tls
 
@@ -56,6 +59,7 @@ def write_dev_workspace(
     (policies / "data.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
     server = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (server_extra or {}).items())
     trust = f'jwks_url = "{jwks_url}"' if jwks_url else 'jwks_file = "jwks.json"'
+    _log_signing_key(workdir / "log-ed25519.pem")
     config = workdir / "broker.toml"
     config.write_text(
         f"""# a development workspace (broker.dev.workspace)
@@ -79,8 +83,26 @@ kek = "local:{workdir / "kek.key"}"
 
 [audit]
 log = "decisions.log"
+origin = "broker.dev.invalid/decisions"
+signing_key = "log-ed25519.pem"
+checkpoint_seconds = 0.2
 {extra_toml}
 """,
         encoding="utf-8",
     )
     return config
+
+
+def _log_signing_key(path: Path) -> None:
+    """The Ed25519 key that signs the workspace's decision-log checkpoints (kept if present)."""
+    if path.exists():
+        return
+    key = ed25519.Ed25519PrivateKey.generate()
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    path.chmod(0o600)
