@@ -13,16 +13,14 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
 from aiohttp import web
 
-from broker import cli_keys, cli_policy, offline
+from broker import cli_audit, cli_keys, cli_policy, offline
 from broker.api.server import BrokerRunner
 from broker.api.state import STATE
 from broker.app import create_app, server_ssl_context
-from broker.audit.log import LogCorrupt, repair_torn_tail, verify_file
 from broker.config import Settings, load_settings
 from broker.errors import BrokerError, ConfigError, InputError
 
@@ -71,15 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     audit = commands.add_parser("audit", help="review the decision log").add_subparsers(
         required=True, metavar="ACTION"
     )
-    verify = audit.add_parser("verify", help="verify a decision log's hash chain")
-    verify.add_argument("path", type=Path)
-    verify.add_argument("--head", help="a record hash known from earlier that must be present")
-    verify.set_defaults(run=_audit_verify)
-    repair = audit.add_parser(
-        "repair", help="cut a torn final record left by a crash, and log that it was cut"
-    )
-    repair.add_argument("path", type=Path)
-    repair.set_defaults(run=_audit_repair)
+    cli_audit.add_commands(audit)
 
     verify = commands.add_parser(
         "verify", help="verify one piece of evidence offline and print the policy-input fragment"
@@ -141,44 +131,6 @@ def _demo(args: argparse.Namespace) -> int:
     from broker.demo import run_demo  # noqa: PLC0415 - the dev issuer loads only on this path
 
     return 0 if asyncio.run(run_demo(args.workdir)) else EXIT_NO
-
-
-def _audit_verify(args: argparse.Namespace) -> int:
-    try:
-        report = verify_file(args.path, expected_head=args.head)
-    except OSError as exc:
-        print(f"error: cannot read {args.path}: {exc.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    except LogCorrupt as exc:
-        print(json.dumps({"ok": False, "first_bad_record": exc.line, "problem": exc.problem}))
-        return EXIT_NO
-    print(json.dumps({"ok": True, "records": report.head.size, "head": report.head.hash}))
-    return 0
-
-
-def _audit_repair(args: argparse.Namespace) -> int:
-    try:
-        report = repair_torn_tail(args.path, now=datetime.now(UTC).isoformat())
-    except OSError as exc:
-        print(f"error: cannot repair {args.path}: {exc.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    except LogCorrupt as exc:
-        print(json.dumps({"repaired": False, "first_bad_record": exc.line, "problem": exc.problem}))
-        return EXIT_NO
-    if report is None:
-        print(json.dumps({"repaired": False, "problem": None}))
-        return 0
-    print(
-        json.dumps(
-            {
-                "repaired": True,
-                "removed_bytes": report.removed_bytes,
-                "removed_sha256": report.removed_sha256,
-                "records": report.head.size,
-            }
-        )
-    )
-    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:

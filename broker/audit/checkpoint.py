@@ -105,7 +105,7 @@ class NoteVerifier:
         Raises:
             NoteError: not such a key, or its hash does not match its name and key.
         """
-        parts = text.strip().split("+")
+        parts = text.strip().split("+", 2)  # the base64 key may contain "+" itself
         if len(parts) != 3:
             raise NoteError("a verifier key is <name>+<hash>+<key>")
         name, digest, encoded = parts

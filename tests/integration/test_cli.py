@@ -146,7 +146,7 @@ def test_audit_verify_exit_codes(tmp_path: Path) -> None:
     path.write_text(lines[0] + lines[2])
     bad = run("audit", "verify", str(path))
     assert bad.returncode == 1
-    assert json.loads(bad.stdout)["first_bad_record"] == 2
+    assert json.loads(bad.stdout)["first_bad_index"] == 1  # the second record (0-based)
     assert run("audit", "verify", str(tmp_path / "missing.log")).returncode == 2
 
 

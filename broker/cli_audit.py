@@ -1,0 +1,308 @@
+"""``broker audit …``: what an auditor runs. Exit 0: the answer is yes / the command did its job;
+1: the log or proof does not verify; 2: bad usage or unreadable input."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from broker.audit.checkpoint import NoteError, NoteSigner, NoteVerifier, parse_checkpoint
+from broker.audit.log import LogCorrupt, repair_torn_tail, verify_bytes
+from broker.audit.merkle import MerkleTree, leaf_hash, verify_inclusion
+from broker.audit.publisher import checkpoint_paths
+from broker.config import load_settings
+from broker.errors import ConfigError
+from broker.jsonsafe import loads_bounded
+
+EXIT_NO = 1
+EXIT_USAGE = 2
+OCSF_API_ACTIVITY = 6003  # OCSF "API Activity" (Application Activity category)
+
+
+def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    key = audit.add_parser("key", help="print the note verifier key auditors pin")
+    key.add_argument("--config", type=Path, required=True)
+    key.set_defaults(run=_key)
+    verify = audit.add_parser("verify", help="recompute the tree; check a signed checkpoint")
+    verify.add_argument("logs", type=Path, nargs="+", metavar="LOG", help="segments, in order")
+    verify.add_argument("--checkpoint", type=Path, help="a signed checkpoint (note) to check")
+    verify.add_argument("--key", help="the verifier key (<name>+<hash>+<key>)")
+    verify.add_argument("--head", help="a record hash known from earlier that must be present")
+    verify.set_defaults(run=_verify)
+    repair = audit.add_parser("repair", help="cut a torn final record left by a crash")
+    repair.add_argument("path", type=Path)
+    repair.set_defaults(run=_repair)
+    prove = audit.add_parser("prove", help="a self-contained inclusion proof bundle")
+    prove.add_argument("record", metavar="DECISION_ID|INDEX")
+    prove.add_argument("--log", type=Path, required=True)
+    prove.add_argument("--checkpoint", type=Path, help="default: <log>.checkpoint")
+    prove.set_defaults(run=_prove)
+    check = audit.add_parser("check-proof", help="verify a proof bundle offline")
+    check.add_argument("bundle", type=Path)
+    check.add_argument("--key", required=True, help="the verifier key")
+    check.set_defaults(run=_check_proof)
+    query = audit.add_parser("query", help="the common questions, as JSON lines or a table")
+    query.add_argument("logs", type=Path, nargs="+", metavar="LOG")
+    for name in ("key", "result", "since", "until", "image", "project", "code"):
+        query.add_argument(f"--{name}")
+    query.add_argument("--table", action="store_true")
+    query.set_defaults(run=_query)
+    export = audit.add_parser("export", help="records for a SIEM: OCSF events or JSON lines")
+    export.add_argument("log", type=Path)
+    export.add_argument("--format", choices=["ocsf", "jsonl"], default="ocsf")
+    export.add_argument("--since")
+    export.set_defaults(run=_export)
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(what, f"cannot read {path}") from exc
+
+
+def _key(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    if settings.audit.signing_key is None:
+        raise ConfigError("audit.signing_key", "is not set: this broker signs no checkpoints")
+    print(NoteSigner.from_pem(settings.audit.origin, settings.audit.signing_key).verifier_key())
+    return 0
+
+
+def _lines(data: bytes) -> list[bytes]:
+    if data and not data.endswith(b"\n"):
+        raise LogCorrupt(data.count(b"\n") + 1, "truncated mid-record (no final newline)")
+    return data.split(b"\n")[:-1] if data else []
+
+
+def _tree(lines: list[bytes]) -> MerkleTree:
+    tree = MerkleTree()
+    for line in lines:
+        tree.append(line)
+    return tree
+
+
+def _verify(args: argparse.Namespace) -> int:
+    data = b"".join(_read(path, "LOG") for path in args.logs)
+    report: dict[str, Any] = {"ok": True}
+    try:
+        lines = _lines(data)
+        tree = _tree(lines)
+        report |= {"records": tree.size, "root": base64.b64encode(tree.root()).decode()}
+        if args.checkpoint is None:  # no checkpoint: the chain names the first changed record
+            head = verify_bytes(data, expected_head=args.head).head
+            report["head"] = head.hash
+        else:
+            report |= _against_checkpoint(args, tree)
+    except LogCorrupt as exc:
+        report = {"ok": False, "first_bad_index": exc.line - 1, "problem": exc.problem}
+    print(json.dumps(report))
+    return 0 if report["ok"] else EXIT_NO
+
+
+def _against_checkpoint(args: argparse.Namespace, tree: MerkleTree) -> dict[str, Any]:
+    if args.key is None:
+        raise ConfigError("--key", "checking a checkpoint needs the verifier key")
+    try:
+        verifier = NoteVerifier.parse(args.key)
+        checkpoint = parse_checkpoint(
+            verifier.open(_read(args.checkpoint, "--checkpoint").decode()), origin=verifier.name
+        )
+    except NoteError as exc:
+        raise LogCorrupt(1, f"the checkpoint does not verify: {exc}") from exc
+    if checkpoint.size > tree.size:
+        raise LogCorrupt(
+            tree.size + 1,
+            f"log truncated: the checkpoint covers {checkpoint.size} records, the log has "
+            f"{tree.size}",
+        )
+    if tree.root(checkpoint.size) != checkpoint.root:
+        good = _last_good_size(args.logs[0], verifier, tree, below=checkpoint.size)
+        raise LogCorrupt(
+            good + 1,
+            f"records below {checkpoint.size} were changed, removed or reordered: the log's "
+            f"root differs from the checkpoint's (intact through {good} records)",
+        )
+    return {"checkpoint_size": checkpoint.size}
+
+
+def _last_good_size(log: Path, verifier: NoteVerifier, tree: MerkleTree, *, below: int) -> int:
+    """The largest size of a verified historical checkpoint the log still matches."""
+    _, history = checkpoint_paths(log)
+    good = 0
+    if not history.is_file():
+        return good
+    for line in history.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+            checkpoint = parse_checkpoint(verifier.open(entry["note"]), origin=verifier.name)
+        except (ValueError, KeyError, NoteError):
+            continue
+        in_range = good < checkpoint.size < below and checkpoint.size <= tree.size
+        if in_range and tree.root(checkpoint.size) == checkpoint.root:
+            good = checkpoint.size
+    return good
+
+
+def _repair(args: argparse.Namespace) -> int:
+    try:
+        report = repair_torn_tail(args.path, now=datetime.now(UTC).isoformat())
+    except OSError as exc:
+        print(f"error: cannot repair {args.path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except LogCorrupt as exc:
+        print(json.dumps({"repaired": False, "first_bad_record": exc.line, "problem": exc.problem}))
+        return EXIT_NO
+    if report is None:
+        print(json.dumps({"repaired": False, "problem": None}))
+        return 0
+    result = {
+        "repaired": True,
+        "removed_bytes": report.removed_bytes,
+        "removed_sha256": report.removed_sha256,
+        "records": report.head.size,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def _prove(args: argparse.Namespace) -> int:
+    lines = _lines(_read(args.log, "--log"))
+    note_path = args.checkpoint or checkpoint_paths(args.log)[0]
+    note = _read(note_path, "--checkpoint").decode()
+    body = note[: note.rfind("\n\n") + 1]
+    checkpoint = parse_checkpoint(body)
+    index = _find(lines, args.record, limit=checkpoint.size)
+    tree = _tree(lines[: checkpoint.size])
+    bundle = {
+        "record": lines[index].decode("utf-8"),
+        "index": index,
+        "tree_size": checkpoint.size,
+        "hashes": [
+            base64.b64encode(h).decode() for h in tree.inclusion_proof(index, checkpoint.size)
+        ],
+        "checkpoint": note,
+    }
+    print(json.dumps(bundle, indent=2))
+    return 0
+
+
+def _find(lines: list[bytes], wanted: str, *, limit: int) -> int:
+    if wanted.isdigit():
+        index = int(wanted)
+        if index >= limit:
+            raise ConfigError("INDEX", f"record {index} is not covered by the checkpoint ({limit})")
+        return index
+    needle = f'"decision_id":"{wanted}"'.encode()
+    for index, line in enumerate(lines[:limit]):
+        if needle in line:
+            return index
+    raise ConfigError("DECISION_ID", f"no record {wanted} among the {limit} the checkpoint covers")
+
+
+def _check_proof(args: argparse.Namespace) -> int:
+    try:
+        bundle = loads_bounded(_read(args.bundle, "BUNDLE"))
+        verifier = NoteVerifier.parse(args.key)
+        checkpoint = parse_checkpoint(verifier.open(bundle["checkpoint"]), origin=verifier.name)
+        hashes = [base64.b64decode(h, validate=True) for h in bundle["hashes"]]
+        record = str(bundle["record"]).encode("utf-8")
+        index, size = int(bundle["index"]), int(bundle["tree_size"])
+    except (ValueError, KeyError, TypeError, NoteError) as exc:
+        print(json.dumps({"ok": False, "problem": f"unusable bundle or checkpoint: {exc}"}))
+        return EXIT_NO
+    ok = size == checkpoint.size and verify_inclusion(
+        leaf_hash(record), index, size, hashes, checkpoint.root
+    )
+    print(json.dumps({"ok": ok, "index": index, "tree_size": size, "origin": checkpoint.origin}))
+    return 0 if ok else EXIT_NO
+
+
+def _records(paths: list[Path]) -> Iterator[dict[str, Any]]:
+    for path in paths:
+        for line in _lines(_read(path, "LOG")):
+            record = loads_bounded(line)
+            if isinstance(record, dict):
+                yield record
+
+
+def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
+    identity = record.get("identity") or {}
+    checks = [
+        (args.key, record.get("key")),
+        (args.result, record.get("result")),
+        (args.code, record.get("code")),
+        (args.image, identity.get("image_digest")),
+        (args.project, identity.get("project_id")),
+    ]
+    if any(wanted is not None and wanted != found for wanted, found in checks):
+        return False
+    when = str(record.get("time", ""))
+    return not ((args.since and when < args.since) or (args.until and when > args.until))
+
+
+def _query(args: argparse.Namespace) -> int:
+    rows = [r for r in _records(args.logs) if r.get("type") == "release" and _matches(r, args)]
+    if args.table:
+        print(f"{'index':>7}  {'time':32}  {'result':6}  {'code':24}  key")
+        for r in rows:
+            print(
+                f"{r.get('index', r.get('seq')):>7}  {r.get('time')!s:32}  "
+                f"{r.get('result')!s:6}  {r.get('code') or '-'!s:24}  {r.get('key')}"
+            )
+    else:
+        for r in rows:
+            print(json.dumps({k: v for k, v in r.items() if k != "input"}))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    for record in _records([args.log]):
+        if args.since and str(record.get("time", "")) < args.since:
+            continue
+        print(json.dumps(ocsf_event(record) if args.format == "ocsf" else record))
+    return 0
+
+
+def ocsf_event(record: dict[str, Any]) -> dict[str, Any]:
+    """One record as an OCSF 1.x "API Activity" event (docs/audit.md has the mapping)."""
+    kind = str(record.get("type", "release"))
+    result = record.get("result")
+    identity = record.get("identity") or {}
+    when = str(record.get("time", ""))
+    try:
+        epoch_ms = int(datetime.fromisoformat(when).timestamp() * 1000)
+    except ValueError:
+        epoch_ms = 0
+    status_id = {"allow": 1, "deny": 2, "error": 2}.get(str(result), 0)
+    return {
+        "class_uid": OCSF_API_ACTIVITY,
+        "category_uid": 6,
+        "activity_id": 99,  # Other: a key release or a change
+        "type_uid": OCSF_API_ACTIVITY * 100 + 99,
+        "time": epoch_ms,
+        "severity_id": 1 if status_id != 2 else 3,
+        "status_id": status_id,
+        "status": {1: "Success", 2: "Failure"}.get(status_id, "Unknown"),
+        "status_code": record.get("code"),
+        "message": "; ".join(record.get("reasons") or []) or record.get("message"),
+        "api": {
+            "operation": kind if kind != "release" else "release",
+            "request": {"uid": record.get("request_id")},
+        },
+        "actor": {"user": {"uid": identity.get("sub"), "name": identity.get("image_digest")}},
+        "resources": [{"name": record.get("key"), "version": str(record.get("version"))}],
+        "metadata": {
+            "product": {"name": "sealed-runner key broker"},
+            "version": "1.1.0",
+            "uid": record.get("decision_id"),
+            "sequence": record.get("index", record.get("seq")),
+        },
+        "unmapped": {"policy_digest": record.get("policy_digest"), "hash": record.get("hash")},
+    }
