@@ -9,7 +9,9 @@
    the sample; a runner with another image is denied with the policy's reasons.
 6. The security team withdraws the allowed image with a per-key policy and reloads it through
    the admin API (checked, tested, swapped); the same runner is now denied with the new reason.
-7. Verify the decision log: creation, allow, deny, the policy change, deny; chain intact.
+7. An auditor fetches the signed checkpoint and proves the allowed decision is included in it,
+   through the audit API.
+8. Verify the decision log: creation, allow, deny, the policy change, deny; chain intact.
 
 Returns True only if every step happened as expected.
 """
@@ -17,6 +19,7 @@ Returns True only if every step happened as expected.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import io
 import json
@@ -31,9 +34,11 @@ from aiohttp import web
 
 from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
+from broker.audit.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
 from broker.audit.log import DecisionLog, verify_file
+from broker.audit.merkle import leaf_hash, verify_inclusion
 from broker.client import BrokerClient, BrokerClientError
-from broker.config import load_settings
+from broker.config import Settings, load_settings
 from broker.crypto.weights import decrypt_stream, encrypt_stream
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from broker.dev.workspace import write_dev_workspace
@@ -107,6 +112,7 @@ async def _run(workdir: Path) -> bool:
             ok = ok and await _policy_reload(
                 client, issuer, workdir=workdir, base=base, admin_token=admin_token, tls=client_tls
             )
+            ok = ok and await _prove_through_api(settings, base, admin_token, client_tls)
     finally:
         await runner.cleanup()
     return ok and _audit(settings.audit.log)
@@ -197,6 +203,47 @@ async def _policy_reload(
         return False
     _say("runner", "FAILED: the withdrawn image still received the key")
     return False
+
+
+async def _prove_through_api(
+    settings: Settings, base: str, token: str, tls: ssl.SSLContext
+) -> bool:
+    """An auditor's view: the signed checkpoint, and one decision proven included in it."""
+    audit = settings.audit
+    assert audit.signing_key is not None  # noqa: S101 - the dev workspace always sets one
+    signer = await asyncio.to_thread(NoteSigner.from_pem, audit.origin, audit.signing_key)
+    verifier = NoteVerifier.parse(signer.verifier_key())
+    headers = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        checkpoint = None
+        for _ in range(50):  # checkpoints follow new records within checkpoint_seconds
+            async with session.get(f"{base}/v1/log/checkpoint", ssl=tls) as reply:
+                note = await reply.text()
+            checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
+            if checkpoint.size >= 5:
+                break
+            await asyncio.sleep(0.1)
+        assert checkpoint is not None  # noqa: S101 - the loop ran
+        index = 1  # the allowed release
+        async with session.get(
+            f"{base}/v1/log/entries?start={index}&end={index + 1}", ssl=tls
+        ) as reply:
+            record = (await reply.read()).split(b"\n")[0]
+        url = f"{base}/v1/log/proof/inclusion?index={index}&tree_size={checkpoint.size}"
+        async with session.get(url, ssl=tls) as reply:
+            proof = [base64.b64decode(h) for h in (await reply.json())["hashes"]]
+    _say("audit", f"verifier key (auditors pin it): {signer.verifier_key()}")
+    for line in note.rstrip("\n").splitlines():
+        _say("audit", f"  {line}")
+    if not verify_inclusion(leaf_hash(record), index, checkpoint.size, proof, checkpoint.root):
+        _say("audit", "FAILED: the inclusion proof does not verify")
+        return False
+    _say(
+        "audit",
+        f"record {index} ({json.loads(record)['result']}) proven included in the signed "
+        f"checkpoint of {checkpoint.size} records ({len(proof)} hashes, through the API)",
+    )
+    return True
 
 
 def _audit(log_path: Path) -> bool:

@@ -50,6 +50,7 @@ class ReleasedDek:
     decision_id: str
     dek: bytes = field(repr=False)
     algorithm: str = "AES-256"
+    log_index: int = -1  # the decision record's index: ask the broker's audit API for its proof
 
 
 def new_runner_key(key_type: str) -> tuple[RunnerSecret, dict[str, str]]:
@@ -198,7 +199,14 @@ def unwrap_release(
             material = hpke.open_(sealed, private_key, info)  # type: ignore[arg-type]
         except (ValueError, hpke.HpkeError) as exc:
             raise jwe.JweError("the HPKE-wrapped key does not open for this release") from exc
-        return ReleasedDek(expected_key, version, str(body["decision_id"]), material, algorithm)
+        return ReleasedDek(
+            expected_key,
+            version,
+            str(body["decision_id"]),
+            material,
+            algorithm,
+            int(body.get("log_index", -1)),
+        )
     decrypted = jwe.decrypt(str(body["wrapped_key"]), private_key)  # type: ignore[arg-type]
     header = decrypted.protected_header
     if header.get("kid") != f"{expected_key}#{version}":
@@ -211,4 +219,5 @@ def unwrap_release(
         decision_id=str(body["decision_id"]),
         dek=decrypted.plaintext,
         algorithm=algorithm,
+        log_index=int(body.get("log_index", -1)),
     )

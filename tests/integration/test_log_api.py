@@ -1,0 +1,156 @@
+"""The read-only audit API (role auditor): checkpoint, entries, proofs, and log_index in release
+answers — checked with the broker's own verifiers against the signed checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from broker.audit.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
+from broker.audit.merkle import leaf_hash, verify_consistency, verify_inclusion
+from broker.client import BrokerClientError
+from tests.integration.conftest import KEY, RunningBroker
+
+AUDITOR = "auditor-token-3c2b"
+KEY_ADMIN = "key-admin-token-77e0"
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@pytest.fixture
+async def audited(start_broker: Any) -> RunningBroker:
+    roles = "".join(
+        f'\n[[admin.tokens]]\nsha256 = "{digest(t)}"\nroles = ["{r}"]\n'
+        for t, r in ((AUDITOR, "auditor"), (KEY_ADMIN, "key-admin"))
+    )
+    return await start_broker(extra_toml=roles)  # type: ignore[no-any-return]
+
+
+async def get(broker: RunningBroker, path: str, token: str = AUDITOR) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            broker.url + path, headers={"Authorization": f"Bearer {token}"}, ssl=broker.client_tls
+        ) as response,
+    ):
+        return response.status, await response.text()
+
+
+async def verifier_for(broker: RunningBroker) -> NoteVerifier:
+    signer = await asyncio.to_thread(
+        NoteSigner.from_pem, broker.settings.audit.origin, broker.workdir / "log-ed25519.pem"
+    )
+    return NoteVerifier.parse(signer.verifier_key())
+
+
+async def test_release_answers_carry_their_log_index_and_its_proof_verifies(
+    audited: RunningBroker,
+) -> None:
+    async with audited.client() as client:
+        released = await client.release(KEY, audited.token_source())
+        with pytest.raises(BrokerClientError) as denied:
+            await client.release(KEY, audited.token_source("sha256:" + "0" * 64))
+    allow_index = released.log_index
+    deny_index = denied.value.details["log_index"]
+    assert deny_index == allow_index + 1
+    for state in ("allow", "deny"):
+        index = allow_index if state == "allow" else deny_index
+        await audited_proof(audited, index, expected_result=state)
+
+
+async def audited_proof(broker: RunningBroker, index: int, *, expected_result: str) -> None:
+    verifier = await verifier_for(broker)
+    status, note = await get(broker, "/v1/log/checkpoint")
+    assert status == 200
+    checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
+    if checkpoint.size <= index:  # published every 0.2 s: wait for one that covers it
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            _, note = await get(broker, "/v1/log/checkpoint")
+            checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
+            if checkpoint.size > index:
+                break
+    status, lines = await get(broker, f"/v1/log/entries?start={index}&end={index + 1}")
+    assert status == 200
+    record = lines.splitlines()[0].encode()
+    assert json.loads(record)["result"] == expected_result
+    status, body = await get(
+        broker, f"/v1/log/proof/inclusion?index={index}&tree_size={checkpoint.size}"
+    )
+    proof = [base64.b64decode(h) for h in json.loads(body)["hashes"]]
+    assert verify_inclusion(leaf_hash(record), index, checkpoint.size, proof, checkpoint.root)
+
+
+async def test_consistency_between_two_checkpoints_through_the_api(
+    audited: RunningBroker,
+) -> None:
+    verifier = await verifier_for(audited)
+    async with audited.client() as client:
+        await client.release(KEY, audited.token_source())
+    first = await checkpoint_covering(audited, verifier, 1)
+    async with audited.client() as client:
+        for _ in range(3):
+            await client.release(KEY, audited.token_source())
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        second = parse_checkpoint(verifier.open((await get(audited, "/v1/log/checkpoint"))[1]))
+        if second.size >= first.size + 3:
+            break
+    status, body = await get(
+        audited, f"/v1/log/proof/consistency?first={first.size}&second={second.size}"
+    )
+    assert status == 200
+    proof = [base64.b64decode(h) for h in json.loads(body)["hashes"]]
+    assert verify_consistency(first.size, second.size, first.root, second.root, proof)
+
+
+async def checkpoint_covering(broker: RunningBroker, verifier: NoteVerifier, size: int) -> Any:
+    for _ in range(50):
+        checkpoint = parse_checkpoint(verifier.open((await get(broker, "/v1/log/checkpoint"))[1]))
+        if checkpoint.size >= size:
+            return checkpoint
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no checkpoint covered {size} records")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/log/checkpoint",
+        "/v1/log/entries",
+        "/v1/log/proof/inclusion?index=0&tree_size=1",
+        "/v1/log/proof/consistency?first=1&second=1",
+    ],
+)
+async def test_log_routes_need_the_auditor_role(audited: RunningBroker, path: str) -> None:
+    async with audited.client() as client:
+        await client.release(KEY, audited.token_source())  # one record to prove
+    status, body = await get(audited, path, token=KEY_ADMIN)
+    assert (status, json.loads(body)["error"]["code"]) == (401, "unauthorized")
+    assert (await get(audited, path))[0] == 200
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "/v1/log/proof/inclusion?index=5&tree_size=5",
+        "/v1/log/proof/inclusion?index=0&tree_size=999999",
+        "/v1/log/proof/inclusion?index=-1&tree_size=1",
+        "/v1/log/proof/inclusion?tree_size=1",
+        "/v1/log/proof/consistency?first=0&second=1",
+        "/v1/log/proof/consistency?first=2&second=1",
+        "/v1/log/entries?start=99999",
+        "/v1/log/entries?start=x",
+    ],
+)
+async def test_impossible_proof_requests_are_400(audited: RunningBroker, query: str) -> None:
+    status, body = await get(audited, query)
+    assert (status, json.loads(body)["error"]["code"]) == (400, "bad_request")
