@@ -45,6 +45,7 @@ pytest: $(STAMP) $(OPA) $(SOFTHSM)
 bench: $(STAMP) $(OPA)
 	$(BIN)/python bench/release_bench.py
 	$(BIN)/python bench/policy_bench.py
+	$(BIN)/python bench/audit_bench.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -34,11 +34,45 @@ def _split(n: int) -> int:
     return 1 << ((n - 1).bit_length() - 1)
 
 
+_LEAF_PREFIX = hashlib.sha256(b"\x00")
+_NODE_PREFIX = hashlib.sha256(b"\x01")
+
+
+def leaf_hashes(lines: Sequence[bytes]) -> list[bytes]:
+    """``leaf_hash`` of every line (a copied pre-fed hasher: no concatenation per line)."""
+    copy = _LEAF_PREFIX.copy
+    result = []
+    for line in lines:
+        hasher = copy()
+        hasher.update(line)
+        result.append(hasher.digest())
+    return result
+
+
 class MerkleTree:
     """Append-only; holds every complete subtree hash. Not thread-safe."""
 
     def __init__(self) -> None:
         self.levels: list[list[bytes]] = [[]]
+
+    @classmethod
+    def from_lines(cls, lines: Sequence[bytes]) -> MerkleTree:
+        """Build in bulk, level by level: the same complete subtrees ``append`` would keep, at a
+        fraction of the cost (``bench/audit_bench.py``)."""
+        tree = cls()
+        level = leaf_hashes(lines)
+        tree.levels = [level]
+        node = _NODE_PREFIX.copy
+        while len(level) >= 2:
+            parents = []
+            for i in range(0, len(level) - 1, 2):
+                hasher = node()
+                hasher.update(level[i])
+                hasher.update(level[i + 1])
+                parents.append(hasher.digest())
+            tree.levels.append(parents)
+            level = parents
+        return tree
 
     @property
     def size(self) -> int:

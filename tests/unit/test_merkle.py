@@ -73,3 +73,18 @@ def test_proofs_refuse_impossible_sizes(tree: MerkleTree) -> None:
     with pytest.raises(ValueError, match="tree size"):
         tree.root(len(LINES) + 1)
     assert not verify_consistency(3, 5, tree.root(3), tree.root(5), [])
+
+
+def test_bulk_build_equals_appending(tree: MerkleTree) -> None:
+    for n in (0, 1, 2, 3, 5, 8, 13, 64, 70):
+        bulk = MerkleTree.from_lines(LINES[:n])
+        assert bulk.root() == tree.root(n)
+        assert bulk.levels == MerkleTree.from_lines(LINES[:n]).levels
+        if n > 1:
+            assert bulk.inclusion_proof(n - 1, n) == tree.inclusion_proof(n - 1, n)
+            appended = MerkleTree()
+            for line in LINES[:n]:
+                appended.append(line)
+            assert [level for level in bulk.levels if level] == [
+                level for level in appended.levels if level
+            ]
