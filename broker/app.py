@@ -36,6 +36,7 @@ from broker.attestation.service import EvidenceVerifier, GpuSources
 from broker.audit.checkpoint import NoteSigner
 from broker.audit.log import DecisionLog
 from broker.audit.publisher import CheckpointPublisher
+from broker.audit.sink import AuditSink
 from broker.config import Settings
 from broker.errors import ConfigError
 from broker.keys.factory import open_key_service
@@ -112,6 +113,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             state.checkpoints = publisher
             background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
         state.checks["checkpoints"] = "signed" if state.checkpoints else "off (no signing_key)"
+        if settings.audit.sink is not None:
+            sink = AuditSink(settings.audit.sink, session, app[METRICS])
+            audit.add_listener(sink.offer)
+            stack.callback(sink.close)
+            background.append(asyncio.create_task(sink.run(), name="audit-sink"))
         log.info("broker ready: %s", state.checks)
         try:
             yield

@@ -142,6 +142,7 @@ class AuditSettings:
     origin: str = "broker.invalid/decisions"  # checkpoints' origin line and note key name
     signing_key: Path | None = None  # Ed25519 PEM; unset: no checkpoints (docs/audit.md)
     checkpoint_seconds: float = 1.0  # a new checkpoint at most this often, after new records
+    sink: str | None = None  # "syslog://host:514" | "https://siem/ingest": best-effort stream
     # JSON pointers into the policy input replaced by their SHA-256 in records (broker.audit.mask)
     mask: tuple[str, ...] = ()
 
@@ -378,6 +379,7 @@ def _validate(settings: Settings) -> None:
             raise ConfigError(f"issuers[{index}].issuer", "duplicate issuer")
         seen.add(issuer.issuer)
     _validate_policy(settings.policy)
+    _validate_audit(settings.audit)
     _validate_keys(settings.keys)
     for digest in (*settings.admin.token_sha256, *(d for d, _ in settings.admin.tokens)):
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -404,6 +406,17 @@ def _validate_policy(policy: PolicySettings) -> None:
     key = policy.bundle_verification_key
     if key is not None and (policy.bundle is None or not key.is_file()):
         raise ConfigError("policy.bundle_verification_key", "needs policy.bundle and a PEM file")
+
+
+def _validate_audit(audit: AuditSettings) -> None:
+    if audit.checkpoint_seconds <= 0:
+        raise ConfigError("audit.checkpoint_seconds", "must be positive")
+    if audit.sink is not None:
+        parts = urlsplit(audit.sink)
+        if parts.scheme == "syslog" and parts.hostname:
+            return
+        if not _url_allowed(audit.sink):
+            raise ConfigError("audit.sink", "syslog://HOST:PORT or https://… (http on loopback)")
 
 
 def _validate_keys(keys: KeySettings) -> None:

@@ -58,6 +58,15 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.sink_sent = Counter(
+            "broker_audit_sink_sent", "Records delivered to the audit sink", registry=self.registry
+        )
+        self.sink_dropped = Counter(
+            "broker_audit_sink_dropped",
+            "Records the audit sink did not deliver (the local log still has them)",
+            registry=self.registry,
+        )
+
     def policy_info(self, digest: str) -> None:
         self.policy.clear()
         self.policy.labels(digest).set(1)

@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,6 +247,11 @@ class DecisionLog:
         self._tree_offset = 0  # bytes of the file already hashed into the tree
         self._committed = 0  # tree size readers may use (every level of it is complete)
         self._offsets: list[int] = []  # byte offset of each record's line
+        self._listeners: list[Callable[[list[bytes]], None]] = []
+
+    def add_listener(self, listener: Callable[[list[bytes]], None]) -> None:
+        """Called on the event loop with the lines of every durable batch (never blocking)."""
+        self._listeners.append(listener)
 
     @property
     def head(self) -> ChainHead:
@@ -357,6 +362,12 @@ class DecisionLog:
                 self._pending = []
                 return
             self._head = head
+            if self._listeners:
+                lines = await asyncio.to_thread(
+                    self.read_lines, appended[0].index, appended[-1].index + 1
+                )
+                for listener in self._listeners:
+                    listener(lines)
             for (_, future), result in zip(batch, appended, strict=True):
                 if not future.done():
                     future.set_result(result)

@@ -1,0 +1,96 @@
+"""Streaming decision records to a SIEM as they are written: ``[audit] sink``.
+
+* ``syslog://HOST:PORT`` — one RFC 5424 message per record over UDP (facility auth, severity
+  notice for allow, warning for deny/error), the record's JSON as the message;
+* ``https://HOST/PATH`` (``http://`` only on loopback) — batches POSTed as JSON lines.
+
+Best effort, by design: the local log is the system of record (checkpoints commit to it). A
+bounded queue sits between the log and the sender; when the SIEM is slow or away, the oldest
+records are dropped from the queue (counted in ``broker_audit_sink_dropped_total``), a release is
+never delayed, and ``broker audit export`` recovers anything missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from datetime import UTC, datetime
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from broker.metrics import Metrics
+
+log = logging.getLogger(__name__)
+QUEUE_RECORDS = 10_000
+BATCH_RECORDS = 200
+SYSLOG_FACILITY_AUTH = 4
+
+
+class AuditSink:
+    def __init__(self, url: str, session: aiohttp.ClientSession, metrics: Metrics) -> None:
+        self._url = url
+        self._parts = urlsplit(url)
+        self._session = session
+        self._metrics = metrics
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue(QUEUE_RECORDS)
+        self._socket: socket.socket | None = None
+
+    def offer(self, lines: list[bytes]) -> None:
+        """Queue written records (called on the event loop after each durable batch)."""
+        for line in lines:
+            if self._queue.full():
+                self._queue.get_nowait()
+                self._metrics.sink_dropped.inc()
+            self._queue.put_nowait(line)
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty() and len(batch) < BATCH_RECORDS:
+                batch.append(self._queue.get_nowait())
+            try:
+                await (self._syslog(batch) if self._parts.scheme == "syslog" else self._post(batch))
+                self._metrics.sink_sent.inc(len(batch))
+            except (OSError, aiohttp.ClientError, TimeoutError) as exc:
+                self._metrics.sink_dropped.inc(len(batch))
+                log.warning(
+                    "audit sink %s: %d record(s) not delivered: %s", self._url, len(batch), exc
+                )
+
+    async def _post(self, batch: list[bytes]) -> None:
+        body = b"".join(line + b"\n" for line in batch)
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with self._session.post(
+            self._url, data=body, headers={"Content-Type": "application/x-ndjson"}, timeout=timeout
+        ) as reply:
+            if reply.status >= 300:
+                raise aiohttp.ClientResponseError(reply.request_info, (), status=reply.status)
+
+    async def _syslog(self, batch: list[bytes]) -> None:
+        if self._socket is None:
+            self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self._socket.setblocking(False)
+        loop = asyncio.get_running_loop()
+        address = (self._parts.hostname or "127.0.0.1", self._parts.port or 514)
+        for line in batch:
+            await loop.sock_sendto(self._socket, syslog_message(line), address)
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+
+
+def syslog_message(line: bytes) -> bytes:
+    """RFC 5424: ``<PRI>1 TIMESTAMP HOST APP - MSGID - MSG``."""
+    try:
+        result = json.loads(line).get("result")
+    except ValueError:
+        result = None
+    severity = 5 if result == "allow" else 4  # notice / warning
+    priority = SYSLOG_FACILITY_AUTH * 8 + severity
+    stamp = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    header = f"<{priority}>1 {stamp} {socket.gethostname()} sealed-broker - decision - "
+    return header.encode() + line
