@@ -77,7 +77,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     async with AsyncExitStack() as stack:
         session = await stack.enter_async_context(aiohttp.ClientSession())
         keys = await stack.enter_async_context(open_key_service(settings.keys))
-        audit = DecisionLog(settings.audit.log)
+        audit = DecisionLog(settings.audit.log, segment_bytes=settings.audit.segment_bytes)
         await audit.open()
         stack.push_async_callback(audit.close)
         keys.attach_change_log(audit.append)

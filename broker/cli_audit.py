@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.audit.checkpoint import NoteError, NoteSigner, NoteVerifier, parse_checkpoint
-from broker.audit.log import LogCorrupt, repair_torn_tail, verify_bytes
+from broker.audit.log import LogCorrupt, log_files, repair_torn_tail, verify_bytes
 from broker.audit.merkle import MerkleTree, leaf_hash, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
 from broker.config import load_settings
@@ -61,6 +61,17 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     export.set_defaults(run=_export)
 
 
+def with_segments(paths: list[Path]) -> list[Path]:
+    """Each active log path preceded by its closed segments (``<log>.000001``, …), so that the
+    commands read the whole tree whichever file an auditor names."""
+    expanded: list[Path] = []
+    for path in paths:
+        for file in log_files(path):
+            if file.exists() and file not in expanded:
+                expanded.append(file)
+    return expanded
+
+
 def _read(path: Path, what: str) -> bytes:
     try:
         return path.read_bytes()
@@ -98,7 +109,7 @@ def verify_log(
 ) -> dict[str, Any]:
     """What ``broker audit verify`` reports: recompute the tree; with a signed checkpoint,
     check its signature and that the log is consistent with it; without, check the chain."""
-    data = b"".join(_read(path, "LOG") for path in logs)
+    data = b"".join(_read(path, "LOG") for path in with_segments(logs) or logs)
     report: dict[str, Any] = {"ok": True}
     collecting = gc.isenabled()
     gc.disable()  # a million fresh bytes objects, no cycles: collections would double the time
@@ -183,7 +194,9 @@ def _repair(args: argparse.Namespace) -> int:
 
 
 def _prove(args: argparse.Namespace) -> int:
-    lines = _lines(_read(args.log, "--log"))
+    lines = _lines(
+        b"".join(_read(path, "--log") for path in with_segments([args.log]) or [args.log])
+    )
     note_path = args.checkpoint or checkpoint_paths(args.log)[0]
     note = _read(note_path, "--checkpoint").decode()
     body = note[: note.rfind("\n\n") + 1]
@@ -235,7 +248,7 @@ def _check_proof(args: argparse.Namespace) -> int:
 
 
 def _records(paths: list[Path]) -> Iterator[dict[str, Any]]:
-    for path in paths:
+    for path in with_segments(paths) or paths:
         for line in _lines(_read(path, "LOG")):
             record = loads_bounded(line)
             if isinstance(record, dict):

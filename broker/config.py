@@ -143,6 +143,7 @@ class AuditSettings:
     signing_key: Path | None = None  # Ed25519 PEM; unset: no checkpoints (docs/audit.md)
     checkpoint_seconds: float = 1.0  # a new checkpoint at most this often, after new records
     sink: str | None = None  # "syslog://host:514" | "https://siem/ingest": best-effort stream
+    segment_bytes: int = 256 * 1024 * 1024  # rotate into <log>.000001, … past this; 0: never
     # JSON pointers into the policy input replaced by their SHA-256 in records (broker.audit.mask)
     mask: tuple[str, ...] = ()
 
@@ -409,8 +410,8 @@ def _validate_policy(policy: PolicySettings) -> None:
 
 
 def _validate_audit(audit: AuditSettings) -> None:
-    if audit.checkpoint_seconds <= 0:
-        raise ConfigError("audit.checkpoint_seconds", "must be positive")
+    if audit.checkpoint_seconds <= 0 or audit.segment_bytes < 0:
+        raise ConfigError("audit", "checkpoint_seconds must be positive, segment_bytes >= 0")
     if audit.sink is not None:
         parts = urlsplit(audit.sink)
         if parts.scheme == "syslog" and parts.hostname:

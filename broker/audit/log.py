@@ -27,6 +27,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,6 +164,36 @@ def read_head(path: Path) -> ChainHead:
     return ChainHead(size=int(record["seq"]) + 1, hash=str(record["hash"]))
 
 
+_SEGMENT = re.compile(r"\.(\d{6})$")
+
+
+def segment_paths(path: Path) -> list[Path]:
+    """Closed segments of the log at ``path``, oldest first: ``<log>.000001``, ``<log>.000002``…"""
+    found = []
+    for candidate in path.parent.glob(path.name + ".*"):
+        match = _SEGMENT.search(candidate.name)
+        if match and candidate.name == f"{path.name}.{match.group(1)}":
+            found.append((int(match.group(1)), candidate))
+    return [candidate for _, candidate in sorted(found)]
+
+
+def log_files(path: Path) -> list[Path]:
+    """Every file of the log, in record order: the closed segments, then the active file."""
+    return [*segment_paths(path), path]
+
+
+def read_head_all(path: Path) -> ChainHead:
+    """The chain head of a segmented log: the active file's, or the newest segment's."""
+    head = read_head(path)
+    if head.size:
+        return head
+    for segment in reversed(segment_paths(path)):
+        head = read_head(segment)
+        if head.size:
+            return head
+    return head
+
+
 @dataclass(frozen=True)
 class RepairReport:
     removed_bytes: int
@@ -236,17 +268,20 @@ class Appended:
 class DecisionLog:
     """Append-only, group-committed, fsync'd decision log, with its Merkle tree in memory."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, segment_bytes: int = 0) -> None:
         self._path = path
+        self._segment_bytes = segment_bytes  # rotate the active file past this size; 0: never
         self._fd: int | None = None
+        self._lock_fd: int | None = None
         self._head = ChainHead(size=0, hash=GENESIS)
         self._pending: list[tuple[dict[str, Any], asyncio.Future[Appended]]] = []
         self._writer: asyncio.Task[None] | None = None
         self._broken = False
         self.tree = MerkleTree()
-        self._tree_offset = 0  # bytes of the file already hashed into the tree
+        self._consumed: dict[int, int] = {}  # file inode -> bytes already hashed into the tree
+        self._paths: dict[int, Path] = {}  # file inode -> its current path (rotation renames)
         self._committed = 0  # tree size readers may use (every level of it is complete)
-        self._offsets: list[int] = []  # byte offset of each record's line
+        self._locations: list[tuple[int, int]] = []  # each record's (file inode, byte offset)
         self._listeners: list[Callable[[list[bytes]], None]] = []
 
     def add_listener(self, listener: Callable[[list[bytes]], None]) -> None:
@@ -267,33 +302,51 @@ class DecisionLog:
         return self._committed
 
     def _catch_up(self) -> None:
-        """Hash into the tree every complete line written since (by us or other writers)."""
-        if not self._path.is_file():
-            return
-        with self._path.open("rb") as handle:
-            handle.seek(self._tree_offset)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1
-        offset = self._tree_offset
-        for line in data[:end].split(b"\n")[:-1]:
-            self._offsets.append(offset)
-            self.tree.append(line)
-            offset += len(line) + 1
-        self._tree_offset += end
+        """Hash into the tree every complete line written since, in every file of the log (by
+        us or by other writers; a rotation renames the active file into a segment)."""
+        for path in log_files(self._path):
+            try:
+                status = path.stat()
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(status.st_mode):
+                continue  # e.g. /dev/full in the write-failure test: nothing to read
+            inode = status.st_ino
+            self._paths[inode] = path
+            start = self._consumed.get(inode, 0)
+            with path.open("rb") as handle:
+                handle.seek(start)
+                data = handle.read()
+            end = data.rfind(b"\n") + 1
+            offset = start
+            for line in data[:end].split(b"\n")[:-1]:
+                self._locations.append((inode, offset))
+                self.tree.append(line)
+                offset += len(line) + 1
+            self._consumed[inode] = start + end
         self._committed = self.tree.size
 
     def read_lines(self, start: int, end: int) -> list[bytes]:
         """Records ``[start, end)`` exactly as stored (without newlines). Blocking: a thread."""
         if not 0 <= start <= end <= self._committed:
             raise ValueError(f"entries {start}..{end} are not in 0..{self._committed}")
-        if start == end:
-            return []
-        first = self._offsets[start]
-        last = self._offsets[end] if end < len(self._offsets) else self._tree_offset
-        with self._path.open("rb") as handle:
-            handle.seek(first)
-            data = handle.read(last - first)
-        return data.split(b"\n")[:-1]
+        lines: list[bytes] = []
+        index = start
+        while index < end:  # one read per file the range touches
+            inode, first = self._locations[index]
+            stop = index
+            while stop < end and self._locations[stop][0] == inode:
+                stop += 1
+            last = (
+                self._locations[stop][1]
+                if stop < len(self._locations) and self._locations[stop][0] == inode
+                else self._consumed[inode]
+            )
+            with self._paths[inode].open("rb") as handle:
+                handle.seek(first)
+                lines.extend(handle.read(last - first).split(b"\n")[:-1][: stop - index])
+            index = stop
+        return lines
 
     async def open(self) -> None:
         """Recover the chain head and open the file for appending.
@@ -301,11 +354,21 @@ class DecisionLog:
         Raises:
             LogCorrupt: when the log's last record is damaged (the broker refuses to start).
         """
-        self._head = await asyncio.to_thread(read_head, self._path)
+        self._head = await asyncio.to_thread(read_head_all, self._path)
         await asyncio.to_thread(self._catch_up)
         if self.tree.size != self._head.size:
             raise LogCorrupt(self.tree.size + 1, "the tree and the chain disagree on the size")
         self._fd = await asyncio.to_thread(self._open_fd)
+        self._lock_fd = await asyncio.to_thread(self._open_lock)
+
+    def _open_lock(self) -> int:
+        """``<log>.lock``: what writers lock (rotation replaces the active file under it). A log
+        that is not a regular file (a device) locks its own descriptor instead."""
+        if self._path.exists() and not self._path.is_file():
+            assert self._fd is not None  # noqa: S101 - opened first
+            return os.dup(self._fd)
+        lock = self._path.with_name(self._path.name + ".lock")
+        return os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
 
     def _open_fd(self) -> int:
         self._path.parent.mkdir(parents=True, exist_ok=True)
@@ -323,6 +386,9 @@ class DecisionLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def append(self, entry: Mapping[str, Any]) -> str:
         """Append a record durably and return its hash (``append_entry`` for its index too).
@@ -375,12 +441,15 @@ class DecisionLog:
     def _seal_and_write(self, entries: list[dict[str, Any]]) -> tuple[ChainHead, list[Appended]]:
         """Under an exclusive lock: catch up with other writers, chain the batch to the head,
         write, fsync, and hash the new lines into the tree."""
-        if self._fd is None:
+        if self._fd is None or self._lock_fd is None:
             raise OSError("decision log is closed")
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        # The lock is a file of its own: rotation replaces the active file under it.
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            head = read_head(self._path) if self._path.is_file() else self._head
+            self._follow_rotation()
             self._catch_up()
+            self._rotate_if_full()
+            head = read_head_all(self._path)
             if self.tree.size != head.size:
                 raise LogCorrupt(head.size, "the tree and the chain disagree on the size")
             lines: list[bytes] = []
@@ -397,16 +466,44 @@ class DecisionLog:
                 written = os.write(self._fd, view)
                 view = view[written:]
             os.fsync(self._fd)
-            offset = self._tree_offset
+            inode = os.fstat(self._fd).st_ino
+            self._paths[inode] = self._path
+            offset = self._consumed.get(inode, 0)
             for line in lines:
-                self._offsets.append(offset)
+                self._locations.append((inode, offset))
                 self.tree.append(line)
                 offset += len(line) + 1
-            self._tree_offset += len(data)
+            self._consumed[inode] = offset
             self._committed = self.tree.size
             return head, appended
         finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _follow_rotation(self) -> None:
+        """If another writer rotated the active file, write to the new one."""
+        assert self._fd is not None  # noqa: S101 - checked by the caller
+        try:
+            current = self._path.stat().st_ino
+        except FileNotFoundError:
+            current = -1
+        if self._path.exists() and not self._path.is_file():
+            return  # a device is never rotated
+        if current != os.fstat(self._fd).st_ino:
+            os.close(self._fd)
+            self._fd = self._open_fd()
+
+    def _rotate_if_full(self) -> None:
+        """Close the active file as the next segment once it holds ``segment_bytes``."""
+        assert self._fd is not None  # noqa: S101 - checked by the caller
+        if not self._segment_bytes or os.fstat(self._fd).st_size < self._segment_bytes:
+            return
+        segments = segment_paths(self._path)
+        number = int(_SEGMENT.search(segments[-1].name).group(1)) + 1 if segments else 1  # type: ignore[union-attr]
+        target = self._path.with_name(f"{self._path.name}.{number:06d}")
+        os.rename(self._path, target)
+        self._paths[os.fstat(self._fd).st_ino] = target
+        os.close(self._fd)
+        self._fd = self._open_fd()  # a new, empty active file; the directory entry is fsync'd
 
 
 def _unavailable() -> UpstreamError:
