@@ -33,12 +33,12 @@ from broker.attestation.nvidia.sources import (
 )
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
-from broker.audit.checkpoint import NoteSigner
 from broker.audit.log import DecisionLog
 from broker.audit.publisher import CheckpointPublisher
+from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.sink import AuditSink
 from broker.config import Settings
-from broker.errors import ConfigError
+from broker.errors import ConfigError, UpstreamError
 from broker.keys.factory import open_key_service
 from broker.metrics import Metrics
 from broker.nonces import MemoryNonceStore
@@ -102,10 +102,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
         }
         background = [asyncio.create_task(policies.watch(), name="policy-watch")]
-        if settings.audit.signing_key is not None:
-            signer = await asyncio.to_thread(
-                NoteSigner.from_pem, settings.audit.origin, settings.audit.signing_key
-            )
+        signer = await open_checkpoint_signer(settings)
+        if signer is not None:
+            stack.push_async_callback(close_checkpoint_signer, signer)
             publisher = CheckpointPublisher(
                 audit, signer, interval=settings.audit.checkpoint_seconds
             )
@@ -125,7 +124,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             for task in background:
                 task.cancel()
             if state.checkpoints is not None:
-                await state.checkpoints.publish()  # the last records are covered too
+                try:
+                    await state.checkpoints.publish()  # the last records are covered too
+                except (OSError, UpstreamError):  # best effort: the records themselves are safe
+                    log.exception("the final checkpoint could not be signed or written")
                 state.checkpoints = None
             state.release = None
             state.policies = None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import gc
 import json
@@ -13,10 +14,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from broker.audit.checkpoint import NoteError, NoteSigner, NoteVerifier, parse_checkpoint
+from broker.audit.checkpoint import NoteError, NoteVerifier, parse_checkpoint
 from broker.audit.log import LogCorrupt, log_files, repair_torn_tail, verify_bytes
 from broker.audit.merkle import MerkleTree, leaf_hash, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
+from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.config import load_settings
 from broker.errors import ConfigError
 from broker.jsonsafe import loads_bounded
@@ -81,9 +83,18 @@ def _read(path: Path, what: str) -> bytes:
 
 def _key(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
-    if settings.audit.signing_key is None:
+
+    async def verifier_key() -> str | None:
+        signer = await open_checkpoint_signer(settings)
+        try:
+            return None if signer is None else signer.verifier_key()
+        finally:
+            await close_checkpoint_signer(signer)
+
+    key = asyncio.run(verifier_key())
+    if key is None:
         raise ConfigError("audit.signing_key", "is not set: this broker signs no checkpoints")
-    print(NoteSigner.from_pem(settings.audit.origin, settings.audit.signing_key).verifier_key())
+    print(key)
     return 0
 
 

@@ -16,7 +16,7 @@ import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -140,7 +140,9 @@ class KeySettings:
 class AuditSettings:
     log: Path = Path("/var/lib/broker/decisions.log")
     origin: str = "broker.invalid/decisions"  # checkpoints' origin line and note key name
-    signing_key: Path | None = None  # Ed25519 PEM; unset: no checkpoints (docs/audit.md)
+    # Ed25519 PEM path, or "cloudkms:projects/…/cryptoKeyVersions/N" (EC_SIGN_ED25519);
+    # unset: no checkpoints (docs/audit.md)
+    signing_key: str | None = None
     checkpoint_seconds: float = 1.0  # a new checkpoint at most this often, after new records
     sink: str | None = None  # "syslog://host:514" | "https://siem/ingest": best-effort stream
     segment_bytes: int = 256 * 1024 * 1024  # rotate into <log>.000001, … past this; 0: never
@@ -244,6 +246,8 @@ def settings_from_mapping(
     policy = _section(PolicySettings, "policy", raw, env, base_dir)
     keys = _section(KeySettings, "keys", raw, env, base_dir)
     audit = _section(AuditSettings, "audit", raw, env, base_dir)
+    if audit.signing_key and not audit.signing_key.startswith("cloudkms:"):  # a file: resolve it
+        audit = replace(audit, signing_key=str(_resolve(base_dir, audit.signing_key)))
     nvidia = _section(NvidiaSettings, "nvidia", raw, env, base_dir)
     admin_raw = dict(raw.get("admin", {})) if isinstance(raw.get("admin", {}), dict) else {}
     token_tables = admin_raw.pop("tokens", [])

@@ -34,9 +34,10 @@ from aiohttp import web
 
 from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
-from broker.audit.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
+from broker.audit.checkpoint import NoteVerifier, parse_checkpoint
 from broker.audit.log import DecisionLog, verify_file
 from broker.audit.merkle import leaf_hash, verify_inclusion
+from broker.audit.signers import open_checkpoint_signer
 from broker.client import BrokerClient, BrokerClientError
 from broker.config import Settings, load_settings
 from broker.crypto.weights import decrypt_stream, encrypt_stream
@@ -209,9 +210,8 @@ async def _prove_through_api(
     settings: Settings, base: str, token: str, tls: ssl.SSLContext
 ) -> bool:
     """An auditor's view: the signed checkpoint, and one decision proven included in it."""
-    audit = settings.audit
-    assert audit.signing_key is not None  # noqa: S101 - the dev workspace always sets one
-    signer = await asyncio.to_thread(NoteSigner.from_pem, audit.origin, audit.signing_key)
+    signer = await open_checkpoint_signer(settings)
+    assert signer is not None  # noqa: S101 - the dev workspace always sets a signing key
     verifier = NoteVerifier.parse(signer.verifier_key())
     headers = {"Authorization": f"Bearer {token}"}
     async with aiohttp.ClientSession(headers=headers) as session:

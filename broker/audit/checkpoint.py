@@ -18,6 +18,7 @@ import base64
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -79,17 +80,39 @@ class NoteSigner:
 
     def verifier_key(self) -> str:
         """``<name>+<hex key hash>+<base64(0x01 || public key)>``."""
-        digest = key_hash(self.name, self.public_raw).hex()
-        encoded = base64.b64encode(ALG_ED25519 + self.public_raw).decode()
-        return f"{self.name}+{digest}+{encoded}"
+        return verifier_key_text(self.name, self.public_raw)
 
     def sign(self, body: str) -> str:
         """The signed note: body, empty line, one signature line."""
-        if not body.endswith("\n"):
-            raise ValueError("a note body ends with a newline")
-        signature = self._key.sign(body.encode())
-        blob = base64.b64encode(key_hash(self.name, self.public_raw) + signature).decode()
-        return f"{body}\n{SIGNATURE_PREFIX}{self.name} {blob}\n"
+        return note_with_signature(body, self.name, self.public_raw, self._key.sign(body.encode()))
+
+    async def sign_note(self, body: str) -> str:
+        return self.sign(body)
+
+
+def note_with_signature(body: str, name: str, public_raw: bytes, signature: bytes) -> str:
+    """Assemble a signed note from a body and an Ed25519 signature over it."""
+    if not body.endswith("\n"):
+        raise ValueError("a note body ends with a newline")
+    blob = base64.b64encode(key_hash(name, public_raw) + signature).decode()
+    return f"{body}\n{SIGNATURE_PREFIX}{name} {blob}\n"
+
+
+def verifier_key_text(name: str, public_raw: bytes) -> str:
+    """``<name>+<hex key hash>+<base64(0x01 || public key)>``."""
+    encoded = base64.b64encode(ALG_ED25519 + public_raw).decode()
+    return f"{name}+{key_hash(name, public_raw).hex()}+{encoded}"
+
+
+class CheckpointSigner(Protocol):
+    """What signs checkpoints: a local Ed25519 key or a Cloud KMS EC_SIGN_ED25519 version."""
+
+    name: str
+    public_raw: bytes
+
+    def verifier_key(self) -> str: ...
+
+    async def sign_note(self, body: str) -> str: ...
 
 
 @dataclass(frozen=True)

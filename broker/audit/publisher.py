@@ -15,8 +15,9 @@ import logging
 import os
 from pathlib import Path
 
-from broker.audit.checkpoint import Checkpoint, NoteSigner
+from broker.audit.checkpoint import Checkpoint, CheckpointSigner
 from broker.audit.log import DecisionLog
+from broker.errors import UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,9 @@ def checkpoint_paths(log_path: Path) -> tuple[Path, Path]:
 
 
 class CheckpointPublisher:
-    def __init__(self, decisions: DecisionLog, signer: NoteSigner, *, interval: float) -> None:
+    def __init__(
+        self, decisions: DecisionLog, signer: CheckpointSigner, *, interval: float
+    ) -> None:
         self._log = decisions
         self._signer = signer
         self._interval = interval
@@ -36,14 +39,14 @@ class CheckpointPublisher:
         self._latest_size = -1
 
     @property
-    def signer(self) -> NoteSigner:
+    def signer(self) -> CheckpointSigner:
         return self._signer
 
     async def publish(self) -> str:
         """Sign and store a checkpoint of the committed tree now; returns the note."""
         size = self._log.committed_size
         root = self._log.tree.root(size)
-        note = self._signer.sign(Checkpoint(self._signer.name, size, root).body())
+        note = await self._signer.sign_note(Checkpoint(self._signer.name, size, root).body())
         await asyncio.to_thread(self._store, note, size)
         self.latest, self._latest_size = note, size
         return note
@@ -63,5 +66,5 @@ class CheckpointPublisher:
             if self._log.committed_size != self._latest_size:
                 try:
                     await self.publish()
-                except OSError:
-                    log.exception("checkpoint could not be written")
+                except (OSError, UpstreamError):
+                    log.exception("checkpoint could not be signed or written")

@@ -1,6 +1,7 @@
 """An in-memory Cloud KMS speaking the real gRPC API (google.cloud.kms.v1.KeyManagementService).
 
-Implements the RPCs the broker uses, Encrypt and Decrypt, the way the documentation says the
+Implements the RPCs the broker uses, Encrypt and Decrypt (symmetric KEKs), GetPublicKey and
+AsymmetricSign (EC_SIGN_ED25519 checkpoint keys), the way the documentation says the
 service behaves: CRC32C fields are checked when present (INVALID_ARGUMENT on mismatch) and
 echoed as ``verified_*`` flags; unknown keys are NOT_FOUND; disabled versions are
 FAILED_PRECONDITION; ciphertexts name the version that made them, so rotation keeps old
@@ -17,6 +18,8 @@ from typing import Any
 import google_crc32c
 import grpc
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.cloud import kms_v1
 
@@ -45,6 +48,11 @@ class FakeKms:
         self.corrupt_ciphertext = False
         self.skip_verification = False
         self.calls: list[str] = []
+        self.signing_keys: dict[str, ed25519.Ed25519PrivateKey] = {}  # version name -> key
+
+    def create_signing_key(self, version_name: str) -> None:
+        """An EC_SIGN_ED25519 key version (``…/cryptoKeys/K/cryptoKeyVersions/N``)."""
+        self.signing_keys[version_name] = ed25519.Ed25519PrivateKey.generate()
 
     def create_key(self, name: str) -> None:
         self.keys[name] = FakeKey(versions=[AESGCM.generate_key(bit_length=256)])
@@ -60,6 +68,12 @@ class FakeKms:
             {
                 "Encrypt": (self._encrypt, kms_v1.EncryptRequest, kms_v1.EncryptResponse),
                 "Decrypt": (self._decrypt, kms_v1.DecryptRequest, kms_v1.DecryptResponse),
+                "GetPublicKey": (self._public_key, kms_v1.GetPublicKeyRequest, kms_v1.PublicKey),
+                "AsymmetricSign": (
+                    self._sign,
+                    kms_v1.AsymmetricSignRequest,
+                    kms_v1.AsymmetricSignResponse,
+                ),
             },
         )
         return self.endpoint
@@ -143,6 +157,39 @@ class FakeKms:
             plaintext_crc32c=crc(plaintext),
             used_primary=version == key.primary,
             protection_level=kms_v1.ProtectionLevel.HSM,
+        )
+
+    async def _signing_key(self, context: Any, name: str, method: str) -> Any:
+        self.calls.append(method)
+        if self.unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is unavailable")
+        key = self.signing_keys.get(name)
+        if key is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{name} not found")
+        return key
+
+    async def _public_key(self, request: kms_v1.GetPublicKeyRequest, context: Any) -> Any:
+        key = await self._signing_key(context, request.name, "GetPublicKey")
+        pem = key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        return kms_v1.PublicKey(
+            pem=pem.decode(),
+            pem_crc32c=crc(pem),
+            algorithm=kms_v1.CryptoKeyVersion.CryptoKeyVersionAlgorithm.EC_SIGN_ED25519,
+            name=request.name,
+        )
+
+    async def _sign(self, request: kms_v1.AsymmetricSignRequest, context: Any) -> Any:
+        key = await self._signing_key(context, request.name, "AsymmetricSign")
+        raw = kms_v1.AsymmetricSignRequest.pb(request)
+        await _check(context, raw, "data_crc32c", request.data)
+        signature = key.sign(bytes(request.data))  # PureEdDSA over the data itself
+        return kms_v1.AsymmetricSignResponse(
+            signature=signature,
+            signature_crc32c=crc(signature),
+            verified_data_crc32c=raw.HasField("data_crc32c") and not self.skip_verification,
+            name=request.name,
         )
 
 

@@ -937,6 +937,55 @@ def surface_cases() -> list[Case]:
     return cases
 
 
+LOG_ROUTES = [
+    "/v1/log/checkpoint",
+    "/v1/log/entries",
+    "/v1/log/proof/inclusion?index=0&tree_size=1",
+    "/v1/log/proof/consistency?first=1&second=1",
+]
+
+
+def log_cases() -> list[Case]:
+    cases = [
+        Case(f"log{path.split('?')[0]}.auth=none", "GET", path, 401, "unauthorized")
+        for path in LOG_ROUTES
+    ]
+    cases += [
+        Case(
+            f"log{path.split('?')[0]}.post",
+            "POST",
+            path.split("?")[0],
+            405,
+            "method_not_allowed",
+            {},
+        )
+        for path in LOG_ROUTES
+    ]
+    bad = {
+        "inclusion.index_missing": "/v1/log/proof/inclusion?tree_size=1",
+        "inclusion.beyond": "/v1/log/proof/inclusion?index=0&tree_size=999999999",
+        "inclusion.index_eq_size": "/v1/log/proof/inclusion?index=1&tree_size=1",
+        "inclusion.negative": "/v1/log/proof/inclusion?index=-1&tree_size=1",
+        "inclusion.huge": "/v1/log/proof/inclusion?index=0&tree_size=99999999999999999999",
+        "inclusion.unicode_digit": "/v1/log/proof/inclusion?index=%D9%A1&tree_size=2",
+        "consistency.zero": "/v1/log/proof/consistency?first=0&second=1",
+        "consistency.reversed": "/v1/log/proof/consistency?first=2&second=1",
+        "consistency.text": "/v1/log/proof/consistency?first=a&second=b",
+        "entries.start_beyond": "/v1/log/entries?start=999999999",
+        "entries.start_text": "/v1/log/entries?start=abc",
+        "entries.end_negative": "/v1/log/entries?end=-5",
+    }
+    cases += [
+        Case(f"log.{name}", "GET", path, 400, "bad_request", admin=True)
+        for name, path in bad.items()
+    ]
+    cases.append(
+        Case("log.entries.ok", "GET", "/v1/log/entries?start=0&end=2", 200, None, admin=True)
+    )
+    cases.append(Case("log.checkpoint.ok", "GET", "/v1/log/checkpoint", 200, None, admin=True))
+    return cases
+
+
 ADMIN_ROUTES = [
     ("GET", "/v1/admin/keys"),
     ("POST", "/v1/admin/keys"),
@@ -1117,4 +1166,5 @@ def all_cases(max_body: int) -> list[Case]:
         *nonce_cases(),
         *surface_cases(),
         *admin_cases(),
+        *log_cases(),
     ]

@@ -154,3 +154,38 @@ async def test_log_routes_need_the_auditor_role(audited: RunningBroker, path: st
 async def test_impossible_proof_requests_are_400(audited: RunningBroker, query: str) -> None:
     status, body = await get(audited, query)
     assert (status, json.loads(body)["error"]["code"]) == (400, "bad_request")
+
+
+SIGNING_VERSION = (
+    "projects/broker-test/locations/global/keyRings/broker/cryptoKeys/log-signing/"
+    "cryptoKeyVersions/1"
+)
+
+
+async def test_checkpoints_signed_by_a_cloud_kms_key(start_broker: Any, fake_kms: Any) -> None:
+    fake_kms.create_signing_key(SIGNING_VERSION)
+    broker: RunningBroker = await start_broker(
+        environ={
+            "BROKER_KEYS_KMS_ENDPOINT": fake_kms.endpoint,
+            "BROKER_AUDIT_SIGNING_KEY": f"cloudkms:{SIGNING_VERSION}",
+            "BROKER_KEYS_UPSTREAM_TIMEOUT_SECONDS": "1",
+            "BROKER_ADMIN_TOKEN_SHA256": digest(AUDITOR),
+        }
+    )
+    public = fake_kms.signing_keys[SIGNING_VERSION].public_key()
+    from cryptography.hazmat.primitives import serialization  # noqa: PLC0415
+
+    from broker.audit.checkpoint import verifier_key_text  # noqa: PLC0415
+
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    verifier = NoteVerifier.parse(verifier_key_text(broker.settings.audit.origin, raw))
+    async with broker.client() as client:
+        released = await client.release(KEY, broker.token_source())
+    checkpoint = await checkpoint_covering(broker, verifier, released.log_index + 1)
+    assert checkpoint.size >= 1
+    assert "AsymmetricSign" in fake_kms.calls
+    fake_kms.unavailable = True  # signing fails: releases go on, the next checkpoint waits
+    async with broker.client() as client:
+        assert (
+            await client.release(KEY, broker.token_source())
+        ).log_index == released.log_index + 1

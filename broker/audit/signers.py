@@ -1,0 +1,37 @@
+"""The checkpoint signer ``[audit] signing_key`` names: a local Ed25519 PEM file, or a Cloud KMS
+EC_SIGN_ED25519 key version (``cloudkms:…``)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from broker.audit.checkpoint import CheckpointSigner, NoteSigner
+from broker.audit.kms_signer import PREFIX, KmsNoteSigner
+from broker.config import Settings
+
+
+async def open_checkpoint_signer(settings: Settings) -> CheckpointSigner | None:
+    """The configured signer, opened (``None`` without ``signing_key``).
+
+    Raises:
+        ConfigError: an unreadable or wrong key; UpstreamError: the KMS does not answer.
+    """
+    audit = settings.audit
+    if audit.signing_key is None:
+        return None
+    if audit.signing_key.startswith(PREFIX):
+        signer = KmsNoteSigner(
+            audit.origin,
+            audit.signing_key,
+            endpoint=settings.keys.kms_endpoint,
+            timeout_seconds=settings.keys.upstream_timeout_seconds,
+        )
+        await signer.open()
+        return signer
+    return await asyncio.to_thread(NoteSigner.from_pem, audit.origin, Path(audit.signing_key))
+
+
+async def close_checkpoint_signer(signer: CheckpointSigner | None) -> None:
+    if isinstance(signer, KmsNoteSigner):
+        await signer.close()
