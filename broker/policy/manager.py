@@ -120,11 +120,12 @@ class PolicyManager:
                     compiled = await asyncio.to_thread(self._prepare)
                     stamp = await asyncio.to_thread(self._stamp)
                     if compiled.digest != previous:
+                        # The record first: a change that cannot be logged does not go live.
+                        await self._record_change(previous, compiled.digest, trigger, who)
                         self.engine.swap(compiled)
                         outcome.changed = True
                         outcome.previous = previous
                         outcome.digest = compiled.digest
-                        await self._record_change(previous, compiled.digest, trigger, who)
                     self._watch_stamp = stamp
                 except (ConfigError, UpstreamError, OSError) as exc:
                     outcome.ok = False
