@@ -37,6 +37,7 @@ from broker.audit.log import DecisionLog
 from broker.audit.publisher import CheckpointPublisher
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.sink import AuditSink
+from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
 from broker.errors import ConfigError, UpstreamError
 from broker.keys.factory import open_key_service
@@ -105,8 +106,18 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         signer = await open_checkpoint_signer(settings)
         if signer is not None:
             stack.push_async_callback(close_checkpoint_signer, signer)
+            witnesses = [
+                Witness(url, WitnessKey.parse(key))
+                for url, key in zip(
+                    settings.audit.witnesses, settings.audit.witness_keys, strict=True
+                )
+            ]
             publisher = CheckpointPublisher(
-                audit, signer, interval=settings.audit.checkpoint_seconds
+                audit,
+                signer,
+                interval=settings.audit.checkpoint_seconds,
+                witnesses=witnesses,
+                session=session,
             )
             await publisher.publish()
             state.checkpoints = publisher

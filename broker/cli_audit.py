@@ -9,7 +9,7 @@ import base64
 import gc
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from broker.audit.log import LogCorrupt, log_files, repair_torn_tail, verify_byt
 from broker.audit.merkle import MerkleTree, leaf_hash, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
+from broker.audit.witness import WitnessKey
 from broker.config import load_settings
 from broker.errors import ConfigError
 from broker.jsonsafe import loads_bounded
@@ -37,6 +38,12 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     verify.add_argument("--checkpoint", type=Path, help="a signed checkpoint (note) to check")
     verify.add_argument("--key", help="the verifier key (<name>+<hash>+<key>)")
     verify.add_argument("--head", help="a record hash known from earlier that must be present")
+    verify.add_argument(
+        "--witness-key",
+        action="append",
+        default=[],
+        help="a witness's cosignature key; the checkpoint must be cosigned by each (repeatable)",
+    )
     verify.set_defaults(run=_verify)
     repair = audit.add_parser("repair", help="cut a torn final record left by a crash")
     repair.add_argument("path", type=Path)
@@ -110,13 +117,20 @@ def _tree(lines: list[bytes]) -> MerkleTree:
 
 def _verify(args: argparse.Namespace) -> int:
     note = None if args.checkpoint is None else _read(args.checkpoint, "--checkpoint").decode()
-    report = verify_log(args.logs, note=note, key=args.key, head=args.head)
+    report = verify_log(
+        args.logs, note=note, key=args.key, head=args.head, witness_keys=args.witness_key
+    )
     print(json.dumps(report))
     return 0 if report["ok"] else EXIT_NO
 
 
 def verify_log(
-    logs: list[Path], *, note: str | None, key: str | None, head: str | None = None
+    logs: list[Path],
+    *,
+    note: str | None,
+    key: str | None,
+    head: str | None = None,
+    witness_keys: Sequence[str] = (),
 ) -> dict[str, Any]:
     """What ``broker audit verify`` reports: recompute the tree; with a signed checkpoint,
     check its signature and that the log is consistent with it; without, check the chain."""
@@ -132,6 +146,7 @@ def verify_log(
             report["head"] = verify_bytes(data, expected_head=head).head.hash
         else:
             report |= _against_checkpoint(logs[0], note, key, tree)
+            report |= _cosigned(note, witness_keys)
     except LogCorrupt as exc:
         report = {"ok": False, "first_bad_index": exc.line - 1, "problem": exc.problem}
     finally:
@@ -162,6 +177,20 @@ def _against_checkpoint(log: Path, note: str, key: str | None, tree: MerkleTree)
             f"root differs from the checkpoint's (intact through {good} records)",
         )
     return {"checkpoint_size": checkpoint.size}
+
+
+def _cosigned(note: str, witness_keys: Sequence[str]) -> dict[str, Any]:
+    body = note[: note.rfind("\n\n") + 1]
+    names = []
+    for text in witness_keys:
+        try:
+            witness = WitnessKey.parse(text)
+        except NoteError as exc:
+            raise ConfigError("--witness-key", str(exc)) from exc
+        if not witness.cosigned(note, body):
+            raise LogCorrupt(1, f"the checkpoint is not cosigned by witness {witness.name}")
+        names.append(witness.name)
+    return {"witnesses": names} if names else {}
 
 
 def _last_good_size(log: Path, verifier: NoteVerifier, tree: MerkleTree, *, below: int) -> int:

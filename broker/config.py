@@ -146,6 +146,8 @@ class AuditSettings:
     checkpoint_seconds: float = 1.0  # a new checkpoint at most this often, after new records
     sink: str | None = None  # "syslog://host:514" | "https://siem/ingest": best-effort stream
     segment_bytes: int = 256 * 1024 * 1024  # rotate into <log>.000001, … past this; 0: never
+    witnesses: tuple[str, ...] = ()  # tlog-witness URLs: each checkpoint is offered for cosigning
+    witness_keys: tuple[str, ...] = ()  # their cosignature/v1 keys, in the same order
     # JSON pointers into the policy input replaced by their SHA-256 in records (broker.audit.mask)
     mask: tuple[str, ...] = ()
 
@@ -416,6 +418,11 @@ def _validate_policy(policy: PolicySettings) -> None:
 def _validate_audit(audit: AuditSettings) -> None:
     if audit.checkpoint_seconds <= 0 or audit.segment_bytes < 0:
         raise ConfigError("audit", "checkpoint_seconds must be positive, segment_bytes >= 0")
+    if len(audit.witnesses) != len(audit.witness_keys):
+        raise ConfigError("audit.witness_keys", "one key per witness URL, in the same order")
+    for url in audit.witnesses:
+        if not _url_allowed(url):
+            raise ConfigError("audit.witnesses", "https URLs (http only on loopback)")
     if audit.sink is not None:
         parts = urlsplit(audit.sink)
         if parts.scheme == "syslog" and parts.hostname:

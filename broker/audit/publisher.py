@@ -13,10 +13,14 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
+
+import aiohttp
 
 from broker.audit.checkpoint import Checkpoint, CheckpointSigner
 from broker.audit.log import DecisionLog
+from broker.audit.witness import Witness, request_cosignature
 from broker.errors import UpstreamError
 
 log = logging.getLogger(__name__)
@@ -30,11 +34,19 @@ def checkpoint_paths(log_path: Path) -> tuple[Path, Path]:
 
 class CheckpointPublisher:
     def __init__(
-        self, decisions: DecisionLog, signer: CheckpointSigner, *, interval: float
+        self,
+        decisions: DecisionLog,
+        signer: CheckpointSigner,
+        *,
+        interval: float,
+        witnesses: Sequence[Witness] = (),
+        session: aiohttp.ClientSession | None = None,
     ) -> None:
         self._log = decisions
         self._signer = signer
         self._interval = interval
+        self._witnesses = list(witnesses)
+        self._session = session
         self.latest: str | None = None
         self._latest_size = -1
 
@@ -46,7 +58,20 @@ class CheckpointPublisher:
         """Sign and store a checkpoint of the committed tree now; returns the note."""
         size = self._log.committed_size
         root = self._log.tree.root(size)
-        note = await self._signer.sign_note(Checkpoint(self._signer.name, size, root).body())
+        body = Checkpoint(self._signer.name, size, root).body()
+        note = await self._signer.sign_note(body)
+        if self._session is not None and size > 0:
+            for witness in self._witnesses:  # best effort, one at a time
+                line = await request_cosignature(
+                    self._session,
+                    witness,
+                    note=note,
+                    body=body,
+                    size=size,
+                    proof_from=lambda old: self._log.tree.consistency_proof(old, size),
+                )
+                if line is not None:
+                    note += line
         await asyncio.to_thread(self._store, note, size)
         self.latest, self._latest_size = note, size
         return note
