@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -128,20 +129,8 @@ class NoteVerifier:
         Raises:
             NoteError: not such a key, or its hash does not match its name and key.
         """
-        parts = text.strip().split("+", 2)  # the base64 key may contain "+" itself
-        if len(parts) != 3:
-            raise NoteError("a verifier key is <name>+<hash>+<key>")
-        name, digest, encoded = parts
-        try:
-            raw = base64.b64decode(encoded, validate=True)
-            expected = bytes.fromhex(digest)
-        except ValueError as exc:
-            raise NoteError("the verifier key's hash or key is not encoded right") from exc
-        if len(raw) != 33 or raw[:1] != ALG_ED25519:
-            raise NoteError("only Ed25519 verifier keys are supported")
-        if key_hash(name, raw[1:]) != expected:
-            raise NoteError("the verifier key's hash does not match its name and key")
-        return cls(name, expected, ed25519.Ed25519PublicKey.from_public_bytes(raw[1:]))
+        name, expected, public = parse_key_text(text, ALG_ED25519, key_hash)
+        return cls(name, expected, public)
 
     def open(self, note: str) -> str:
         """The note's body, if a signature line by this key verifies.
@@ -173,6 +162,31 @@ class NoteVerifier:
                 raise NoteError("the signature does not verify") from exc
             return body
         raise NoteError(f"no signature by {self.name}")
+
+
+def parse_key_text(
+    text: str, algorithm: bytes, key_id: Callable[[str, bytes], bytes]
+) -> tuple[str, bytes, ed25519.Ed25519PublicKey]:
+    """``<name>+<hex key id>+<base64(algorithm || Ed25519 public key)>`` (signed-note verifier
+    keys use algorithm 0x01, cosignature/v1 witness keys 0x04).
+
+    Raises:
+        NoteError: not such a key, or its id does not match its name and key.
+    """
+    parts = text.strip().split("+", 2)  # the base64 key may contain "+" itself
+    if len(parts) != 3:
+        raise NoteError("a key is <name>+<key id>+<key>")
+    name, digest, encoded = parts
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+        expected = bytes.fromhex(digest)
+    except ValueError as exc:
+        raise NoteError("the key's id or key is not encoded right") from exc
+    if len(raw) != 33 or raw[:1] != algorithm:
+        raise NoteError(f"only Ed25519 keys of algorithm {algorithm.hex()} are supported here")
+    if key_id(name, raw[1:]) != expected:
+        raise NoteError("the key's id does not match its name and key")
+    return name, expected, ed25519.Ed25519PublicKey.from_public_bytes(raw[1:])
 
 
 def parse_checkpoint(body: str, *, origin: str | None = None) -> Checkpoint:

@@ -27,7 +27,7 @@ import aiohttp
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.audit.checkpoint import SIGNATURE_PREFIX, NoteError
+from broker.audit.checkpoint import SIGNATURE_PREFIX, parse_key_text
 
 log = logging.getLogger(__name__)
 ALG_COSIGNATURE_V1 = b"\x04"
@@ -68,20 +68,8 @@ class WitnessKey:
     @classmethod
     def parse(cls, text: str) -> WitnessKey:
         """Raises: NoteError for anything but a cosignature/v1 Ed25519 key of matching id."""
-        parts = text.strip().split("+", 2)
-        if len(parts) != 3:
-            raise NoteError("a witness key is <name>+<key id>+<key>")
-        name, key_id, encoded = parts
-        try:
-            raw = base64.b64decode(encoded, validate=True)
-            expected = bytes.fromhex(key_id)
-        except ValueError as exc:
-            raise NoteError("the witness key is not encoded right") from exc
-        if len(raw) != 33 or raw[:1] != ALG_COSIGNATURE_V1:
-            raise NoteError("only cosignature/v1 (Ed25519) witness keys are supported")
-        if cosignature_key_id(name, raw[1:]) != expected:
-            raise NoteError("the witness key's id does not match its name and key")
-        return cls(name, expected, ed25519.Ed25519PublicKey.from_public_bytes(raw[1:]))
+        name, expected, public = parse_key_text(text, ALG_COSIGNATURE_V1, cosignature_key_id)
+        return cls(name, expected, public)
 
     def cosigned(self, note: str, body: str) -> bool:
         """Whether ``note`` carries a valid cosignature by this witness over ``body``."""
