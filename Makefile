@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 # The pinned OPA compiles policies to Wasm (the broker's engine) and runs the Rego unit tests.
 OPA_VERSION := v1.22.4
 OPA := $(BIN)/opa
+# Debian packages the tests need (installed by `make test` when missing).
+SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
+REDIS := /usr/bin/redis-server
 
 .PHONY: demo test lint typecheck pytest policy-test bench clean
 
@@ -18,7 +21,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) $(OPA)
 	$(BIN)/broker demo
 
-test: $(STAMP) $(OPA) $(SOFTHSM) lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) lint typecheck policy-test pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check broker tests bench
@@ -28,10 +31,14 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # SoftHSM2 (PKCS#11 tests) comes from Debian; CI and developers run as root here.
-SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
 $(SOFTHSM):
 	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq softhsm2) \
 	  || (echo "install SoftHSM2 (package softhsm2) for the PKCS#11 tests" >&2; exit 1)
+
+# redis-server (shared nonce store tests) comes from Debian too; the tests start their own.
+$(REDIS):
+	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq redis-server) \
+	  || (echo "install redis-server for the shared nonce store tests" >&2; exit 1)
 
 $(OPA): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/open-policy-agent/opa@$(OPA_VERSION)
@@ -39,7 +46,7 @@ $(OPA): | $(STAMP)
 policy-test: $(STAMP) $(OPA)
 	$(BIN)/broker policy test policies --opa $(OPA)
 
-pytest: $(STAMP) $(OPA) $(SOFTHSM)
+pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS)
 	$(BIN)/pytest
 
 bench: $(STAMP) $(OPA)

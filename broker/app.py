@@ -42,7 +42,7 @@ from broker.config import Settings
 from broker.errors import ConfigError, UpstreamError
 from broker.keys.factory import open_key_service
 from broker.metrics import Metrics
-from broker.nonces import MemoryNonceStore
+from broker.nonce_stores import open_nonce_store
 from broker.policy.manager import PolicyManager
 from broker.release import ReleaseService
 
@@ -62,9 +62,11 @@ def create_app(settings: Settings, *, clock: Clock = utc_now) -> web.Application
     app[STATE] = BrokerState(
         settings=settings,
         clock=clock,
-        nonces=MemoryNonceStore(
+        nonces=open_nonce_store(
+            settings.nonces.store,
             ttl=timedelta(seconds=settings.server.nonce_ttl_seconds),
             capacity=settings.server.max_outstanding_nonces,
+            timeout=settings.nonces.timeout_seconds,
         ),
     )
     app.cleanup_ctx.append(_resources)
@@ -77,6 +79,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = state.settings
     async with AsyncExitStack() as stack:
         session = await stack.enter_async_context(aiohttp.ClientSession())
+        stack.push_async_callback(state.nonces.close)
         keys = await stack.enter_async_context(open_key_service(settings.keys))
         audit = DecisionLog(settings.audit.log, segment_bytes=settings.audit.segment_bytes)
         await audit.open()
@@ -101,6 +104,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             "policy": engine.digest,
             "keys": settings.keys.store.split(":", 1)[0],
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
+            "nonces": _store_kind(settings.nonces.store),
         }
         background = [asyncio.create_task(policies.watch(), name="policy-watch")]
         signer = await open_checkpoint_signer(settings)
@@ -243,3 +247,8 @@ def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
         raise ConfigError("server.tls_cert", "TLS needs tls_cert and tls_key")
     context.load_cert_chain(server.tls_cert, server.tls_key)
     return context
+
+
+def _store_kind(uri: str) -> str:
+    """What ``/readyz`` shows of a store URI: its scheme, never credentials in it."""
+    return uri.split(":", 1)[0]

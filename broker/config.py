@@ -153,6 +153,18 @@ class AuditSettings:
 
 
 @dataclass(frozen=True)
+class NonceSettings:
+    """``[nonces]``: where challenge nonces live (TTL and cap stay in ``[server]``).
+
+    ``memory`` serves one process; ``sqlite:///PATH`` processes on one host; ``redis://…``
+    replicas. Every use of a nonce, in any process or replica, goes through this one store.
+    """
+
+    store: str = "memory"
+    timeout_seconds: float = 2.0  # per store call; no answer is 503 nonce_store_unavailable
+
+
+@dataclass(frozen=True)
 class AdminSettings:
     """Admin API credentials: SHA-256 (hex) of each accepted bearer token.
 
@@ -189,6 +201,7 @@ class Settings:
     audit: AuditSettings = field(default_factory=AuditSettings)
     nvidia: NvidiaSettings = field(default_factory=NvidiaSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
+    nonces: NonceSettings = field(default_factory=NonceSettings)
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -240,7 +253,7 @@ def settings_from_mapping(
         ConfigError: naming the first bad key.
     """
     env = os.environ if environ is None else environ
-    known = {"server", "issuers", "policy", "keys", "audit", "nvidia", "admin"}
+    known = {"server", "issuers", "policy", "keys", "audit", "nvidia", "admin", "nonces"}
     for key in raw:
         if key not in known:
             raise ConfigError(key, "unknown section")
@@ -251,6 +264,10 @@ def settings_from_mapping(
     if audit.signing_key and not audit.signing_key.startswith("cloudkms:"):  # a file: resolve it
         audit = replace(audit, signing_key=str(_resolve(base_dir, audit.signing_key)))
     nvidia = _section(NvidiaSettings, "nvidia", raw, env, base_dir)
+    nonces = _section(NonceSettings, "nonces", raw, env, base_dir)
+    if nonces.store.startswith("sqlite:///"):  # a relative path is relative to the config
+        path = _resolve(base_dir, nonces.store.removeprefix("sqlite:///"))
+        nonces = replace(nonces, store=f"sqlite://{path}")
     admin_raw = dict(raw.get("admin", {})) if isinstance(raw.get("admin", {}), dict) else {}
     token_tables = admin_raw.pop("tokens", [])
     admin = _section(AdminSettings, "admin", {"admin": admin_raw}, env, base_dir)
@@ -264,6 +281,7 @@ def settings_from_mapping(
         audit=audit,
         nvidia=nvidia,
         admin=admin,
+        nonces=nonces,
     )
     _validate(settings)
     return settings
@@ -392,6 +410,7 @@ def _validate(settings: Settings) -> None:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     _validate_nvidia(settings.nvidia)
+    _validate_nonces(settings.nonces)
     if sum(1 for i in settings.issuers if i.kind == "nras") > 1:
         raise ConfigError("issuers", "at most one nras issuer entry")
 
@@ -429,6 +448,19 @@ def _validate_audit(audit: AuditSettings) -> None:
             return
         if not _url_allowed(audit.sink):
             raise ConfigError("audit.sink", "syslog://HOST:PORT or https://… (http on loopback)")
+
+
+def _validate_nonces(nonces: NonceSettings) -> None:
+    store = nonces.store
+    parts = urlsplit(store)
+    if not (
+        store == "memory"
+        or (store.startswith("sqlite:///") and len(store) > len("sqlite:///"))
+        or (parts.scheme in {"redis", "rediss"} and parts.hostname)
+    ):
+        raise ConfigError("nonces.store", "expected memory, sqlite:///PATH or redis://HOST:PORT/DB")
+    if not nonces.timeout_seconds > 0:
+        raise ConfigError("nonces.timeout_seconds", "must be positive")
 
 
 def _validate_keys(keys: KeySettings) -> None:

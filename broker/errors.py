@@ -77,6 +77,7 @@ class ErrorCode(StrEnum):
     POLICY_INVALID = "policy_invalid"  # a reload refused: the last good policy keeps serving
     # upstreams (nothing released)
     NONCE_STORE_FULL = "nonce_store_full"
+    NONCE_STORE_UNAVAILABLE = "nonce_store_unavailable"
     JWKS_UNAVAILABLE = "jwks_unavailable"
     POLICY_UNAVAILABLE = "policy_unavailable"
     KEK_UNAVAILABLE = "kek_unavailable"

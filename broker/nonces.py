@@ -5,7 +5,14 @@ is reported as ``nonce_reused`` rather than ``nonce_unknown``. Both outstanding 
 tombstones count toward the bound; when it is reached, new challenges are refused (503
 ``nonce_store_full``) instead of evicting live nonces an attacker could otherwise flush out.
 
-The memory store serves one process; replicas share a Redis store (same protocol).
+Where the store lives is chosen by ``[nonces] store`` (docs/configuration.md):
+
+* ``memory`` — one process (the default);
+* ``sqlite:///PATH`` — several processes on one host, single use by SQLite's write lock;
+* ``redis://HOST:PORT/DB`` — several replicas, single use by an atomic script, expiry by Redis.
+
+A store that cannot answer raises ``503 nonce_store_unavailable``: a nonce is never accepted
+without the store having marked it spent.
 """
 
 from __future__ import annotations
@@ -38,6 +45,36 @@ class NonceStore(Protocol):
         """Atomically mark ``nonce`` used; raise ``nonce_unknown`` or ``nonce_reused``."""
         ...
 
+    async def check(self) -> None:
+        """Raise ``UpstreamError`` when the store cannot answer (``/readyz``)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def new_nonce() -> str:
+    return b64url_encode(secrets.token_bytes(NONCE_BYTES))
+
+
+def unknown_nonce() -> AttestationError:
+    return AttestationError(
+        "nonce was not issued by this broker or has expired", code=ErrorCode.NONCE_UNKNOWN
+    )
+
+
+def reused_nonce() -> AttestationError:
+    return AttestationError("nonce was already used", code=ErrorCode.NONCE_REUSED)
+
+
+def store_full() -> UpstreamError:
+    return UpstreamError(
+        "too many outstanding challenges; retry shortly", code=ErrorCode.NONCE_STORE_FULL
+    )
+
+
+def store_unavailable() -> UpstreamError:
+    return UpstreamError("the nonce store did not answer", code=ErrorCode.NONCE_STORE_UNAVAILABLE)
+
 
 class MemoryNonceStore:
     """Single-process nonce store. Operations are atomic: no ``await`` inside them."""
@@ -54,10 +91,8 @@ class MemoryNonceStore:
     async def issue(self, now: datetime) -> Challenge:
         self._purge(now)
         if len(self._entries) >= self._capacity:
-            raise UpstreamError(
-                "too many outstanding challenges; retry shortly", code=ErrorCode.NONCE_STORE_FULL
-            )
-        nonce = b64url_encode(secrets.token_bytes(NONCE_BYTES))
+            raise store_full()
+        nonce = new_nonce()
         expires_at = now + self._ttl
         self._entries[nonce] = (expires_at, False)
         return Challenge(nonce=nonce, expires_at=expires_at)
@@ -66,14 +101,17 @@ class MemoryNonceStore:
         self._purge(now)
         entry = self._entries.get(nonce) if len(nonce) <= MAX_NONCE_CHARS else None
         if entry is None:
-            raise AttestationError(
-                "nonce was not issued by this broker or has expired",
-                code=ErrorCode.NONCE_UNKNOWN,
-            )
+            raise unknown_nonce()
         expires_at, consumed = entry
         if consumed:
-            raise AttestationError("nonce was already used", code=ErrorCode.NONCE_REUSED)
+            raise reused_nonce()
         self._entries[nonce] = (expires_at, True)
+
+    async def check(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
 
     def _purge(self, now: datetime) -> None:
         while self._entries:

@@ -46,6 +46,10 @@ async def readyz(request: web.Request) -> web.Response:
     except UpstreamError:
         problems.append("the key store does not answer")
         versions = []
+    try:
+        await state.nonces.check()
+    except UpstreamError:
+        problems.append("the nonce store does not answer")
     query_keys = sorted({v.name for v in versions if v.purpose is Purpose.QUERY})
     if query_keys and state.statement_signer is None:
         problems.append(

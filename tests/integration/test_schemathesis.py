@@ -57,8 +57,11 @@ async def test_schemathesis_finds_no_server_error_or_schema_violation(
         "10",
         "--max-time",
         "45",
+        # One worker: with two threads, hypothesis's concurrent ast.parse trips a CPython 3.11
+        # bug ("SystemError: AST constructor recursion depth mismatch", gh-106905) that fails the
+        # run for reasons that have nothing to do with the broker.
         "--workers",
-        "2",
+        "1",
         "--no-color",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

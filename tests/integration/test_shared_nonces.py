@@ -1,0 +1,321 @@
+"""Shared nonce stores on real back ends: a SQLite file and a real ``redis-server`` on loopback.
+
+Single use must hold across processes and replicas, and a store that does not answer must be
+``503 nonce_store_unavailable`` — never an accepted nonce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from broker.client.sdk import new_ephemeral_key
+from broker.config import ConfigError, load_settings
+from broker.crypto.jwk import public_jwk, thumbprint
+from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
+from broker.errors import AttestationError, ErrorCode, UpstreamError
+from broker.nonce_stores import open_nonce_store
+from broker.nonces import NonceStore
+from tests.integration.conftest import ALLOWED, KEY, RunningBroker, write_config
+
+ROOT = Path(__file__).parents[2]
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+TTL = timedelta(seconds=120)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on 127.0.0.1, no persistence, stopped after the module."""
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    process = subprocess.Popen(
+        [
+            *(REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--save", ""),
+            *("--appendonly", "no", "--dir", str(workdir), "--maxmemory-policy", "noeviction"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            pytest.fail("redis-server did not start")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 'nonces.db'}"
+    url: str = request.getfixturevalue("redis_url")
+    return url
+
+
+def open_store(uri: str, ttl: timedelta = TTL, capacity: int = 1000) -> NonceStore:
+    return open_nonce_store(uri, ttl=ttl, capacity=capacity, timeout=2.0)
+
+
+async def test_single_use_semantics(store_uri: str) -> None:
+    store = open_store(store_uri)
+    try:
+        now = datetime.now(UTC)
+        issued = await store.issue(now)
+        await store.consume(issued.nonce, now)
+        with pytest.raises(AttestationError) as reused:
+            await store.consume(issued.nonce, now)
+        assert reused.value.code is ErrorCode.NONCE_REUSED
+        with pytest.raises(AttestationError) as unknown:
+            await store.consume("A" * 43, now)
+        assert unknown.value.code is ErrorCode.NONCE_UNKNOWN
+        with pytest.raises(AttestationError) as oversized:
+            await store.consume("A" * 10_000, now)
+        assert oversized.value.code is ErrorCode.NONCE_UNKNOWN
+        await store.check()
+    finally:
+        await store.close()
+
+
+async def test_expired_nonce_is_unknown(store_uri: str) -> None:
+    store = open_store(store_uri, ttl=timedelta(milliseconds=300))
+    try:
+        now = datetime.now(UTC)
+        issued = await store.issue(now)
+        await asyncio.sleep(0.5)  # Redis expires by its own clock; SQLite by the broker's
+        with pytest.raises(AttestationError) as expired:
+            await store.consume(issued.nonce, datetime.now(UTC))
+        assert expired.value.code is ErrorCode.NONCE_UNKNOWN
+    finally:
+        await store.close()
+
+
+async def test_one_winner_among_concurrent_uses_through_two_store_instances(
+    store_uri: str,
+) -> None:
+    """Two independent connections (as two processes hold) race 200 uses of one nonce."""
+    first, second = open_store(store_uri), open_store(store_uri)
+    try:
+        now = datetime.now(UTC)
+        issued = await first.issue(now)
+
+        async def use(store: NonceStore) -> str:
+            try:
+                await store.consume(issued.nonce, now)
+            except AttestationError as exc:
+                return exc.code.value
+            return "ok"
+
+        outcomes = await asyncio.gather(*(use((first, second)[i % 2]) for i in range(200)))
+        assert outcomes.count("ok") == 1
+        assert set(outcomes) == {"ok", "nonce_reused"}
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_sqlite_store_enforces_the_outstanding_cap(tmp_path: Path) -> None:
+    store = open_store(f"sqlite://{tmp_path / 'n.db'}", capacity=2)
+    try:
+        now = datetime.now(UTC)
+        await store.issue(now)
+        await store.issue(now)
+        with pytest.raises(UpstreamError) as full:
+            await store.issue(now)
+        assert full.value.code is ErrorCode.NONCE_STORE_FULL
+        later = now + TTL + timedelta(seconds=1)  # expired entries free their places
+        await store.issue(later)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+async def test_unreachable_store_is_503_never_accepted(kind: str, tmp_path: Path) -> None:
+    if kind == "redis":
+        uri = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    else:
+        uri = f"sqlite://{tmp_path / 'a-directory.db'}"
+        (tmp_path / "a-directory.db").mkdir()  # a directory cannot be opened as a database
+    store = open_store(uri)
+    try:
+        now = datetime.now(UTC)
+        for call in (store.issue(now), store.consume("A" * 43, now), store.check()):
+            with pytest.raises(UpstreamError) as failed:
+                await call
+            assert failed.value.code is ErrorCode.NONCE_STORE_UNAVAILABLE
+    finally:
+        await store.close()
+
+
+def test_config_validates_the_store_uri(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "b", DevIssuer(dev_mode=True))
+    for bad in ("postgres://x", "sqlite://relative", "redis://", "memcached://h"):
+        with pytest.raises(ConfigError, match=r"nonces\.store"):
+            load_settings(config, {"BROKER_NONCES_STORE": bad})
+    relative = load_settings(config, {"BROKER_NONCES_STORE": "sqlite:///state/nonces.db"})
+    assert relative.nonces.store == "sqlite://" + str(tmp_path / "b" / "state" / "nonces.db")
+    assert load_settings(config, {}).nonces.store == "memory"
+
+
+async def test_broker_with_a_dead_redis_refuses_with_503_and_logs_the_denial(
+    start_broker: Callable[..., Any],
+) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    live: RunningBroker = await start_broker()
+    broken: RunningBroker = await start_broker(
+        reuse=(live.workdir / "broker.toml", live.issuer),
+        environ={"BROKER_NONCES_STORE": dead, "BROKER_NONCES_TIMEOUT_SECONDS": "0.5"},
+    )
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            broken.url + "/v1/challenge", json={}, ssl=broken.client_tls
+        ) as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["code"] == "nonce_store_unavailable"
+        # A nonce the healthy broker issued is not accepted by the one whose store is down.
+        body = await release_body(session, live.url, live.client_tls, live.issuer)
+        async with session.post(
+            broken.url + "/v1/release", json=body, ssl=broken.client_tls
+        ) as response:
+            text = await response.text()
+            assert response.status == 503, text
+            assert json.loads(text)["error"]["code"] == "nonce_store_unavailable"
+            assert "wrapped_key" not in text
+        async with session.get(broken.url + "/readyz", ssl=broken.client_tls) as response:
+            assert response.status == 503
+            assert "nonce store" in (await response.json())["error"]["message"]
+    records = broken.records()
+    assert records[-1]["result"] == "error"  # a dependency failed: not a policy denial
+    assert records[-1]["code"] == "nonce_store_unavailable"
+
+
+async def release_body(
+    session: aiohttp.ClientSession, url: str, tls: ssl.SSLContext, issuer: DevIssuer
+) -> dict[str, Any]:
+    """A well-formed release request whose token binds a nonce ``url`` issued."""
+    async with session.post(url + "/v1/challenge", json={}, ssl=tls) as response:
+        assert response.status == 200
+        challenge = await response.json()
+    jwk = public_jwk(new_ephemeral_key().public_key())
+    source = DevTokenSource(issuer, Workload(image_digest=ALLOWED), lambda: datetime.now(UTC))  # type: ignore[arg-type]
+    token = await source.token(challenge["audience"], [challenge["nonce"], thumbprint(jwk)])
+    return {"key": KEY, "nonce": challenge["nonce"], "evidence": {"gca": token}, "runner_key": jwk}
+
+
+# --- two replicas: separate processes, separate ports and logs, one store ----------------------
+
+
+def serve(config: Path, port: int, log: Path, store: str) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
+        "BROKER_AUDIT_LOG": str(log),
+        "BROKER_NONCES_STORE": store,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_ready(port: int, tls: ssl.SSLContext) -> None:
+    for _ in range(200):
+        try:
+            with urllib.request.urlopen(
+                f"https://127.0.0.1:{port}/readyz", context=tls, timeout=2
+            ) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail(f"replica on port {port} did not become ready")
+
+
+@pytest.mark.timeout(180)
+async def test_two_replicas_release_a_nonce_exactly_once(store_uri: str, tmp_path: Path) -> None:
+    issuer = DevIssuer(dev_mode=True)
+    config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
+    created = await asyncio.to_thread(
+        subprocess.run,
+        [
+            *(sys.executable, "-m", "broker.cli", "keys", "create", KEY),
+            *("--purpose", "model-weights", "--config", str(config)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert created.returncode == 0, created.stderr
+    tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
+    ports = [free_port(), free_port()]
+    logs = [tmp_path / f"replica-{i}.log" for i in range(2)]
+    replicas = [serve(config, port, log, store_uri) for port, log in zip(ports, logs, strict=True)]
+    try:
+        for port in ports:
+            await asyncio.to_thread(wait_ready, port, tls)
+        urls = [f"https://127.0.0.1:{port}" for port in ports]
+        connector = aiohttp.TCPConnector(limit=64)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            # Round-robin: a nonce issued by one replica is honoured by the other.
+            body = await release_body(session, urls[0], tls, issuer)
+            async with session.post(urls[1] + "/v1/release", json=body, ssl=tls) as response:
+                assert response.status == 200, await response.text()
+
+            body = await release_body(session, urls[1], tls, issuer)
+
+            async def attempt(i: int) -> tuple[int, str]:
+                async with session.post(
+                    urls[i % 2] + "/v1/release", json=body, ssl=tls
+                ) as response:
+                    payload = await response.json()
+                    return response.status, payload.get("error", {}).get("code", "ok")
+
+            results = await asyncio.gather(*(attempt(i) for i in range(200)))
+        assert [status for status, _ in results].count(200) == 1
+        assert {code for status, code in results if status != 200} == {"nonce_reused"}
+    finally:
+        for process in replicas:
+            process.send_signal(signal.SIGTERM)
+        for process in replicas:
+            _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
+            assert process.returncode == 0, stderr[-2000:]
+    allows = []
+    for log in logs:
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        allows += [r for r in records if r.get("type") == "release" and r["result"] == "allow"]
+    assert len(allows) == 2  # the round-robin release and the one winner
