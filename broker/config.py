@@ -152,12 +152,18 @@ class AuditSettings:
     mask: tuple[str, ...] = ()
 
 
+NONCE_STORE_FORMS = (
+    "expected memory, sqlite:///PATH, redis://HOST:PORT/DB or postgresql://USER@HOST/DB"
+)
+
+
 @dataclass(frozen=True)
 class NonceSettings:
     """``[nonces]``: where challenge nonces live (TTL and cap stay in ``[server]``).
 
-    ``memory`` serves one process; ``sqlite:///PATH`` processes on one host; ``redis://…``
-    replicas. Every use of a nonce, in any process or replica, goes through this one store.
+    ``memory`` serves one process; ``sqlite:///PATH`` processes on one host; ``redis://…`` or
+    ``postgresql://…`` replicas. Every use of a nonce, in any process or replica, goes through
+    this one store.
     """
 
     store: str = "memory"
@@ -457,8 +463,9 @@ def _validate_nonces(nonces: NonceSettings) -> None:
         store == "memory"
         or (store.startswith("sqlite:///") and len(store) > len("sqlite:///"))
         or (parts.scheme in {"redis", "rediss"} and parts.hostname)
+        or (parts.scheme in {"postgresql", "postgres"} and parts.hostname)
     ):
-        raise ConfigError("nonces.store", "expected memory, sqlite:///PATH or redis://HOST:PORT/DB")
+        raise ConfigError("nonces.store", NONCE_STORE_FORMS)
     if not nonces.timeout_seconds > 0:
         raise ConfigError("nonces.timeout_seconds", "must be positive")
 

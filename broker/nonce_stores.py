@@ -1,4 +1,4 @@
-"""Shared nonce stores: SQLite (processes on one host) and Redis (replicas); the factory.
+"""Shared nonce stores: SQLite (processes on one host), Redis and PostgreSQL (replicas).
 
 Both keep the memory store's contract (``broker.nonces.NonceStore``): a nonce is spent by one
 atomic step in the store itself, so of any number of concurrent uses across processes and
@@ -16,9 +16,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from broker.config import NONCE_STORE_FORMS
 from broker.errors import ConfigError
 from broker.nonces import (
     MAX_NONCE_CHARS,
@@ -43,7 +45,9 @@ def open_nonce_store(uri: str, *, ttl: timedelta, capacity: int, timeout: float)
         )
     if uri.startswith(("redis://", "rediss://")):
         return RedisNonceStore(uri, ttl=ttl, timeout=timeout)
-    raise ConfigError("nonces.store", "expected memory, sqlite:///PATH or redis://HOST:PORT/DB")
+    if uri.startswith(("postgresql://", "postgres://")):
+        return PostgresNonceStore(uri, ttl=ttl, capacity=capacity, timeout=timeout)
+    raise ConfigError("nonces.store", NONCE_STORE_FORMS)
 
 
 _SCHEMA = """
@@ -215,3 +219,111 @@ class RedisNonceStore:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+_PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS broker_nonces (
+    nonce text PRIMARY KEY,
+    expires_at timestamptz NOT NULL,
+    consumed boolean NOT NULL DEFAULT false
+);
+CREATE INDEX IF NOT EXISTS broker_nonces_expiry ON broker_nonces (expires_at);
+"""
+_PG_SCHEMA_LOCK = 0x6E6F6E6365  # pg_advisory_xact_lock key: replicas create the table one at a time
+
+
+class PostgresNonceStore:
+    """Replicas share a PostgreSQL table ``broker_nonces`` (created on first use).
+
+    A nonce is spent by one ``UPDATE … WHERE NOT consumed`` — the row lock serialises concurrent
+    spenders and READ COMMITTED re-checks the condition, so exactly one sees a row. Expiry uses the
+    broker's clock (as the SQLite store); the outstanding cap is checked in the insert itself.
+    """
+
+    def __init__(self, dsn: str, *, ttl: timedelta, capacity: int, timeout: float) -> None:
+        self._dsn = dsn
+        self._ttl = ttl
+        self._capacity = capacity
+        self._timeout = timeout
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+
+    async def issue(self, now: datetime) -> Challenge:
+        nonce = new_nonce()
+        expires_at = now + self._ttl
+
+        async def insert(db: asyncpg.Connection) -> str:
+            await db.execute("DELETE FROM broker_nonces WHERE expires_at <= $1", now)
+            status: str = await db.execute(
+                "INSERT INTO broker_nonces (nonce, expires_at) SELECT $1, $2 "
+                "WHERE (SELECT count(*) FROM broker_nonces WHERE expires_at > $3) < $4",
+                nonce,
+                expires_at,
+                now,
+                self._capacity,
+            )
+            return status
+
+        if await self._run(insert) != "INSERT 0 1":
+            raise store_full()
+        return Challenge(nonce=nonce, expires_at=expires_at)
+
+    async def consume(self, nonce: str, now: datetime) -> None:
+        if len(nonce) > MAX_NONCE_CHARS:
+            raise unknown_nonce()
+
+        async def spend(db: asyncpg.Connection) -> str:
+            spent = await db.fetchval(
+                "UPDATE broker_nonces SET consumed = true "
+                "WHERE nonce = $1 AND NOT consumed AND expires_at > $2 RETURNING 1",
+                nonce,
+                now,
+            )
+            if spent is not None:
+                return "ok"
+            consumed = await db.fetchval(
+                "SELECT consumed FROM broker_nonces WHERE nonce = $1 AND expires_at > $2",
+                nonce,
+                now,
+            )
+            return "reused" if consumed else "unknown"
+
+        outcome = await self._run(spend)
+        if outcome == "reused":
+            raise reused_nonce()
+        if outcome == "unknown":
+            raise unknown_nonce()
+
+    async def check(self) -> None:
+        async def ping(db: asyncpg.Connection) -> Any:
+            return await db.fetchval("SELECT 1")
+
+        await self._run(ping)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def _run(self, operation: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._timeout):
+                pool = await self._open()
+                async with pool.acquire() as db:
+                    return await operation(db)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+            raise store_unavailable() from exc
+
+    async def _open(self) -> asyncpg.Pool:
+        async with self._opening:
+            if self._pool is None:
+                # Connections open here and stay open: asyncpg reads ~/.pgpass and TLS files (a
+                # local stat) whenever it opens one, so that happens at start-up, not per request.
+                pool = await asyncpg.create_pool(
+                    self._dsn, min_size=4, max_size=4, max_inactive_connection_lifetime=0
+                )
+                async with pool.acquire() as db, db.transaction():
+                    await db.execute("SELECT pg_advisory_xact_lock($1)", _PG_SCHEMA_LOCK)
+                    await db.execute(_PG_SCHEMA)
+                self._pool = pool
+            return self._pool

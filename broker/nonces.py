@@ -9,7 +9,8 @@ Where the store lives is chosen by ``[nonces] store`` (docs/configuration.md):
 
 * ``memory`` — one process (the default);
 * ``sqlite:///PATH`` — several processes on one host, single use by SQLite's write lock;
-* ``redis://HOST:PORT/DB`` — several replicas, single use by an atomic script, expiry by Redis.
+* ``redis://HOST:PORT/DB`` — several replicas, single use by an atomic script, expiry by Redis;
+* ``postgresql://USER@HOST/DB`` — several replicas without Redis, single use by a row update.
 
 A store that cannot answer raises ``503 nonce_store_unavailable``: a nonce is never accepted
 without the store having marked it spent.

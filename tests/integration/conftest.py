@@ -45,7 +45,7 @@ def blockbuster() -> Iterator[BlockBuster]:
         # Start-up only: a google-cloud client constructor (run once when a KMS KEK or a Secret
         # Manager store opens, never on a request) checks whether mTLS config files exist.
         for module, functions in GOOGLE_CLIENT_STARTUP_CHECKS:
-            for name in ("os.stat", "os.path.exists", "os.path.isfile"):
+            for name in ("os.stat", "os.path.exists", "os.path.isfile", "os.path.abspath"):
                 if name in detector.functions:
                     detector.functions[name].can_block_in(module, functions)
         # grpc's AioChannel/AioServer deallocators join a thread, from Cython (no Python frame
@@ -62,6 +62,12 @@ GOOGLE_CLIENT_STARTUP_CHECKS = (
         ("_get_cert_config_path", "_check_config_path", "_should_use_gke_credential_bundle"),
     ),
     ("google/auth/_agent_identity_utils.py", ("_is_certificate_file_ready",)),
+    # asyncpg looks for ~/.pgpass and ~/.postgresql TLS files when it opens a connection; the
+    # PostgreSQL nonce store opens its pool once and keeps the connections (nonce_stores.py).
+    (
+        "asyncpg/connect_utils.py",
+        ("_read_password_file", "_dot_postgresql_path", "_parse_connect_dsn_and_args"),
+    ),
 )
 
 

@@ -1,4 +1,5 @@
-"""Shared nonce stores on real back ends: a SQLite file and a real ``redis-server`` on loopback.
+"""Shared nonce stores on real back ends: a SQLite file, and a real ``redis-server`` and PostgreSQL
+server started on loopback.
 
 Single use must hold across processes and replicas, and a store that does not answer must be
 ``503 nonce_store_unavailable`` — never an accepted nonce.
@@ -15,6 +16,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -75,11 +77,60 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.wait(timeout=10)
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+# PostgreSQL's own bin directory (Debian links only some of its programs into PATH).
+PG_BIN = Path(shutil.which("postgres") or "/usr/lib/postgresql/15/bin/postgres").resolve().parent
+
+
+@pytest.fixture(scope="module")
+def postgresql_url() -> Iterator[str]:
+    """A real PostgreSQL server on 127.0.0.1 in a scratch cluster, stopped after the module.
+
+    PostgreSQL refuses to run as root: as root, the cluster belongs to the ``postgres`` account,
+    in a directory of its own outside pytest's (root-only) temporary tree.
+    """
+    port = free_port()
+    data = Path(tempfile.mkdtemp(prefix="broker-pg-")) / "data"
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        shutil.chown(data.parent, "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    subprocess.run(
+        [*as_user, str(PG_BIN / "initdb"), "-D", str(data), "-U", "broker", "-A", "trust"],
+        check=True,
+        capture_output=True,
+    )
+    process = subprocess.Popen(
+        [
+            *(*as_user, str(PG_BIN / "postgres"), "-D", str(data), "-h", "127.0.0.1"),
+            *("-p", str(port), "-k", str(data), "-c", "fsync=off"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(200):
+            ready = subprocess.run(
+                [str(PG_BIN / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)],
+                capture_output=True,
+                check=False,
+            )
+            if ready.returncode == 0:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("PostgreSQL did not start")
+        yield f"postgresql://broker@127.0.0.1:{port}/postgres"
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        shutil.rmtree(data.parent, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "redis", "postgresql"])
 def store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite://{tmp_path / 'nonces.db'}"
-    url: str = request.getfixturevalue("redis_url")
+    url: str = request.getfixturevalue(f"{request.param}_url")
     return url
 
 
@@ -159,10 +210,12 @@ async def test_sqlite_store_enforces_the_outstanding_cap(tmp_path: Path) -> None
         await store.close()
 
 
-@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+@pytest.mark.parametrize("kind", ["redis", "sqlite", "postgresql"])
 async def test_unreachable_store_is_503_never_accepted(kind: str, tmp_path: Path) -> None:
     if kind == "redis":
         uri = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    elif kind == "postgresql":
+        uri = f"postgresql://broker@127.0.0.1:{free_port()}/postgres"
     else:
         uri = f"sqlite://{tmp_path / 'a-directory.db'}"
         (tmp_path / "a-directory.db").mkdir()  # a directory cannot be opened as a database
@@ -179,7 +232,7 @@ async def test_unreachable_store_is_503_never_accepted(kind: str, tmp_path: Path
 
 def test_config_validates_the_store_uri(tmp_path: Path) -> None:
     config = write_config(tmp_path / "b", DevIssuer(dev_mode=True))
-    for bad in ("postgres://x", "sqlite://relative", "redis://", "memcached://h"):
+    for bad in ("postgresql:///db", "sqlite://relative", "redis://", "memcached://h"):
         with pytest.raises(ConfigError, match=r"nonces\.store"):
             load_settings(config, {"BROKER_NONCES_STORE": bad})
     relative = load_settings(config, {"BROKER_NONCES_STORE": "sqlite:///state/nonces.db"})
