@@ -10,7 +10,7 @@ OPA := $(BIN)/opa
 SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
 REDIS := /usr/bin/redis-server
 
-.PHONY: demo test lint typecheck pytest policy-test bench clean
+.PHONY: demo test lint typecheck pytest policy-test bench clean postgresql
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) $(OPA)
 	$(BIN)/broker demo
 
-test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) postgresql lint typecheck policy-test pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check broker tests bench
@@ -40,13 +40,19 @@ $(REDIS):
 	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq redis-server) \
 	  || (echo "install redis-server for the shared nonce store tests" >&2; exit 1)
 
+# PostgreSQL server binaries (shared nonce store tests): usually present; else from Debian.
+postgresql:
+	@command -v postgres >/dev/null || ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 \
+	  || (command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq postgresql) \
+	  || (echo "install PostgreSQL (package postgresql) for the shared nonce store tests" >&2; exit 1)
+
 $(OPA): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/open-policy-agent/opa@$(OPA_VERSION)
 
 policy-test: $(STAMP) $(OPA)
 	$(BIN)/broker policy test policies --opa $(OPA)
 
-pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS)
+pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) postgresql
 	$(BIN)/pytest
 
 bench: $(STAMP) $(OPA)

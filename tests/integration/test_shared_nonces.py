@@ -77,8 +77,15 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.wait(timeout=10)
 
 
-# PostgreSQL's own bin directory (Debian links only some of its programs into PATH).
-PG_BIN = Path(shutil.which("postgres") or "/usr/lib/postgresql/15/bin/postgres").resolve().parent
+def postgres_bin() -> Path:
+    """PostgreSQL's own bin directory (Debian links only some of its programs into PATH)."""
+    found = shutil.which("postgres")
+    if found:
+        return Path(found).resolve().parent
+    installed = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
+    if not installed:
+        pytest.fail("PostgreSQL server binaries not found (make test installs them)")
+    return installed[-1].parent
 
 
 @pytest.fixture(scope="module")
@@ -89,19 +96,20 @@ def postgresql_url() -> Iterator[str]:
     in a directory of its own outside pytest's (root-only) temporary tree.
     """
     port = free_port()
+    pg_bin = postgres_bin()
     data = Path(tempfile.mkdtemp(prefix="broker-pg-")) / "data"
     as_user: list[str] = []
     if os.geteuid() == 0:
         shutil.chown(data.parent, "postgres")
         as_user = ["runuser", "-u", "postgres", "--"]
     subprocess.run(
-        [*as_user, str(PG_BIN / "initdb"), "-D", str(data), "-U", "broker", "-A", "trust"],
+        [*as_user, str(pg_bin / "initdb"), "-D", str(data), "-U", "broker", "-A", "trust"],
         check=True,
         capture_output=True,
     )
     process = subprocess.Popen(
         [
-            *(*as_user, str(PG_BIN / "postgres"), "-D", str(data), "-h", "127.0.0.1"),
+            *(*as_user, str(pg_bin / "postgres"), "-D", str(data), "-h", "127.0.0.1"),
             *("-p", str(port), "-k", str(data), "-c", "fsync=off"),
         ],
         stdout=subprocess.DEVNULL,
@@ -110,7 +118,7 @@ def postgresql_url() -> Iterator[str]:
     try:
         for _ in range(200):
             ready = subprocess.run(
-                [str(PG_BIN / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)],
+                [str(pg_bin / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)],
                 capture_output=True,
                 check=False,
             )
