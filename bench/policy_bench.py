@@ -33,6 +33,7 @@ from broker.attestation import claims
 from broker.attestation.gca import VerifiedGcaToken
 from broker.attestation.jose import b64url_decode
 from broker.dev.issuer import DevIssuer, Workload
+from broker.errors import UpstreamError
 from broker.policy.build import compile_policy_dir
 from broker.policy.opa_server import OpaServerEngine
 from broker.policy.testing import find_opa
@@ -124,12 +125,13 @@ async def main(count: int) -> None:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         echo_url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
         try:
-            for _ in range(100):
+            for _ in range(100):  # until the OPA server answers
                 try:
-                    assert (await engine.evaluate(document)).allowed
+                    await engine.evaluate(document)
                     break
-                except Exception:
+                except UpstreamError:
                     await asyncio.sleep(0.05)
+            assert (await engine.evaluate(document)).allowed
             async with aiohttp.ClientSession() as session:
 
                 async def echo_call() -> None:

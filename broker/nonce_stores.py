@@ -111,7 +111,7 @@ class SqliteNonceStore:
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # OSError: its directory cannot be created
             raise store_unavailable() from exc
 
     def _db(self) -> sqlite3.Connection:
@@ -126,18 +126,13 @@ class SqliteNonceStore:
 
     def _issue(self, db: sqlite3.Connection, nonce: str, now: float, expires_at: float) -> bool:
         db.execute("BEGIN IMMEDIATE")
-        try:
+        with db:  # commits the transaction, or rolls it back on an exception
             db.execute("DELETE FROM nonces WHERE expires_at <= ?", (now,))
             (count,) = db.execute("SELECT count(*) FROM nonces").fetchone()
             if count >= self._capacity:
-                db.execute("COMMIT")
                 return False
             db.execute("INSERT INTO nonces (nonce, expires_at) VALUES (?, ?)", (nonce, expires_at))
-            db.execute("COMMIT")
             return True
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     def _consume(self, db: sqlite3.Connection, nonce: str, now: float) -> str:
         spent = db.execute(

@@ -21,7 +21,7 @@ from broker.attestation.jwks import JwksError, TrustedKeySet, parse_jwks
 from broker.attestation.nvidia import local
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
 from broker.config import DEFAULT_ALGORITHMS, IssuerSettings
-from broker.errors import ConfigError
+from broker.errors import AttestationError, ConfigError
 from broker.jsonsafe import loads_bounded
 
 CERTS = Path(__file__).resolve().parent.parent / "certs"
@@ -200,7 +200,7 @@ def _issuer_trust(args: argparse.Namespace, evidence: dict[str, Any]) -> IssuerT
 def _is_pki(token: Any) -> bool:
     try:
         return "x5c" in jose.parse_header(str(token), DEFAULT_ALGORITHMS["gca"]).fields
-    except Exception:  # noqa: BLE001 - the pipeline reports the header's problem itself
+    except AttestationError:  # the pipeline reports the header's problem itself
         return False
 
 

@@ -38,6 +38,14 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return responses
 
 
+def _query(name: str, schema: dict[str, Any], *, required: bool | None = None) -> dict[str, Any]:
+    """A query parameter (``required`` left out of the document when None)."""
+    parameter: dict[str, Any] = {"name": name, "in": "query", "schema": schema}
+    if required is not None:
+        parameter["required"] = required
+    return parameter
+
+
 def _body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
     return {"required": required, "content": {JSON: {"schema": schema}}}
 
@@ -286,12 +294,7 @@ def openapi_document() -> dict[str, Any]:
                     "tags": ["query"],
                     "parameters": [
                         public_name,
-                        {
-                            "name": "version",
-                            "in": "query",
-                            "required": False,
-                            "schema": VERSION_SCHEMA,
-                        },
+                        _query("version", VERSION_SCHEMA, required=False),
                     ],
                     "responses": {
                         "200": _json(_ref("PublicKey"), "the statement"),
@@ -309,14 +312,7 @@ def openapi_document() -> dict[str, Any]:
             "/v1/admin/keys": {
                 "get": {
                     **_admin("list key versions", None, (200, "KeyList")),
-                    "parameters": [
-                        {
-                            "name": "name",
-                            "in": "query",
-                            "required": False,
-                            "schema": {"type": "string"},
-                        }
-                    ],
+                    "parameters": [_query("name", {"type": "string"}, required=False)],
                 },
                 "post": _admin(
                     "create a key", "CreateKey", (201, "KeyVersion"), 400, 409, 413, 415
@@ -363,12 +359,8 @@ def openapi_document() -> dict[str, Any]:
                     "tags": ["audit"],
                     "security": [{"bearer": []}],
                     "parameters": [
-                        {
-                            "name": "start",
-                            "in": "query",
-                            "schema": {"type": "integer", "minimum": 0},
-                        },
-                        {"name": "end", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                        _query("start", {"type": "integer", "minimum": 0}),
+                        _query("end", {"type": "integer", "minimum": 0}),
                     ],
                     "responses": {
                         "200": {
@@ -385,18 +377,8 @@ def openapi_document() -> dict[str, Any]:
                     "tags": ["audit"],
                     "security": [{"bearer": []}],
                     "parameters": [
-                        {
-                            "name": "index",
-                            "in": "query",
-                            "required": True,
-                            "schema": {"type": "integer", "minimum": 0},
-                        },
-                        {
-                            "name": "tree_size",
-                            "in": "query",
-                            "required": True,
-                            "schema": {"type": "integer", "minimum": 1},
-                        },
+                        _query("index", {"type": "integer", "minimum": 0}, required=True),
+                        _query("tree_size", {"type": "integer", "minimum": 1}, required=True),
                     ],
                     "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 401)},
                 }
@@ -407,18 +389,8 @@ def openapi_document() -> dict[str, Any]:
                     "tags": ["audit"],
                     "security": [{"bearer": []}],
                     "parameters": [
-                        {
-                            "name": "first",
-                            "in": "query",
-                            "required": True,
-                            "schema": {"type": "integer", "minimum": 1},
-                        },
-                        {
-                            "name": "second",
-                            "in": "query",
-                            "required": True,
-                            "schema": {"type": "integer", "minimum": 1},
-                        },
+                        _query("first", {"type": "integer", "minimum": 1}, required=True),
+                        _query("second", {"type": "integer", "minimum": 1}, required=True),
                     ],
                     "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 401)},
                 }
