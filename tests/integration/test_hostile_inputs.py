@@ -2,7 +2,7 @@
 decision-log audit: every release whose body parsed has exactly one record, and
 ``broker audit verify`` passes on the log.
 
-Each case (tests/integration/hostile_cases.py) asserts the exact status and error code; all
+Each case (tests/integration/hostile/) asserts the exact status and error code; all
 mismatches are reported together, so one run shows the whole picture.
 """
 
@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from tests.integration.conftest import QUERY_KEY, RunningBroker, write_statement_key
-from tests.integration.hostile_cases import ADMIN_TOKEN, NO_BODY, Case, Ctx, all_cases
+from tests.integration.hostile import ADMIN_TOKEN, NO_BODY, Case, Ctx, all_cases
 from tests.integration.test_gpu_release import start_gpu_broker, world  # noqa: F401
 from tests.vectors.gpu import RimAuthority, SimulatedGpu, SimulatedNras
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import write_statement_key
-from tests.integration.hostile_cases import ADMIN_TOKEN
+from tests.integration.hostile import ADMIN_TOKEN
 
 CHECKS = ",".join(
     [
