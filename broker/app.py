@@ -81,7 +81,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         session = await stack.enter_async_context(aiohttp.ClientSession())
         stack.push_async_callback(state.nonces.close)
         keys = await stack.enter_async_context(open_key_service(settings.keys))
-        audit = DecisionLog(settings.audit.log, segment_bytes=settings.audit.segment_bytes)
+        audit = DecisionLog(
+            settings.audit.log,
+            segment_bytes=settings.audit.segment_bytes,
+            replica=settings.server.replica_id,
+        )
         await audit.open()
         stack.push_async_callback(audit.close)
         keys.attach_change_log(audit.append)

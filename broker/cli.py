@@ -10,10 +10,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -23,6 +25,9 @@ from broker.api.state import STATE
 from broker.app import create_app, server_ssl_context
 from broker.config import Settings, load_settings
 from broker.errors import BrokerError, ConfigError, InputError
+from broker.supervisor import WORKER_FLAG, Supervisor
+
+T = TypeVar("T")
 
 EXIT_NO = 1
 EXIT_USAGE = 2
@@ -55,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the broker service")
     serve.add_argument("--config", type=Path, required=True)
+    serve.add_argument(
+        "--workers", type=int, help="worker processes on the port (overrides [server] workers)"
+    )
+    serve.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
 
     demo = commands.add_parser("demo", help="run the end-to-end demo on loopback")
@@ -85,12 +94,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
-    asyncio.run(_serve_until_signalled(settings))
+    environ = dict(os.environ)
+    if args.workers is not None:
+        environ["BROKER_SERVER_WORKERS"] = str(args.workers)
+    settings = load_settings(args.config, environ)
+    if settings.server.workers > 1 and not args.worker:
+        return run_loop(Supervisor(settings, args.config).run(), settings.server.event_loop)
+    run_loop(_serve_until_signalled(settings, reuse_port=args.worker), settings.server.event_loop)
     return 0
 
 
-async def _serve_until_signalled(settings: Settings) -> None:
+def run_loop(main: Coroutine[object, object, T], event_loop: str) -> T:
+    """Run ``main`` on the configured event loop: uvloop (the default) or asyncio's own."""
+    if event_loop == "uvloop":
+        import uvloop  # noqa: PLC0415 - only the serving commands need it
+
+        return uvloop.run(main)
+    return asyncio.run(main)
+
+
+async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False) -> None:
     """Serve until SIGTERM or SIGINT, then shut down cleanly (connections drained)."""
     runner = BrokerRunner(
         create_app(settings), settings.server, access_log=logging.getLogger("broker.access")
@@ -102,6 +125,7 @@ async def _serve_until_signalled(settings: Settings) -> None:
             settings.server.host,
             settings.server.port,
             ssl_context=server_ssl_context(settings),
+            reuse_port=reuse_port or None,
         )
         await site.start()
         bound = ", ".join(

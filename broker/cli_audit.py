@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from broker.audit.checkpoint import NoteError, NoteVerifier, parse_checkpoint
-from broker.audit.log import LogCorrupt, log_files, repair_torn_tail, verify_bytes
+from broker.audit.log import (
+    SEGMENT_SUFFIX,
+    LogCorrupt,
+    log_files,
+    repair_torn_tail,
+    verify_bytes,
+)
 from broker.audit.merkle import MerkleTree, leaf_hash, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
@@ -33,9 +39,24 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     key = audit.add_parser("key", help="print the note verifier key auditors pin")
     key.add_argument("--config", type=Path, required=True)
     key.set_defaults(run=_key)
-    verify = audit.add_parser("verify", help="recompute the tree; check a signed checkpoint")
-    verify.add_argument("logs", type=Path, nargs="+", metavar="LOG", help="segments, in order")
-    verify.add_argument("--checkpoint", type=Path, help="a signed checkpoint (note) to check")
+    verify = audit.add_parser(
+        "verify",
+        help="recompute the tree; check a signed checkpoint; several replicas' logs at once",
+    )
+    verify.add_argument(
+        "logs",
+        type=Path,
+        nargs="+",
+        metavar="LOG",
+        help="a log (its segments are found), or its segments in order; several logs (one per "
+        "replica) are each verified on their own",
+    )
+    verify.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a signed checkpoint (note) to check (one log); with several logs and --key, each "
+        "log's own <log>.checkpoint is checked",
+    )
     verify.add_argument("--key", help="the verifier key (<name>+<hash>+<key>)")
     verify.add_argument("--head", help="a record hash known from earlier that must be present")
     verify.add_argument(
@@ -116,12 +137,61 @@ def _tree(lines: list[bytes]) -> MerkleTree:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    note = None if args.checkpoint is None else _read(args.checkpoint, "--checkpoint").decode()
-    report = verify_log(
-        args.logs, note=note, key=args.key, head=args.head, witness_keys=args.witness_key
-    )
+    groups = group_logs(args.logs)
+    if len(groups) == 1:
+        note = None if args.checkpoint is None else _read(args.checkpoint, "--checkpoint").decode()
+        report = verify_log(
+            groups[0], note=note, key=args.key, head=args.head, witness_keys=args.witness_key
+        )
+    else:
+        if args.checkpoint is not None or args.head is not None:
+            raise ConfigError(
+                "--checkpoint",
+                "names one log; with several logs use --key (each log's own "
+                "checkpoint file is checked)",
+            )
+        report = verify_logs(groups, key=args.key, witness_keys=args.witness_key)
     print(json.dumps(report))
     return 0 if report["ok"] else EXIT_NO
+
+
+def group_logs(paths: list[Path]) -> list[list[Path]]:
+    """The named files grouped by log: ``<log>.000001`` belongs with ``<log>``; any other path is
+    a log of its own (one replica's)."""
+    groups: dict[Path, list[Path]] = {}
+    for path in paths:
+        match = SEGMENT_SUFFIX.search(path.name)
+        base = path.with_name(path.name[: match.start()]) if match else path
+        groups.setdefault(base, []).append(path)
+    return list(groups.values())
+
+
+def verify_logs(
+    groups: list[list[Path]], *, key: str | None, witness_keys: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Several replicas' logs: each is a chain and tree of its own, verified on its own (against
+    its own latest checkpoint when ``key`` is given and the file exists). No two logs may come
+    from the same replica (a copy of one log passed twice is not a second replica)."""
+    reports = []
+    replicas: dict[str, str] = {}
+    ok = True
+    for group in groups:
+        log = group[-1]
+        note_path = checkpoint_paths(log)[0]
+        note = _read(note_path, "checkpoint").decode() if key and note_path.is_file() else None
+        report = {
+            "log": str(log),
+            **verify_log(group, note=note, key=key, witness_keys=witness_keys),
+        }
+        replica = report.get("replica")
+        if isinstance(replica, str) and replica in replicas:
+            report |= {"ok": False, "problem": f"same replica {replica!r} as {replicas[replica]}"}
+        elif isinstance(replica, str):
+            replicas[replica] = str(log)
+        ok = ok and bool(report["ok"])
+        reports.append(report)
+    records = sum(int(r.get("records", 0)) for r in reports)
+    return {"ok": ok, "logs": reports, "records": records}
 
 
 def verify_log(
@@ -142,6 +212,7 @@ def verify_log(
         lines = _lines(data)
         tree = _tree(lines)
         report |= {"records": tree.size, "root": base64.b64encode(tree.root()).decode()}
+        report |= _replica(lines)
         if note is None:  # no checkpoint: the chain names the first changed record
             report["head"] = verify_bytes(data, expected_head=head).head.hash
         else:
@@ -153,6 +224,20 @@ def verify_log(
         if collecting:
             gc.enable()
     return report
+
+
+def _replica(lines: list[bytes]) -> dict[str, Any]:
+    """The replica named by the log's records (first and last are read; records of one log
+    carry one replica id, and the chain check covers the rest)."""
+    names = set()
+    for line in (lines[:1] + lines[-1:]) if lines else []:
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise LogCorrupt(1, "not valid JSON") from exc
+        if isinstance(record, dict) and isinstance(record.get("replica"), str):
+            names.add(record["replica"])
+    return {"replica": names.pop()} if len(names) == 1 else {}
 
 
 def _against_checkpoint(log: Path, note: str, key: str | None, tree: MerkleTree) -> dict[str, Any]:

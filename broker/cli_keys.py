@@ -62,6 +62,7 @@ def add_commands(keys: Any) -> None:
             parser.add_argument("--yes", action="store_true", help="confirm: cannot be undone")
     rewrap = command("rewrap", "re-wrap every DEK under another KEK (resumable)", _rewrap)
     rewrap.add_argument("--to", required=True, metavar="KEK_URI")
+    command("migrate", "create or upgrade the key store's schema (PostgreSQL)", _migrate)
     kek = keys.add_parser("kek-create", help="generate a PKCS#11 KEK (non-extractable AES-256)")
     kek.add_argument("uri", metavar="PKCS11_URI")
     kek.set_defaults(run=_kek_create)
@@ -84,7 +85,7 @@ def run_keys(
         ) as keys:
             if not log_changes:
                 return await work(keys, datetime.now(UTC))
-            audit = DecisionLog(settings.audit.log)
+            audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
             await audit.open()
             keys.attach_change_log(audit.append)
             try:
@@ -93,6 +94,21 @@ def run_keys(
                 await audit.close()
 
     return asyncio.run(run())
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    """PostgreSQL: create or upgrade the schema (idempotent). SQLite and Secret Manager need no
+    migration (the store creates what it needs); say so."""
+    settings = load_settings(args.config)
+    store = settings.keys.store
+    if not store.startswith(("postgresql://", "postgres://")):
+        return _print({"store": store.split(":", 1)[0], "migrated": False, "reason": "not needed"})
+    from broker.keys.store.postgres import migrate  # noqa: PLC0415
+
+    before, after = asyncio.run(
+        migrate(store, timeout_seconds=settings.keys.upstream_timeout_seconds)
+    )
+    return _print({"store": "postgresql", "schema_version_before": before, "schema_version": after})
 
 
 def _print(value: object) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import re
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -26,6 +28,25 @@ from broker.errors import ConfigError
 ENV_PREFIX = "BROKER_"
 ISSUER_KINDS = frozenset({"gca", "ita", "nras"})
 # Signature algorithms each kind of issuer uses when the entry does not list its own.
+MAX_WORKERS = 64
+EVENT_LOOPS = ("uvloop", "asyncio")
+REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def nonce_store_setting(store: str) -> str:
+    """A resolved ``[nonces] store`` as it must be written to be read back unchanged (a resolved
+    SQLite path is absolute: ``sqlite:///`` followed by ``/…``)."""
+    if store.startswith("sqlite://"):
+        return "sqlite:///" + store.removeprefix("sqlite://")
+    return store
+
+
+def default_replica_id() -> str:
+    """The host name's first label (a pod's name on Kubernetes), or "broker" if it has none."""
+    label = socket.gethostname().split(".", 1)[0]
+    return label if REPLICA_ID.fullmatch(label) else "broker"
+
+
 DEFAULT_ALGORITHMS = {"gca": ("RS256",), "ita": ("PS384", "RS256"), "nras": ("ES384",)}
 TOKEN_TYPES = frozenset({"oidc", "pki"})
 # Algorithms an issuer entry may allow. Asymmetric only: HMAC with a public key is a classic
@@ -51,6 +72,12 @@ class ServerSettings:
     keepalive_timeout_seconds: float = 15.0
     body_timeout_seconds: float = 30.0
     max_connections_per_ip: int = 256  # further connections from that address are closed
+    event_loop: str = "uvloop"  # or "asyncio" (the standard library's loop)
+    # Names this replica in every decision record and in the default log file name
+    # ("{replica}" in [audit] log); default: the host name (a pod's name on Kubernetes).
+    replica_id: str = field(default_factory=default_replica_id)
+    # Processes serving the same port (SO_REUSEPORT) under one supervisor; 1: no supervisor.
+    workers: int = 1
 
     @property
     def host(self) -> str:
@@ -125,7 +152,9 @@ class PolicySettings:
 
 @dataclass(frozen=True)
 class KeySettings:
-    store: str = "sqlite:///var/lib/broker/keys.db"  # or secretmanager:projects/P
+    # or postgresql://USER@HOST/DB (replicas; `broker keys migrate` first),
+    # or secretmanager:projects/P
+    store: str = "sqlite:///var/lib/broker/keys.db"
     kek: str = "local:/var/lib/broker/kek.key"  # or pkcs11:… or cloudkms:projects/…
     kek_previous: tuple[str, ...] = ()  # older KEKs: unwrap only, until `keys rewrap` is done
     kms_endpoint: str = "cloudkms.googleapis.com"
@@ -133,12 +162,15 @@ class KeySettings:
     upstream_timeout_seconds: int = 10  # KMS / Secret Manager: per call, retries included
     dek_cache_seconds: int = 300
     dek_cache_max: int = 1024
+    # A release reads key metadata from memory; another process's lifecycle change (disable,
+    # destroy, rotate) takes effect here within this bound. 0: read the store on every release.
+    metadata_cache_seconds: float = 1.0
     signing_key: Path | None = None  # EC P-256 PEM that signs query-key statements
 
 
 @dataclass(frozen=True)
 class AuditSettings:
-    log: Path = Path("/var/lib/broker/decisions.log")
+    log: Path = Path("/var/lib/broker/decisions-{replica}.log")  # {replica}: [server] replica_id
     origin: str = "broker.invalid/decisions"  # checkpoints' origin line and note key name
     # Ed25519 PEM path, or "cloudkms:projects/…/cryptoKeyVersions/N" (EC_SIGN_ED25519);
     # unset: no checkpoints (docs/audit.md)
@@ -166,7 +198,9 @@ class NonceSettings:
     this one store.
     """
 
-    store: str = "memory"
+    # Empty: "memory" with one worker; with [server] workers > 1,
+    # sqlite:///<audit log directory>/nonces.db.
+    store: str = ""
     timeout_seconds: float = 2.0  # per store call; no answer is 503 nonce_store_unavailable
 
 
@@ -267,10 +301,14 @@ def settings_from_mapping(
     policy = _section(PolicySettings, "policy", raw, env, base_dir)
     keys = _section(KeySettings, "keys", raw, env, base_dir)
     audit = _section(AuditSettings, "audit", raw, env, base_dir)
+    audit = replace(audit, log=Path(str(audit.log).replace("{replica}", server.replica_id)))
     if audit.signing_key and not audit.signing_key.startswith("cloudkms:"):  # a file: resolve it
         audit = replace(audit, signing_key=str(_resolve(base_dir, audit.signing_key)))
     nvidia = _section(NvidiaSettings, "nvidia", raw, env, base_dir)
     nonces = _section(NonceSettings, "nonces", raw, env, base_dir)
+    if not nonces.store:
+        shared = f"sqlite:///{audit.log.parent / 'nonces.db'}"
+        nonces = replace(nonces, store="memory" if server.workers == 1 else shared)
     if nonces.store.startswith("sqlite:///"):  # a relative path is relative to the config
         path = _resolve(base_dir, nonces.store.removeprefix("sqlite:///"))
         nonces = replace(nonces, store=f"sqlite://{path}")
@@ -417,6 +455,12 @@ def _validate(settings: Settings) -> None:
             raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     _validate_nvidia(settings.nvidia)
     _validate_nonces(settings.nonces)
+    if settings.server.workers > 1 and settings.nonces.store == "memory":
+        raise ConfigError(
+            "nonces.store",
+            "memory nonces live in one process; with [server] workers > 1 use sqlite:///PATH, "
+            "redis://… or postgresql://… (or leave it unset for the SQLite default)",
+        )
     if sum(1 for i in settings.issuers if i.kind == "nras") > 1:
         raise ConfigError("issuers", "at most one nras issuer entry")
 
@@ -471,18 +515,31 @@ def _validate_nonces(nonces: NonceSettings) -> None:
 
 
 def _validate_keys(keys: KeySettings) -> None:
+    parts = urlsplit(keys.store)
     if not (
-        keys.store.startswith("sqlite:///") or keys.store.startswith("secretmanager:projects/")
+        keys.store.startswith(("sqlite:///", "secretmanager:projects/"))
+        or (parts.scheme in {"postgresql", "postgres"} and parts.hostname)
     ):
-        raise ConfigError("keys.store", "expected sqlite:///PATH or secretmanager:projects/P")
+        raise ConfigError(
+            "keys.store",
+            "expected sqlite:///PATH, postgresql://USER@HOST/DB or secretmanager:projects/P",
+        )
     for index, uri in enumerate((keys.kek, *keys.kek_previous)):
         key = "keys.kek" if index == 0 else f"keys.kek_previous[{index - 1}]"
         if uri.split(":", 1)[0] not in {"local", "pkcs11", "cloudkms"} or ":" not in uri:
             raise ConfigError(key, "expected local:PATH, pkcs11:… or cloudkms:projects/…")
     if keys.upstream_timeout_seconds <= 0:
         raise ConfigError("keys.upstream_timeout_seconds", "must be positive")
-    if keys.dek_cache_seconds < 0 or keys.dek_cache_max < 0:
-        raise ConfigError("keys", "dek_cache_seconds and dek_cache_max must not be negative")
+    if keys.dek_cache_seconds < 0 or keys.dek_cache_max < 0 or keys.metadata_cache_seconds < 0:
+        raise ConfigError(
+            "keys",
+            "dek_cache_seconds, dek_cache_max and metadata_cache_seconds must not be negative",
+        )
+    if keys.metadata_cache_seconds > 60:
+        raise ConfigError(
+            "keys.metadata_cache_seconds",
+            "at most 60: it bounds how long a disabled key stays releasable elsewhere",
+        )
     if keys.signing_key is not None and not keys.signing_key.is_file():
         raise ConfigError("keys.signing_key", f"no such file: {keys.signing_key}")
 
@@ -543,6 +600,16 @@ def _validate_server(server: ServerSettings) -> None:
             raise ConfigError(key, "must be positive")
     if not 0 <= server.clock_leeway_seconds <= 300:
         raise ConfigError("server.clock_leeway_seconds", "must be between 0 and 300")
+    _validate_processes(server)
+
+
+def _validate_processes(server: ServerSettings) -> None:
+    if not 1 <= server.workers <= MAX_WORKERS:
+        raise ConfigError("server.workers", f"must be between 1 and {MAX_WORKERS}")
+    if server.event_loop not in EVENT_LOOPS:
+        raise ConfigError("server.event_loop", f"one of {', '.join(EVENT_LOOPS)}")
+    if not REPLICA_ID.fullmatch(server.replica_id):
+        raise ConfigError("server.replica_id", "1-63 characters: letters, digits, '.', '_', '-'")
 
 
 def _validate_issuer(name: str, issuer: IssuerSettings) -> None:  # noqa: PLR0912

@@ -90,7 +90,7 @@ async def _run(workdir: Path) -> bool:
     _say("setup", f"config {config} (TLS on loopback, development issuer {issuer.issuer})")
 
     async with open_key_service(settings.keys, create_missing_kek=True) as keys:
-        change_log = DecisionLog(settings.audit.log)
+        change_log = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
         await change_log.open()
         keys.attach_change_log(change_log.append)
         record = await keys.create(DEMO_KEY, Purpose.MODEL_WEIGHTS, now=utc_now())

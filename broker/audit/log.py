@@ -165,14 +165,14 @@ def read_head(path: Path) -> ChainHead:
     return ChainHead(size=int(record["seq"]) + 1, hash=str(record["hash"]))
 
 
-_SEGMENT = re.compile(r"\.(\d{6})$")
+SEGMENT_SUFFIX = re.compile(r"\.(\d{6})$")
 
 
 def segment_paths(path: Path) -> list[Path]:
     """Closed segments of the log at ``path``, oldest first: ``<log>.000001``, ``<log>.000002``…"""
     found = []
     for candidate in path.parent.glob(path.name + ".*"):
-        match = _SEGMENT.search(candidate.name)
+        match = SEGMENT_SUFFIX.search(candidate.name)
         if match and candidate.name == f"{path.name}.{match.group(1)}":
             found.append((int(match.group(1)), candidate))
     return [candidate for _, candidate in sorted(found)]
@@ -269,12 +269,14 @@ class Appended:
 class DecisionLog:
     """Append-only, group-committed, fsync'd decision log, with its Merkle tree in memory."""
 
-    def __init__(self, path: Path, *, segment_bytes: int = 0) -> None:
+    def __init__(self, path: Path, *, segment_bytes: int = 0, replica: str | None = None) -> None:
         self._path = path
+        self._replica = replica  # written into every record ("replica") when set
         self._segment_bytes = segment_bytes  # rotate the active file past this size; 0: never
         self._fd: int | None = None
         self._lock_fd: int | None = None
         self._head = ChainHead(size=0, hash=GENESIS)
+        self._known_head: ChainHead | None = None  # the head our last batch wrote (fast path)
         self._pending: list[tuple[dict[str, Any], asyncio.Future[Appended]]] = []
         self._writer: asyncio.Task[None] | None = None
         self._broken = False
@@ -465,15 +467,20 @@ class DecisionLog:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
             self._follow_rotation()
-            self._catch_up()
+            head = self._known_head if self._in_step() else None
+            self._known_head = None  # until this batch is durably written
+            if head is None:  # another writer appended (or first batch): read what it wrote
+                self._catch_up()
+                head = read_head_all(self._path)
             self._rotate_if_full()
-            head = read_head_all(self._path)
             if self.tree.size != head.size:
                 raise LogCorrupt(head.size, "the tree and the chain disagree on the size")
             lines: list[bytes] = []
             appended: list[Appended] = []
             for entry in entries:
                 record = {**entry, "index": head.size, "seq": head.size, "prev": head.hash}
+                if self._replica is not None:
+                    record["replica"] = self._replica
                 record["hash"] = record_hash(record)
                 lines.append(canonical(record))
                 appended.append(Appended(index=head.size, hash=record["hash"]))
@@ -493,9 +500,21 @@ class DecisionLog:
                 offset += len(line) + 1
             self._consumed[inode] = offset
             self._committed = self.tree.size
+            self._known_head = head
             return head, appended
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _in_step(self) -> bool:
+        """Whether the active file ends exactly where our last write ended: then no other writer
+        appended since, and the head we wrote is still the head (no read, no directory scan)."""
+        assert self._fd is not None  # noqa: S101 - checked by the caller
+        status = os.fstat(self._fd)
+        return (
+            self._known_head is not None
+            and stat.S_ISREG(status.st_mode)
+            and self._consumed.get(status.st_ino) == status.st_size
+        )
 
     def _follow_rotation(self) -> None:
         """If another writer rotated the active file, write to the new one."""
@@ -516,7 +535,7 @@ class DecisionLog:
         if not self._segment_bytes or os.fstat(self._fd).st_size < self._segment_bytes:
             return
         segments = segment_paths(self._path)
-        number = int(_SEGMENT.search(segments[-1].name).group(1)) + 1 if segments else 1  # type: ignore[union-attr]
+        number = int(SEGMENT_SUFFIX.search(segments[-1].name).group(1)) + 1 if segments else 1  # type: ignore[union-attr]
         target = self._path.with_name(f"{self._path.name}.{number:06d}")
         os.rename(self._path, target)
         self._paths[os.fstat(self._fd).st_ino] = target

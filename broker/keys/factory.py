@@ -16,7 +16,7 @@ from broker.keys.kek.cloudkms import CloudKmsKek, parse_cloudkms_uri
 from broker.keys.kek.local import LocalKek, create_kek_file
 from broker.keys.kek.pkcs11 import Pkcs11Kek, parse_pkcs11_uri
 from broker.keys.kek.ring import KekRing
-from broker.keys.service import DekCache, KeyService
+from broker.keys.service import DekCache, KeyService, MetadataCache
 from broker.keys.store.base import KeyStore
 from broker.keys.store.sqlite import SqliteKeyStore, sqlite_path
 
@@ -51,6 +51,12 @@ async def open_store(settings: KeySettings) -> KeyStore:
         )
         await manager.open()
         return manager
+    if settings.store.startswith(("postgresql://", "postgres://")):
+        from broker.keys.store.postgres import PostgresKeyStore  # noqa: PLC0415
+
+        shared = PostgresKeyStore(settings.store, timeout=settings.upstream_timeout_seconds)
+        await shared.open()
+        return shared
     store = SqliteKeyStore(sqlite_path(settings.store))
     await store.open()
     return store
@@ -86,7 +92,10 @@ async def open_key_service(
             providers.append(provider)
         ring = KekRing(providers[0], providers[1:])
         cache = DekCache(ttl_seconds=settings.dek_cache_seconds, max_entries=settings.dek_cache_max)
-        yield KeyService(store, ring, cache=cache)
+        metadata = MetadataCache(
+            ttl_seconds=settings.metadata_cache_seconds, max_entries=settings.dek_cache_max
+        )
+        yield KeyService(store, ring, cache=cache, metadata=metadata)
 
 
 async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProvider:

@@ -2,9 +2,12 @@
 
 Plaintext exists only in process memory: briefly while wrapping it to a runner key, and in the
 bounded DEK cache (``dek_cache_seconds``, ``dek_cache_max``) so a release does not pay a KMS/HSM
-round trip each time. Disable, enable, destroy and rotate invalidate the cache at once in this
-process; the state is read from the store on every release, so a version disabled by another
-process is refused immediately too (its cached bytes are simply never used).
+round trip each time. A release reads key metadata (state, wrapped DEK) from a second small cache
+(``metadata_cache_seconds``, default 1 s) instead of the store, so it makes no store round trip
+and no thread hop. Lifecycle changes made through this process (create, rotate, disable, enable,
+destroy, rewrap) invalidate both caches at once; a change made by another process or replica
+takes effect here within ``metadata_cache_seconds`` (docs/keys.md). Set it to 0 to read the
+store on every release.
 
 Lifecycle: ``create`` (version 1), ``rotate`` (a new version; older ones stay usable until
 disabled), ``disable`` / ``enable``, ``destroy`` (the wrapped material is deleted for good; the
@@ -22,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import mlkem, x25519
@@ -35,6 +38,8 @@ from broker.keys.store.base import Algorithm, KeyStore, KeyVersionRecord, Purpos
 DEK_BYTES = 32
 KEY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*$")
 MAX_KEY_NAME = 128
+K = TypeVar("K", bound=tuple[Any, ...])
+V = TypeVar("V")
 ChangeLogger = Callable[[Mapping[str, Any]], Awaitable[object]]
 
 
@@ -59,16 +64,15 @@ class RewrapReport:
     skipped_destroyed: int
 
 
-class DekCache:
-    """Unwrapped key material by (name, version), bounded in time and count."""
+class TtlCache(Generic[K, V]):
+    """Entries bounded in age and count (least recently used out first); keys start with a name."""
 
     def __init__(self, *, ttl_seconds: float, max_entries: int) -> None:
         self._ttl = ttl_seconds
         self._max = max_entries
-        self._entries: OrderedDict[tuple[str, int, str], tuple[float, bytes]] = OrderedDict()
+        self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()
 
-    def get(self, record: KeyVersionRecord) -> bytes | None:
-        key = (record.name, record.version, record.kek_ref)
+    def get(self, key: K) -> V | None:
         entry = self._entries.get(key)
         if entry is None or time.monotonic() - entry[0] >= self._ttl:
             self._entries.pop(key, None)
@@ -76,10 +80,11 @@ class DekCache:
         self._entries.move_to_end(key)
         return entry[1]
 
-    def put(self, record: KeyVersionRecord, material: bytes) -> None:
+    def put(self, key: K, value: V) -> None:
         if self._ttl <= 0 or self._max <= 0:
             return
-        self._entries[(record.name, record.version, record.kek_ref)] = (time.monotonic(), material)
+        self._entries[key] = (time.monotonic(), value)
+        self._entries.move_to_end(key)
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
 
@@ -91,6 +96,18 @@ class DekCache:
         return len(self._entries)
 
 
+class DekCache(TtlCache[tuple[str, int, str], bytes]):
+    """Unwrapped key material by (name, version, KEK), bounded in time and count."""
+
+
+def dek_cache_key(record: KeyVersionRecord) -> tuple[str, int, str]:
+    return (record.name, record.version, record.kek_ref)
+
+
+# (name, version or None for "newest enabled") -> the record a release would use
+MetadataCache = TtlCache[tuple[str, int | None], KeyVersionRecord]
+
+
 class KeyService:
     def __init__(
         self,
@@ -98,11 +115,15 @@ class KeyService:
         keks: KekRing,
         *,
         cache: DekCache | None = None,
+        metadata: MetadataCache | None = None,
         change_log: ChangeLogger | None = None,
     ) -> None:
         self._store = store
         self._keks = keks
         self._cache = cache if cache is not None else DekCache(ttl_seconds=0, max_entries=0)
+        self._metadata = (
+            metadata if metadata is not None else MetadataCache(ttl_seconds=0, max_entries=0)
+        )
         self._change_log = change_log
 
     @property
@@ -143,6 +164,7 @@ class KeyService:
         record = await self._new_version(
             name, 1, purpose, now=now, material=material, algorithm=algorithm
         )
+        self._invalidate(name)
         await self._log("create", record, now)
         return record
 
@@ -165,7 +187,7 @@ class KeyService:
             raise Conflict(
                 f"key {name!r} was rotated concurrently; retry", code=ErrorCode.CONFLICT
             ) from exc
-        self._cache.invalidate(name)
+        self._invalidate(name)
         await self._log("rotate", record, now)
         return record
 
@@ -178,7 +200,7 @@ class KeyService:
         state = VersionState.ENABLED if enabled else VersionState.DISABLED
         updated = record.evolve(state=state, updated_at=now)
         await self._replace(updated, record)
-        self._cache.invalidate(name)
+        self._invalidate(name)
         await self._log("enable" if enabled else "disable", updated, now)
         return updated
 
@@ -187,7 +209,7 @@ class KeyService:
         record = await self._require(name, version)
         updated = record.evolve(state=VersionState.DESTROYED, wrapped_dek=b"", updated_at=now)
         await self._replace(updated, record)
-        self._cache.invalidate(name)
+        self._invalidate(name)
         await self._log("destroy", updated, now)
         return updated
 
@@ -209,12 +231,11 @@ class KeyService:
             NotFound: ``key_unknown``.
             KeyUnavailable: ``key_version_unavailable`` when disabled or destroyed.
         """
-        if version is None:
-            record = await self._store.latest_version(name, enabled_only=True)
-            if record is None:
-                record = await self._store.latest_version(name, enabled_only=False)
-        else:
-            record = await self._store.get_version(name, version)
+        record = self._metadata.get((name, version))
+        if record is None:
+            record = await self._read(name, version)
+            if record is not None and record.state is VersionState.ENABLED:
+                self._metadata.put((name, version), record)
         if record is None:
             suffix = "" if version is None else f" version {version}"
             raise NotFound(f"no key {name!r}{suffix}", code=ErrorCode.KEY_UNKNOWN)
@@ -231,12 +252,12 @@ class KeyService:
         """
         if record.state is VersionState.DESTROYED or not record.wrapped_dek:
             raise KeyUnavailable(f"key {record.name!r} version {record.version} is destroyed")
-        cached = self._cache.get(record)
+        cached = self._cache.get(dek_cache_key(record))
         if cached is not None:
             return cached
         kek = self._keks.for_ref(record.kek_ref)
         material = await kek.unwrap(record.wrapped_dek, dek_aad(record.name, record.version))
-        self._cache.put(record, material)
+        self._cache.put(dek_cache_key(record), material)
         return material
 
     # --- KEK rotation ------------------------------------------------------------------------
@@ -267,6 +288,7 @@ class KeyService:
                 updated_at=now,
             )
             if await self._store.replace(updated, expect_kek_ref=record.kek_ref):
+                self._invalidate(record.name)
                 rewrapped += 1
                 if on_progress is not None:
                     on_progress(rewrapped)
@@ -277,6 +299,18 @@ class KeyService:
         )
 
     # --- helpers -----------------------------------------------------------------------------
+
+    async def _read(self, name: str, version: int | None) -> KeyVersionRecord | None:
+        if version is not None:
+            return await self._store.get_version(name, version)
+        record = await self._store.latest_version(name, enabled_only=True)
+        if record is None:
+            record = await self._store.latest_version(name, enabled_only=False)
+        return record
+
+    def _invalidate(self, name: str) -> None:
+        self._cache.invalidate(name)
+        self._metadata.invalidate(name)
 
     async def _new_version(
         self,

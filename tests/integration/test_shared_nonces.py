@@ -10,16 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -34,104 +31,10 @@ from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from broker.errors import AttestationError, ErrorCode, UpstreamError
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
-from tests.integration.conftest import ALLOWED, KEY, RunningBroker, write_config
+from tests.integration.conftest import ALLOWED, KEY, RunningBroker, free_port, write_config
 
 ROOT = Path(__file__).parents[2]
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 TTL = timedelta(seconds=120)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server on 127.0.0.1, no persistence, stopped after the module."""
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [
-            *(REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--save", ""),
-            *("--appendonly", "no", "--dir", str(workdir), "--maxmemory-policy", "noeviction"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(100):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            pytest.fail("redis-server did not start")
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-
-
-def postgres_bin() -> Path:
-    """PostgreSQL's own bin directory (Debian links only some of its programs into PATH)."""
-    found = shutil.which("postgres")
-    if found:
-        return Path(found).resolve().parent
-    installed = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
-    if not installed:
-        pytest.fail("PostgreSQL server binaries not found (make test installs them)")
-    return installed[-1].parent
-
-
-@pytest.fixture(scope="module")
-def postgresql_url() -> Iterator[str]:
-    """A real PostgreSQL server on 127.0.0.1 in a scratch cluster, stopped after the module.
-
-    PostgreSQL refuses to run as root: as root, the cluster belongs to the ``postgres`` account,
-    in a directory of its own outside pytest's (root-only) temporary tree.
-    """
-    port = free_port()
-    pg_bin = postgres_bin()
-    data = Path(tempfile.mkdtemp(prefix="broker-pg-")) / "data"
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        shutil.chown(data.parent, "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    subprocess.run(
-        [*as_user, str(pg_bin / "initdb"), "-D", str(data), "-U", "broker", "-A", "trust"],
-        check=True,
-        capture_output=True,
-    )
-    process = subprocess.Popen(
-        [
-            *(*as_user, str(pg_bin / "postgres"), "-D", str(data), "-h", "127.0.0.1"),
-            *("-p", str(port), "-k", str(data), "-c", "fsync=off"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(200):
-            ready = subprocess.run(
-                [str(pg_bin / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)],
-                capture_output=True,
-                check=False,
-            )
-            if ready.returncode == 0:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("PostgreSQL did not start")
-        yield f"postgresql://broker@127.0.0.1:{port}/postgres"
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
-        shutil.rmtree(data.parent, ignore_errors=True)
 
 
 @pytest.fixture(params=["sqlite", "redis", "postgresql"])

@@ -1,0 +1,165 @@
+"""``broker serve`` with ``[server] workers = N``: N worker processes on one port, one supervisor.
+
+Each worker is an ordinary ``broker serve`` process (its own event loop, app, caches and
+connections) that binds the listen address with ``SO_REUSEPORT``; the kernel spreads new
+connections over the workers' listening sockets. The supervisor:
+
+* binds the address first (without listening) so that ``:0`` resolves to one port for all and
+  the port stays reserved while a worker restarts;
+* hands every worker the resolved address and the resolved nonce store through the environment
+  (``BROKER_SERVER_LISTEN``, ``BROKER_NONCES_STORE``; a worker never picks a per-process store);
+* restarts a worker that exits, with a back-off that grows while it keeps dying young
+  (1 s, 2 s, … at most 30 s) and resets once it has run for a minute;
+* forwards SIGHUP (policy reload) to every worker;
+* on SIGTERM or SIGINT stops restarting, sends SIGTERM to every worker (each drains its
+  connections and closes its stores), waits ``STOP_GRACE_SECONDS``, then SIGKILLs stragglers.
+
+Shared state lives where every worker sees it: nonces in the configured shared store (SQLite on
+this host by default), keys in the key store, decisions in the one log file (writers take turns
+under ``flock``; the chain and the tree stay intact, docs/audit.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from broker.config import Settings, nonce_store_setting, split_listen
+
+log = logging.getLogger(__name__)
+STOP_GRACE_SECONDS = 30.0
+MAX_BACKOFF_SECONDS = 30.0
+HEALTHY_AFTER_SECONDS = 60.0
+WORKER_FLAG = "--worker"  # hidden: ``broker serve --worker`` binds with SO_REUSEPORT
+
+
+@dataclass
+class Worker:
+    index: int
+    process: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    failures: int = 0  # consecutive early exits
+    restarts: int = 0
+    waiter: asyncio.Task[int] | None = field(default=None, repr=False)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Bind (not listen) the address with SO_REUSEPORT: the port every worker then binds too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, config: Path) -> None:
+        self._settings = settings
+        self._config = config
+        self._workers = [Worker(index) for index in range(settings.server.workers)]
+        self._stopping = asyncio.Event()
+        self._listen = ""
+
+    async def run(self) -> int:
+        host, port = split_listen(self._settings.server.listen)
+        reserved = reserve_port(host, port)
+        try:
+            bound_port = reserved.getsockname()[1]
+            self._listen = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, self._stopping.set)
+            loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+            for worker in self._workers:
+                await self._start(worker)
+            print(
+                f"broker supervisor: {len(self._workers)} workers serving on {self._listen}",
+                file=sys.stderr,
+                flush=True,
+            )
+            await self._watch()
+        finally:
+            await self._stop_all()
+            reserved.close()
+        return 0
+
+    async def _start(self, worker: Worker) -> None:
+        env = {
+            **os.environ,
+            "BROKER_SERVER_LISTEN": self._listen,
+            "BROKER_SERVER_WORKERS": "1",
+            "BROKER_NONCES_STORE": nonce_store_setting(self._settings.nonces.store),
+            "BROKER_WORKER_INDEX": str(worker.index),
+        }
+        worker.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            "--config",
+            str(self._config),
+            WORKER_FLAG,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        worker.started = time.monotonic()
+        worker.waiter = asyncio.create_task(worker.process.wait())
+
+    async def _watch(self) -> None:
+        stop = asyncio.create_task(self._stopping.wait())
+        try:
+            while not self._stopping.is_set():
+                waiters = {w.waiter for w in self._workers if w.waiter is not None}
+                done, _ = await asyncio.wait({stop, *waiters}, return_when=asyncio.FIRST_COMPLETED)
+                dead = [w for w in self._workers if w.waiter is not None and w.waiter in done]
+                if dead and not self._stopping.is_set():
+                    await asyncio.gather(*(self._restart(w, w.waiter.result()) for w in dead))  # type: ignore[union-attr]
+        finally:
+            stop.cancel()
+
+    async def _restart(self, worker: Worker, code: int) -> None:
+        lived = time.monotonic() - worker.started
+        worker.failures = 0 if lived >= HEALTHY_AFTER_SECONDS else worker.failures + 1
+        delay = min(MAX_BACKOFF_SECONDS, float(2 ** max(worker.failures - 1, 0)))
+        log.warning(
+            "worker %d exited with %d after %.1f s; restarting in %.0f s",
+            worker.index,
+            code,
+            lived,
+            delay,
+        )
+        print(
+            f"broker supervisor: worker {worker.index} exited ({code}); "
+            f"restarting in {delay:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        worker.waiter = None
+        try:
+            await asyncio.wait_for(self._stopping.wait(), timeout=delay)
+        except TimeoutError:
+            worker.restarts += 1
+            await self._start(worker)
+
+    def _forward(self, signum: int) -> None:
+        for worker in self._workers:
+            if worker.process is not None and worker.process.returncode is None:
+                worker.process.send_signal(signum)
+
+    async def _stop_all(self) -> None:
+        self._forward(signal.SIGTERM)
+        running = [w.waiter for w in self._workers if w.waiter is not None and not w.waiter.done()]
+        if not running:
+            return
+        _, late = await asyncio.wait(running, timeout=STOP_GRACE_SECONDS)
+        if late:
+            self._forward(signal.SIGKILL)
+            await asyncio.wait(late)

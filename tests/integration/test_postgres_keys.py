@@ -1,0 +1,277 @@
+"""The PostgreSQL key store on a real PostgreSQL server started on loopback (conftest).
+
+Each test gets a database of its own. Checked: ``broker keys migrate`` creates and then keeps
+the schema (idempotent, refused for a newer schema); an unmigrated database is refused at
+start-up with what to run; the lifecycle has the SQLite store's semantics; ``replace`` is a
+compare-and-swap, so two rewraps racing from two processes' worth of connections leave every
+DEK wrapped exactly once and decryptable; two replicas (processes with their own ports and
+logs) share keys and nonces through PostgreSQL, a key disabled through one is refused by the
+other within ``metadata_cache_seconds``, and ``broker audit verify`` checks both logs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import ssl
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import asyncpg
+import pytest
+
+from broker.config import ConfigError, KeySettings
+from broker.dev.issuer import DevIssuer
+from broker.errors import KeyUnavailable
+from broker.keys.factory import open_key_service
+from broker.keys.kek.base import dek_aad
+from broker.keys.store.base import Purpose, VersionState
+from broker.keys.store.postgres import SCHEMA_VERSION, PostgresKeyStore, migrate
+from tests.integration.conftest import KEY, free_port, write_config
+from tests.integration.test_shared_nonces import ROOT, release_body, wait_ready
+
+NOW = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+@pytest.fixture
+async def database(postgresql_url: str) -> str:
+    """A fresh database on the session's server; its URL."""
+    name = f"keys_{secrets.token_hex(6)}"
+    admin = await asyncpg.connect(postgresql_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    parts = urlsplit(postgresql_url)
+    return urlunsplit(parts._replace(path=f"/{name}"))
+
+
+def cli(*args: str, environ: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, **(environ or {})},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+async def test_migrate_creates_then_keeps_the_schema_and_refuses_a_newer_one(
+    database: str, tmp_path: Path
+) -> None:
+    settings = KeySettings(store=database, kek=f"local:{tmp_path / 'kek.key'}")
+    with pytest.raises(ConfigError, match="broker keys migrate"):
+        async with open_key_service(settings, create_missing_kek=True):
+            pass
+    config = await asyncio.to_thread(write_config, tmp_path / "b", DevIssuer(dev_mode=True))
+    env = {"BROKER_KEYS_STORE": database}
+    first = await asyncio.to_thread(cli, "keys", "migrate", "--config", str(config), environ=env)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout) == {
+        "store": "postgresql",
+        "schema_version_before": 0,
+        "schema_version": SCHEMA_VERSION,
+    }
+    assert database not in first.stdout  # the URL (it may carry a password) is not printed
+    again = await asyncio.to_thread(cli, "keys", "migrate", "--config", str(config), environ=env)
+    assert json.loads(again.stdout)["schema_version_before"] == SCHEMA_VERSION
+    async with open_key_service(settings, create_missing_kek=True) as keys:
+        await keys.create("models/a", Purpose.MODEL_WEIGHTS, now=NOW)
+    db = await asyncpg.connect(database)
+    try:
+        await db.execute("UPDATE broker_schema SET version = version + 1")
+    finally:
+        await db.close()
+    with pytest.raises(ConfigError, match="newer"):
+        await migrate(database, timeout_seconds=5)
+    with pytest.raises(ConfigError, match="newer"):
+        async with open_key_service(settings):
+            pass
+
+
+async def test_lifecycle_and_no_plaintext_in_the_database(database: str, tmp_path: Path) -> None:
+    await migrate(database, timeout_seconds=5)
+    settings = KeySettings(store=database, kek=f"local:{tmp_path / 'kek.key'}")
+    async with open_key_service(settings, create_missing_kek=True) as keys:
+        await keys.create("models/a", Purpose.MODEL_WEIGHTS, now=NOW)
+        dek1 = await keys.unwrap(await keys.resolve("models/a", None))
+        v2 = await keys.rotate("models/a", now=NOW)
+        dek2 = await keys.unwrap(v2)
+        assert (await keys.resolve("models/a", None)).version == 2
+        await keys.set_enabled("models/a", 2, False, now=NOW)
+        assert (await keys.resolve("models/a", None)).version == 1
+        with pytest.raises(KeyUnavailable):
+            await keys.resolve("models/a", 2)
+        await keys.set_enabled("models/a", 2, True, now=NOW)
+        await keys.destroy("models/a", 1, now=NOW)
+        with pytest.raises(KeyUnavailable):
+            await keys.resolve("models/a", 1)
+        listed = await keys.list_versions("models/a")
+        assert [(r.version, r.state, bool(r.wrapped_dek)) for r in listed] == [
+            (1, VersionState.DESTROYED, False),
+            (2, VersionState.ENABLED, True),
+        ]
+        assert listed[0].created_at == NOW
+        query = await keys.create("queries/q", Purpose.QUERY, now=NOW)
+        assert (await keys.resolve("queries/q", 1)).public_key == query.public_key
+    db = await asyncpg.connect(database)
+    try:
+        rows = await db.fetch("SELECT wrapped_dek FROM broker_key_versions")
+    finally:
+        await db.close()
+    stored = b"".join(bytes(row["wrapped_dek"]) for row in rows)
+    assert dek1 not in stored
+    assert dek2 not in stored
+
+
+async def test_replace_is_a_compare_and_swap(database: str) -> None:
+    await migrate(database, timeout_seconds=5)
+    first, second = PostgresKeyStore(database, timeout=5), PostgresKeyStore(database, timeout=5)
+    await first.open()
+    await second.open()
+    try:
+        from broker.keys.store.base import KeyVersionRecord  # noqa: PLC0415
+
+        record = KeyVersionRecord(
+            name="k",
+            version=1,
+            purpose=Purpose.GENERIC,
+            state=VersionState.ENABLED,
+            wrapped_dek=b"w1",
+            kek_ref="kek-a",
+            created_at=NOW,
+        )
+        await first.add_version(record)
+        moved = record.evolve(wrapped_dek=b"w2", kek_ref="kek-b", updated_at=NOW)
+        assert await first.replace(moved, expect_kek_ref="kek-a")
+        stale = record.evolve(wrapped_dek=b"w3", kek_ref="kek-c", updated_at=NOW)
+        assert not await second.replace(stale, expect_kek_ref="kek-a")  # lost the race
+        assert (await second.get_version("k", 1)) == moved
+    finally:
+        await first.close()
+        await second.close()
+
+
+@pytest.mark.timeout(120)
+async def test_two_rewraps_racing_leave_every_dek_wrapped_once(
+    database: str, tmp_path: Path
+) -> None:
+    await migrate(database, timeout_seconds=5)
+    old = KeySettings(store=database, kek=f"local:{tmp_path / 'old.key'}")
+    async with open_key_service(old, create_missing_kek=True) as keys:
+        deks = {}
+        for number in range(40):
+            record = await keys.create(f"models/m{number}", Purpose.MODEL_WEIGHTS, now=NOW)
+            deks[record.name] = await keys.unwrap(record)
+    new_kek = f"local:{tmp_path / 'new.key'}"
+    from broker.keys.kek.local import create_kek_file  # noqa: PLC0415
+
+    await asyncio.to_thread(create_kek_file, tmp_path / "new.key")
+    both = KeySettings(store=database, kek=new_kek, kek_previous=(old.kek,))
+    async with (
+        open_key_service(both) as first,
+        open_key_service(both) as second,
+    ):
+        reports = await asyncio.gather(first.rewrap(now=NOW), second.rewrap(now=NOW))
+    assert sum(r.rewrapped for r in reports) == 40  # each DEK moved by exactly one of them
+    only_new = KeySettings(store=database, kek=new_kek)
+    async with open_key_service(only_new) as keys:
+        for record in await keys.list_versions():
+            assert record.kek_ref == keys.kek.reference
+            material = await keys.kek.unwrap(record.wrapped_dek, dek_aad(record.name, 1))
+            assert material == deks[record.name]
+
+
+# --- two replicas on one PostgreSQL: keys, nonces; a log each -------------------------------
+
+
+def serve(config: Path, port: int, log: Path, replica: str, env: dict[str, str]) -> Any:
+    return subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            **env,
+            "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
+            "BROKER_SERVER_REPLICA_ID": replica,
+            "BROKER_AUDIT_LOG": str(log),
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.timeout(180)
+async def test_two_replicas_share_keys_and_a_disable_reaches_both(
+    database: str, tmp_path: Path
+) -> None:
+    issuer = DevIssuer(dev_mode=True)
+    config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
+    env = {
+        "BROKER_KEYS_STORE": database,
+        "BROKER_NONCES_STORE": database,
+        "BROKER_KEYS_METADATA_CACHE_SECONDS": "0.5",
+    }
+    for args in (
+        ("keys", "migrate", "--config", str(config)),
+        ("keys", "create", KEY, "--purpose", "model-weights", "--config", str(config)),
+    ):
+        done = await asyncio.to_thread(cli, *args, environ=env)
+        assert done.returncode == 0, done.stderr
+    tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
+    ports = [free_port(), free_port()]
+    logs = [tmp_path / f"decisions-r{i}.log" for i in range(2)]
+    replicas = [
+        serve(config, port, log, f"r{i}", env)
+        for i, (port, log) in enumerate(zip(ports, logs, strict=True))
+    ]
+    urls = [f"https://127.0.0.1:{port}" for port in ports]
+    try:
+        for port in ports:
+            await asyncio.to_thread(wait_ready, port, tls)
+        async with aiohttp.ClientSession() as session:
+
+            async def release(via: int, issued_by: int) -> tuple[int, str]:
+                body = await release_body(session, urls[issued_by], tls, issuer)
+                async with session.post(urls[via] + "/v1/release", json=body, ssl=tls) as answer:
+                    payload = await answer.json()
+                    return answer.status, payload.get("error", {}).get("code", "ok")
+
+            assert await release(1, 0) == (200, "ok")  # nonce from r0, key row read by r1
+            assert await release(0, 1) == (200, "ok")
+            disabled = await asyncio.to_thread(
+                cli, "keys", "disable", KEY, "--version", "1", "--config", str(config), environ=env
+            )
+            assert disabled.returncode == 0, disabled.stderr
+            await asyncio.sleep(0.6)  # metadata_cache_seconds: the documented bound
+            for via in (0, 1):
+                status, code = await release(via, 1 - via)
+                assert (status, code) == (409, "key_version_unavailable"), (via, status, code)
+    finally:
+        for process in replicas:
+            process.send_signal(signal.SIGTERM)
+        for process in replicas:
+            _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
+            assert process.returncode == 0, stderr[-2000:]
+    for replica, log in enumerate(logs):
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert {r["replica"] for r in records} == {f"r{replica}"}
+    verified = await asyncio.to_thread(cli, "audit", "verify", *map(str, logs))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    report = json.loads(verified.stdout)
+    assert [entry["replica"] for entry in report["logs"]] == ["r0", "r1"]
+    copied = tmp_path / "copy-of-r0.log"
+    copied.write_bytes(logs[0].read_bytes())
+    twice = await asyncio.to_thread(cli, "audit", "verify", str(logs[0]), str(copied))
+    assert twice.returncode == 1
+    assert "same replica" in twice.stdout
