@@ -3,8 +3,13 @@
 Both servers run as separate processes on 127.0.0.1 (plain HTTP for both, so TLS is not part of
 the comparison), and the same client drives them with the same concurrency and body sizes.
 Tokens, challenges and runner keys are prepared before the clock starts, so the timed part is the
-broker's own work: parse, nonce, RS256 verify, binding, policy (regopy), key unwrap, JWE wrap,
+broker's own work: parse, nonce, RS256 verify, binding, policy (Wasm), key lookup, JWE wrap,
 durable (fsync'd, group-committed) log append.
+
+Printed: one process's releases/s and its ratio to the echo's req/s (the issue's target is
+>= 0.25), p50/p99 at the run's concurrency and p99 at 64 connections; then the same for
+``--workers 2`` (SQLite nonce store, the default with workers > 1) and its ratio to one worker.
+The load generator shares the machine: on 2 cores it competes with the workers for CPU.
 
     make bench            # or: .venv/bin/python bench/release_bench.py --requests 2000
 """
@@ -20,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -64,10 +70,26 @@ async def wait_ready(url: str) -> None:
     raise RuntimeError(f"{url} never became ready")
 
 
-async def drive(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[float, int]:
-    """POST every body; return (seconds, number of 200 answers)."""
+@dataclass
+class Run:
+    seconds: float
+    ok: int
+    latencies: list[float]
+
+    @property
+    def rate(self) -> float:
+        return self.ok / self.seconds
+
+    def percentile(self, fraction: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1000
+
+
+async def drive(url: str, bodies: list[dict[str, Any]], concurrency: int) -> Run:
+    """POST every body over ``concurrency`` connections; count 200s, time each request."""
     queue = list(reversed(bodies))
     ok = 0
+    latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -75,13 +97,15 @@ async def drive(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tup
             nonlocal ok
             while queue:
                 body = queue.pop()
+                sent = time.perf_counter()
                 async with session.post(url, json=body) as response:
                     await response.read()
                     ok += response.status == 200
+                latencies.append(time.perf_counter() - sent)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - started, ok
+        return Run(time.perf_counter() - started, ok, latencies)
 
 
 async def prepare_releases(url: str, issuer: DevIssuer, count: int) -> list[dict[str, Any]]:
@@ -108,6 +132,45 @@ async def prepare_releases(url: str, issuer: DevIssuer, count: int) -> list[dict
     return bodies
 
 
+class Broker:
+    """``broker serve`` in a subprocess (``workers`` processes on one port)."""
+
+    def __init__(self, config: Path, workers: int) -> None:
+        self.port = free_port()
+        env = {**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{self.port}"}
+        command = [*CLI, "serve", "--config", str(config), "--workers", str(workers)]
+        self.process = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+CLI = [sys.executable, "-m", "broker.cli"]
+
+
+async def measure(
+    config: Path, issuer: DevIssuer, workers: int, requests: int, concurrency: int
+) -> tuple[Run, Run]:
+    """(releases at ``concurrency``, releases at 64 connections) on a fresh broker."""
+    broker = Broker(config, workers)
+    try:
+        await wait_ready(broker.url + "/readyz")
+        warm = await prepare_releases(broker.url, issuer, 100)
+        await drive(broker.url + "/v1/release", warm, concurrency)
+        bodies = await prepare_releases(broker.url, issuer, requests)
+        main = await drive(broker.url + "/v1/release", bodies, concurrency)
+        bodies = await prepare_releases(broker.url, issuer, requests)
+        wide = await drive(broker.url + "/v1/release", bodies, 64)
+    finally:
+        broker.stop()
+    for run in (main, wide):
+        if run.ok != requests:
+            raise SystemExit(f"only {run.ok}/{requests} releases succeeded")
+    return main, wide
+
+
 async def main(requests: int, concurrency: int) -> None:
     with tempfile.TemporaryDirectory(prefix="broker-bench-") as tmp:
         workdir = Path(tmp) / "b"
@@ -117,59 +180,63 @@ async def main(requests: int, concurrency: int) -> None:
             'tls_cert = "tls/server.pem"\ntls_key = "tls/server.key"\n', ""
         )
         config.write_text(text)
-        broker_port, echo_port = free_port(), free_port()
-        env = {**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{broker_port}"}
-        cli = [sys.executable, "-m", "broker.cli"]
         subprocess.run(
-            [*cli, "keys", "create", KEY, "--purpose", "model-weights", "--config", str(config)],
+            [*CLI, "keys", "create", KEY, "--purpose", "model-weights", "--config", str(config)],
             check=True,
-            env=env,
             cwd=ROOT,
             capture_output=True,
         )
-        broker = subprocess.Popen(
-            [*cli, "serve", "--config", str(config)], env=env, cwd=ROOT, stderr=subprocess.DEVNULL
-        )
+        echo_port = free_port()
         echo = subprocess.Popen(
             [sys.executable, "-c", ECHO_APP, str(echo_port)], stderr=subprocess.DEVNULL
         )
         try:
-            broker_url, echo_url = (
-                f"http://127.0.0.1:{broker_port}",
-                f"http://127.0.0.1:{echo_port}",
-            )
-            await wait_ready(broker_url + "/readyz")
-            await wait_ready(echo_url + "/echo")
-            warm = await prepare_releases(broker_url, issuer, 50)
-            await drive(broker_url + "/v1/release", warm, concurrency)
-            bodies = await prepare_releases(broker_url, issuer, requests)
-            await drive(echo_url + "/echo", bodies[:50], concurrency)
-            echo_s, echo_ok = await drive(echo_url + "/echo", bodies, concurrency)
-            release_s, release_ok = await drive(broker_url + "/v1/release", bodies, concurrency)
+            echo_url = f"http://127.0.0.1:{echo_port}/echo"
+            await wait_ready(echo_url)
+            sample = await prepare_echo_bodies(requests)
+            await drive(echo_url, sample[:100], concurrency)
+            echo_run = await drive(echo_url, sample, concurrency)
         finally:
-            for process in (broker, echo):
-                process.terminate()
-                process.wait(timeout=10)
+            echo.terminate()
+            echo.wait(timeout=10)
+        one, one_wide = await measure(config, issuer, 1, requests, concurrency)
+        two, two_wide = await measure(config, issuer, 2, requests, concurrency)
         log_lines = (workdir / "decisions.log").read_text().count("\n")
-    echo_rate, release_rate = echo_ok / echo_s, release_ok / release_s
     print(
         json.dumps(
             {
                 "requests": requests,
                 "concurrency": concurrency,
                 "cpus": os.cpu_count(),
-                "echo_per_s": round(echo_rate, 1),
-                "release_per_s": round(release_rate, 1),
-                "release_vs_echo": round(release_rate / echo_rate, 3),
-                "release_ok": release_ok,
+                "echo_per_s": round(echo_run.rate, 1),
+                "release_per_s": round(one.rate, 1),
+                "release_vs_echo": round(one.rate / echo_run.rate, 3),
+                "broker_ms_per_release": round(1000 / one.rate, 3),
+                "release_p50_ms": round(one.percentile(0.5), 2),
+                "release_p99_ms": round(one.percentile(0.99), 2),
+                "release_p99_ms_at_64_connections": round(one_wide.percentile(0.99), 2),
+                "two_workers_release_per_s": round(two.rate, 1),
+                "two_workers_vs_one": round(two.rate / one.rate, 2),
+                "two_workers_p99_ms_at_64_connections": round(two_wide.percentile(0.99), 2),
                 "decisions_logged": log_lines,
-                "broker_ms_per_release": round(1000 / release_rate, 3),
             },
             indent=2,
         )
     )
-    if release_ok != requests:
-        raise SystemExit(f"only {release_ok}/{requests} releases succeeded")
+
+
+async def prepare_echo_bodies(count: int) -> list[dict[str, Any]]:
+    """Bodies shaped like release requests (the echo's work is proportional to the body)."""
+    issuer = DevIssuer(dev_mode=True)
+    jwk = public_jwk(new_ephemeral_key("X25519").public_key())
+    token = issuer.mint(
+        audience="bench",
+        nonces=["n" * 43, thumbprint(jwk)],
+        workload=Workload(image_digest=ALLOWED),
+        now=datetime.now(UTC),
+    )
+    body = {"key": KEY, "nonce": "n" * 43, "evidence": {"gca": token}, "runner_key": jwk}
+    return [body] * count
 
 
 if __name__ == "__main__":
