@@ -164,7 +164,9 @@ def report(name: str, tally: Tally, seconds: float, rss: tuple[int, int]) -> dic
 async def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="broker-load-") as tmp:
         issuer = DevIssuer(dev_mode=True)
-        config = write_config(Path(tmp) / "b", issuer, insecure_http=True)
+        # Nonces live nonce_ttl_seconds after use (single use is enforced until expiry): a short
+        # TTL lets the soak reach the store's steady size (rate x TTL) well inside its run.
+        config = write_config(Path(tmp) / "b", issuer, insecure_http=True, nonce_ttl_seconds=30)
         text = config.read_text().replace(
             'tls_cert = "tls/server.pem"\ntls_key = "tls/server.key"\n', ""
         )

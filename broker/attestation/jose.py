@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -30,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from broker.errors import AttestationError, ErrorCode
-from broker.jsonsafe import MAX_JSON_DEPTH, depth_within, loads_bounded
+from broker.jsonsafe import loads_bounded
 
 MAX_TOKEN_BYTES = 64 * 1024
 MAX_HEADER_BYTES = 16 * 1024
@@ -138,8 +139,12 @@ def parse_header_with_kid(
     return header
 
 
+@functools.lru_cache(maxsize=64)
 def unverified_claim(token: str, name: str) -> str | None:
-    """Read one string claim without verifying, only to choose which trust to verify with."""
+    """Read one string claim without verifying, only to choose which trust to verify with.
+
+    Cached (the answer is an immutable string): the async layer and the pure verifier both ask
+    for ``iss`` of the same token, and the payload is decoded once for both."""
     parts = token.split(".")
     if len(parts) != 3 or len(token) > MAX_TOKEN_BYTES:
         return None
@@ -198,7 +203,7 @@ def verify_jws(
                 raise AttestationError(
                     f"token lacks the required claim {name!r}", code=ErrorCode.TOKEN_CLAIM_MISSING
                 )
-    if not isinstance(claims, dict) or not depth_within(claims, MAX_JSON_DEPTH):
+    if not isinstance(claims, dict):  # its depth was bounded by loads_bounded
         raise AttestationError("token payload is not a JSON object of bounded depth")
     check_times(claims, now=now, leeway=leeway)
     exp, iat = claims.get("exp"), claims.get("iat")

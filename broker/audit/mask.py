@@ -10,7 +10,6 @@ nothing is ignored. Tokens, keys and secrets are never in the input to begin wit
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -23,24 +22,43 @@ def _unescape(token: str) -> str:
 
 
 def masked(document: Mapping[str, Any], pointers: Iterable[str]) -> dict[str, Any]:
-    """A deep copy of ``document`` with the values at ``pointers`` replaced by their digest."""
-    result = copy.deepcopy(dict(document))
+    """``document`` with the values at ``pointers`` replaced by their digest.
+
+    ``document`` is never changed: the containers on the way to a masked value are copied
+    (copy on write), the rest is shared with it — records are serialised, never mutated, so
+    sharing is safe and a release without masks copies nothing deep.
+    """
+    result = dict(document)
     for pointer in sorted(set(pointers)):
         if not isinstance(pointer, str) or not pointer.startswith("/"):
             continue
         tokens = [_unescape(t) for t in pointer[1:].split("/")]
         parent: Any = result
         for token in tokens[:-1]:
-            parent = _child(parent, token)
-            if parent is None:
+            child = _child(parent, token)
+            if not isinstance(child, dict | list):
                 break
+            child = dict(child) if isinstance(child, dict) else list(child)
+            _set(parent, token, child)
+            parent = child
         else:
             last = tokens[-1]
-            if isinstance(parent, dict) and last in parent:
-                parent[last] = _digest(parent[last])
-            elif isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
-                parent[int(last)] = _digest(parent[int(last)])
+            if _has(parent, last):
+                _set(parent, last, _digest(_child(parent, last)))
     return result
+
+
+def _has(container: Any, token: str) -> bool:
+    if isinstance(container, dict):
+        return token in container
+    return isinstance(container, list) and token.isdigit() and int(token) < len(container)
+
+
+def _set(container: Any, token: str, value: Any) -> None:
+    if isinstance(container, dict):
+        container[token] = value
+    else:
+        container[int(token)] = value
 
 
 def _child(value: Any, token: str) -> Any:

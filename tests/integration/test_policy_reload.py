@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from broker.audit.log import canonical
 from broker.client import BrokerClientError
 from tests.integration.conftest import ALLOWED, KEY, RunningBroker
 
@@ -150,3 +151,16 @@ async def test_polling_picks_up_a_changed_policy(start_broker: Any) -> None:
         pytest.fail("the changed policy never went live")
     change = [r for r in broker.records() if r["type"] == "policy_change"]
     assert [c["trigger"] for c in change] == ["poll"]
+
+
+async def test_configured_mask_hides_input_values_in_records(start_broker: Any) -> None:
+    broker: RunningBroker = await start_broker(
+        environ={"BROKER_AUDIT_MASK": "/tee/workload/image_digest"}
+    )
+    assert await released(broker)
+    record = [r for r in broker.records() if r["type"] == "release"][-1]
+    expected = "sha256:" + hashlib.sha256(canonical(ALLOWED)).hexdigest()
+    assert record["input"]["tee"]["workload"]["image_digest"] == expected
+    assert ALLOWED not in json.dumps(record["input"]["tee"])
+    # A pointer masks that place only: the raw claims keep their own copy unless masked too.
+    assert record["input"]["claims"]["gca"]["submods"]["container"]["image_digest"] == ALLOWED
