@@ -11,6 +11,8 @@ OPA := $(BIN)/opa
 KUSTOMIZE_VERSION := v5.7.1
 KUBECONFORM_VERSION := v0.7.0
 KUBERNETES_VERSION := v1.34.4
+FAKE_GCS_VERSION := v1.56.1
+FAKE_GCS := $(BIN)/fake-gcs-server
 KUSTOMIZE := $(BIN)/kustomize
 KUBECONFORM := $(BIN)/kubeconform
 K8S_OPENAPI := $(VENV)/k8s-openapi-$(KUBERNETES_VERSION).json
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) $(OPA)
 	$(BIN)/broker demo
 
-test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) postgresql deploy-tools lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) postgresql deploy-tools lint typecheck policy-test pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check broker tests bench deploy
@@ -57,6 +59,10 @@ postgresql:
 $(OPA): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/open-policy-agent/opa@$(OPA_VERSION)
 
+# A Cloud Storage emulator for the runner SDK's gs:// source (the tests start it on loopback).
+$(FAKE_GCS): | $(STAMP)
+	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_VERSION)
+
 deploy-tools: $(KUSTOMIZE) $(KUBECONFORM) $(K8S_OPENAPI)
 
 $(KUSTOMIZE): | $(STAMP)
@@ -71,13 +77,14 @@ $(K8S_OPENAPI): | $(STAMP)
 policy-test: $(STAMP) $(OPA)
 	$(BIN)/broker policy test policies --opa $(OPA)
 
-pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) postgresql deploy-tools
+pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) postgresql deploy-tools
 	$(BIN)/pytest
 
 bench: $(STAMP) $(OPA)
 	$(BIN)/python bench/release_bench.py
 	$(BIN)/python bench/policy_bench.py
 	$(BIN)/python bench/audit_bench.py
+	$(BIN)/python bench/weights_bench.py
 
 # Not part of `make test`: a 20 s max run, then 2 minutes at 70 % of it (0 errors, RSS < +10 %).
 soak: $(STAMP) $(OPA)

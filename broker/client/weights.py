@@ -1,0 +1,408 @@
+"""Runner side of the weights data path: read encrypted weights from where they are stored,
+decrypt them with the released DEK — all of a file (``decrypt_to``, async, parallel) or any part
+of it (``open_encrypted``, a seekable read-only file object).
+
+Sources (``open_source``): a local path, an ``https://`` URL (ranged GETs: aiohttp when async,
+the standard library when sync), or ``gs://bucket/object`` through ``google-cloud-storage``
+(ranged reads; point ``STORAGE_EMULATOR_HOST`` at an emulator to test). Every byte handed out has
+been authenticated: a segment is decrypted whole before any of it is returned.
+
+    dek = released.dek
+    with open_encrypted("gs://weights/llama.safetensors.brkw", dek, kid) as f:
+        f.seek(offset); tensor_bytes = f.read(length)          # decrypts only those segments
+    await decrypt_to("https://cdn.example/llama.brkw", "/dev/shm/llama", dek, kid,
+                     progress=lambda done, total: ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from broker.crypto.weights import (
+    MAX_HEADER_BYTES,
+    Header,
+    SealedFile,
+    SegmentCipher,
+    WeightsFormatError,
+)
+
+Progress = Callable[[int, int], None]  # (plaintext bytes done, plaintext bytes in all)
+DEFAULT_PARALLELISM = min(8, os.cpu_count() or 1)
+
+
+class SourceError(OSError):
+    """The encrypted file could not be read from its source."""
+
+
+class RangeSource(Protocol):
+    """Where an encrypted file lives: its size and any byte range, sync and async."""
+
+    name: str
+
+    def size(self) -> int: ...
+
+    def read_range(self, start: int, length: int) -> bytes: ...
+
+    async def aread_range(self, start: int, length: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class LocalSource:
+    def __init__(self, path: str | Path) -> None:
+        self.name = str(path)
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise SourceError(f"cannot open {path}: {exc.strerror}") from exc
+
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def read_range(self, start: int, length: int) -> bytes:
+        data = os.pread(self._fd, length, start)
+        if len(data) != length:
+            raise SourceError(f"{self.name}: short read at {start}")
+        return data
+
+    async def aread_range(self, start: int, length: int) -> bytes:
+        return await asyncio.to_thread(self.read_range, start, length)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class HttpsSource:
+    """Ranged GETs (RFC 9110 §14): every answer must be ``206`` with exactly the asked range."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_seconds: float = 60.0,
+    ) -> None:
+        self.name = url
+        self._url = url
+        self._ssl = ssl_context if ssl_context is not None else ssl.create_default_context()
+        self._headers = dict(headers or {})
+        self._timeout = timeout_seconds
+        self._size: int | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def size(self) -> int:
+        if self._size is None:
+            request = urllib.request.Request(self._url, method="HEAD", headers=self._headers)  # noqa: S310 - https only (open_source)
+            try:
+                with urllib.request.urlopen(request, context=self._ssl, timeout=self._timeout) as r:  # noqa: S310
+                    self._size = int(r.headers["Content-Length"])
+            except (urllib.error.URLError, KeyError, ValueError, TimeoutError) as exc:
+                raise SourceError(f"{self._url}: no size ({exc})") from exc
+        return self._size
+
+    def read_range(self, start: int, length: int) -> bytes:
+        headers = {**self._headers, "Range": f"bytes={start}-{start + length - 1}"}
+        request = urllib.request.Request(self._url, headers=headers)  # noqa: S310
+        try:
+            with urllib.request.urlopen(request, context=self._ssl, timeout=self._timeout) as r:  # noqa: S310
+                data: bytes = r.read(length + 1)
+                status = r.status
+        except (urllib.error.URLError, TimeoutError) as exc:
+            raise SourceError(f"{self._url}: range {start}+{length}: {exc}") from exc
+        return self._checked(status, data, start, length)
+
+    async def aread_range(self, start: int, length: int) -> bytes:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self._timeout)
+            )
+        headers = {**self._headers, "Range": f"bytes={start}-{start + length - 1}"}
+        try:
+            async with self._session.get(self._url, headers=headers, ssl=self._ssl) as response:
+                if response.status != 206 or response.content_length != length:
+                    return self._checked(response.status, b"", start, length)
+                data = await response.content.readexactly(length)
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            raise SourceError(f"{self._url}: range {start}+{length}: {exc}") from exc
+        return self._checked(status, data, start, length)
+
+    def _checked(self, status: int, data: bytes, start: int, length: int) -> bytes:
+        if status != 206 or len(data) != length:  # a 200 would be the whole file: refuse
+            raise SourceError(f"{self._url}: range {start}+{length} answered {status}")
+        return data
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            raise RuntimeError("close an HttpsSource used asynchronously with aclose()")
+
+
+def _gcs_errors() -> tuple[type[BaseException], ...]:
+    from google.api_core.exceptions import GoogleAPIError  # noqa: PLC0415
+    from google.auth.exceptions import GoogleAuthError  # noqa: PLC0415
+    from requests import RequestException  # noqa: PLC0415 - the storage client's transport
+
+    return (GoogleAPIError, GoogleAuthError, RequestException)
+
+
+_GCS_ERRORS = _gcs_errors()
+
+
+class GcsSource:
+    """``gs://bucket/object`` through google-cloud-storage (ranged downloads)."""
+
+    def __init__(self, uri: str, *, client: Any | None = None) -> None:
+        from google.cloud import storage  # type: ignore[attr-defined]  # noqa: PLC0415 - only runners reading GCS need it
+
+        bucket, _, name = uri.removeprefix("gs://").partition("/")
+        if not bucket or not name:
+            raise SourceError(f"{uri}: expected gs://BUCKET/OBJECT")
+        self.name = uri
+        self._client = client if client is not None else storage.Client()
+        self._blob = self._client.bucket(bucket).blob(name)
+        self._size: int | None = None
+
+    def size(self) -> int:
+        if self._size is None:
+            try:
+                self._blob.reload()
+            except _GCS_ERRORS as exc:
+                raise SourceError(f"{self.name}: {type(exc).__name__}") from exc
+            self._size = int(self._blob.size)
+        return self._size
+
+    def read_range(self, start: int, length: int) -> bytes:
+        try:
+            data: bytes = self._blob.download_as_bytes(
+                start=start, end=start + length - 1, checksum=None, raw_download=True
+            )
+        except _GCS_ERRORS as exc:
+            raise SourceError(f"{self.name}: range {start}+{length}: {type(exc).__name__}") from exc
+        if len(data) != length:
+            raise SourceError(f"{self.name}: range {start}+{length} returned {len(data)} bytes")
+        return data
+
+    async def aread_range(self, start: int, length: int) -> bytes:
+        return await asyncio.to_thread(self.read_range, start, length)
+
+    def close(self) -> None:
+        return None
+
+
+def open_source(source: str | Path | RangeSource, **options: Any) -> RangeSource:
+    """A ``RangeSource`` for a path, ``https://`` URL or ``gs://`` URI (or one given as is).
+
+    ``options`` go to the source (``ssl_context``/``headers`` for HTTPS, ``client`` for GCS).
+    Plain ``http://`` is refused: weights travel encrypted, but a runner must not be pointed
+    at a man in the middle that can stall or swap files silently.
+    """
+    if not isinstance(source, str | Path):
+        return source
+    text = str(source)
+    if text.startswith("https://"):
+        return HttpsSource(text, **options)
+    if text.startswith("gs://"):
+        return GcsSource(text, **options)
+    if "://" in text:
+        raise SourceError(f"{text}: unsupported source (a path, https:// or gs://)")
+    return LocalSource(text)
+
+
+def _sealed(source: RangeSource) -> SealedFile:
+    size = source.size()
+    head = source.read_range(0, min(size, MAX_HEADER_BYTES))
+    return SealedFile(Header.parse(head), size)
+
+
+class EncryptedReader(io.RawIOBase):
+    """A read-only, seekable view of the plaintext; decrypts only the segments it reads and
+    keeps the last one (sequential reads decrypt each segment once)."""
+
+    def __init__(self, source: RangeSource, dek: bytes, kid: str) -> None:
+        super().__init__()
+        self._source = source
+        self._cipher = SegmentCipher(dek, _sealed(source), kid)
+        self._position = 0
+        self._cached: tuple[int, bytes] | None = None
+
+    @property
+    def plaintext_size(self) -> int:
+        return self._cipher.sealed.plaintext_size
+
+    @property
+    def segment_size(self) -> int:
+        return self._cipher.sealed.header.segment_size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.plaintext_size}
+        target = base[whence] + offset
+        if target < 0:
+            raise ValueError("negative seek position")
+        self._position = target
+        return target
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        written = 0
+        segment_size = self._cipher.sealed.header.segment_size
+        while written < len(view) and self._position < self.plaintext_size:
+            index, within = divmod(self._position, segment_size)
+            plain = self._segment(index)
+            piece = plain[within : within + len(view) - written]
+            view[written : written + len(piece)] = piece
+            written += len(piece)
+            self._position += len(piece)
+        return written
+
+    def _segment(self, index: int) -> bytes:
+        if self._cached is not None and self._cached[0] == index:
+            return self._cached[1]
+        start, length = self._cipher.sealed.span(index)
+        plain = self._cipher.open(index, self._source.read_range(start, length))
+        self._cached = (index, plain)
+        return plain
+
+    def close(self) -> None:
+        if not self.closed:
+            self._source.close()
+        super().close()
+
+
+def open_encrypted(
+    source: str | Path | RangeSource, dek: bytes, kid: str, **options: Any
+) -> io.BufferedReader:
+    """The plaintext of an encrypted weights file as a seekable binary file object.
+
+    Raises:
+        WeightsFormatError: a wrong key id (checked before any read past the header), a wrong
+            key or a changed file (when a segment is read).
+        SourceError: when the source cannot be read.
+    """
+    reader = EncryptedReader(open_source(source, **options), dek, kid)
+    return io.BufferedReader(reader, buffer_size=reader.segment_size)
+
+
+async def decrypt_to(
+    source: str | Path | RangeSource,
+    dest: str | Path,
+    dek: bytes,
+    kid: str,
+    *,
+    progress: Progress | None = None,
+    parallelism: int = DEFAULT_PARALLELISM,
+    **options: Any,
+) -> int:
+    """Decrypt a whole file to ``dest`` without blocking the event loop; return its size.
+
+    Segments are fetched and decrypted ``parallelism`` at a time (AES-GCM releases the GIL, so
+    threads decrypt in parallel) and written at their offsets; at most ``2 * parallelism``
+    segments are in memory. ``dest`` is written to ``<dest>.partial`` and renamed only once
+    every segment has authenticated: a failed or cancelled run leaves no plaintext file behind.
+
+    Raises:
+        WeightsFormatError, SourceError.
+    """
+    opened = open_source(source, **options)
+    partial = Path(f"{dest}.partial")
+    pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="weights")
+    loop = asyncio.get_running_loop()
+    try:
+        sealed = await loop.run_in_executor(pool, _sealed, opened)
+        cipher = SegmentCipher(dek, sealed, kid)
+        fd = await loop.run_in_executor(
+            pool, lambda: os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        )
+        done = 0
+        total = sealed.plaintext_size
+        # 2 * parallelism workers take segment indexes in turn, each decrypting into a buffer of
+        # its own (no fresh megabyte per segment: allocation and page faults cost more than
+        # AES-GCM itself); memory stays the same whatever the file's size.
+        indexes = iter(range(sealed.segments))
+
+        def open_and_write(index: int, data: bytes, buffer: bytearray) -> int:
+            size = cipher.open_into(index, data, buffer)
+            view = memoryview(buffer)[:size]
+            offset = index * sealed.header.segment_size
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+            return size
+
+        async def worker() -> None:
+            nonlocal done
+            buffer = bytearray(sealed.header.segment_size)
+            for index in indexes:
+                start, length = sealed.span(index)
+                data = await opened.aread_range(start, length)
+                size = await loop.run_in_executor(pool, open_and_write, index, data, buffer)
+                done += size  # after the await: `done += await …` would read `done` before it
+                if progress is not None:
+                    progress(done, total)
+
+        try:
+            workers = [asyncio.create_task(worker()) for _ in range(2 * parallelism)]
+            try:
+                await asyncio.gather(*workers)
+            except BaseException:
+                for task in workers:
+                    task.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+                raise
+            await loop.run_in_executor(pool, os.fsync, fd)
+        finally:
+            await loop.run_in_executor(pool, os.close, fd)
+        await loop.run_in_executor(pool, os.replace, partial, dest)
+        return total
+    except BaseException:
+        await asyncio.shield(loop.run_in_executor(pool, _remove, partial))
+        raise
+    finally:
+        if isinstance(opened, HttpsSource):
+            await opened.aclose()
+        else:
+            opened.close()
+        pool.shutdown(wait=False)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+__all__ = [
+    "EncryptedReader",
+    "GcsSource",
+    "HttpsSource",
+    "LocalSource",
+    "RangeSource",
+    "SourceError",
+    "WeightsFormatError",
+    "decrypt_to",
+    "open_encrypted",
+    "open_source",
+]
