@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from broker import cli_audit, cli_keys, cli_policy, offline
+from broker import cli_audit, cli_keys, cli_policy, cli_weights, offline
 from broker.api.server import BrokerRunner
 from broker.api.state import STATE
 from broker.app import create_app, server_ssl_context
@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.code.value}: {exc.message}", file=sys.stderr)
         return EXIT_NO
     except OSError as exc:
-        print(f"error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
 
 
@@ -74,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
         required=True, metavar="ACTION"
     )
     cli_keys.add_commands(keys)
+
+    weights = commands.add_parser(
+        "weights", help="encrypt model weights for a key; inspect encrypted files"
+    ).add_subparsers(required=True, metavar="ACTION")
+    cli_weights.add_commands(weights)
 
     audit = commands.add_parser("audit", help="review the decision log").add_subparsers(
         required=True, metavar="ACTION"

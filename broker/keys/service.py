@@ -260,6 +260,31 @@ class KeyService:
         self._cache.put(dek_cache_key(record), material)
         return material
 
+    async def owner_material(
+        self,
+        name: str,
+        version: int | None,
+        *,
+        action: str,
+        detail: Mapping[str, Any],
+        now: datetime,
+    ) -> tuple[KeyVersionRecord, bytes]:
+        """The DEK of an enabled model-weights version for its owner's own use (``broker weights
+        encrypt|decrypt``), logged as a ``key_admin`` record with ``action`` before it is
+        returned — key material never leaves the broker's code without a record.
+
+        Raises:
+            NotFound, KeyUnavailable: as ``resolve``; ``InputError`` for a non-weights key.
+        """
+        record = await self.resolve(name, version)
+        if record.purpose is Purpose.QUERY:
+            raise InputError(f"key {name!r} is a query key, not a data key")
+        material = await self.unwrap(record)
+        await self._log_event(
+            action, {"key": record.name, "version": record.version, **detail}, now
+        )
+        return record, material
+
     # --- KEK rotation ------------------------------------------------------------------------
 
     async def rewrap(

@@ -1,0 +1,341 @@
+"""``broker weights encrypt | decrypt | inspect``: the model owner's side of the data path.
+
+``encrypt`` takes the DEK of an enabled model-weights key version straight from the key store
+(the owner runs it with the broker's config; the use is logged as a ``key_admin`` record with
+action ``weights-encrypt`` before any byte is encrypted) and writes BRKW1 files
+(docs/weights-format.md): one file, or a whole directory such as a Hugging Face snapshot, with
+``manifest.json``. Segments are encrypted on a thread pool (AES-GCM releases the GIL) while
+the file is read once, in order; memory stays at ``2 * workers`` segments whatever the size.
+``decrypt`` is for the owner's own checks (same logging, digests compared with the manifest);
+``inspect`` reads a header and needs no key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from broker.audit.log import DecisionLog
+from broker.client.weights import decrypt_to, open_source
+from broker.config import load_settings
+from broker.crypto.weights import (
+    DEFAULT_SEGMENT,
+    MAX_HEADER_BYTES,
+    MAX_SEGMENT,
+    PREFIX_BYTES,
+    SALT_BYTES,
+    Header,
+    SealedFile,
+    WeightsFormatError,
+    encode_header,
+    file_key,
+    segment_nonce,
+)
+from broker.errors import InputError
+from broker.keys.factory import open_key_service
+from broker.keys.wrap import key_id
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+SEALED_SUFFIX = ".brkw"
+MANIFEST = "manifest.json"
+EXIT_NO = 1
+Advance = Callable[[int], object]
+
+
+def add_commands(weights: Any) -> None:
+    encrypt = weights.add_parser("encrypt", help="encrypt a weights file or a model directory")
+    encrypt.add_argument("source", type=Path, metavar="IN")
+    encrypt.add_argument("target", type=Path, metavar="OUT", help="a file, or a directory")
+    encrypt.add_argument("--key", required=True)
+    encrypt.add_argument("--version", type=int, help="default: the newest enabled version")
+    encrypt.add_argument("--config", type=Path, required=True)
+    encrypt.add_argument("--segment-size", type=int, default=DEFAULT_SEGMENT)
+    encrypt.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    encrypt.set_defaults(run=_encrypt)
+    decrypt = weights.add_parser("decrypt", help="decrypt (the owner's check)")
+    decrypt.add_argument("source", type=Path, metavar="IN", help="a .brkw file or a directory")
+    decrypt.add_argument("target", type=Path, metavar="OUT")
+    decrypt.add_argument("--config", type=Path, required=True)
+    decrypt.set_defaults(run=_decrypt)
+    inspect = weights.add_parser("inspect", help="show a file's header (no key needed)")
+    inspect.add_argument("file", type=Path)
+    inspect.set_defaults(run=_inspect)
+
+
+# --- encrypt -------------------------------------------------------------------------------
+
+
+def encrypt_file(
+    dek: bytes,
+    kid: str,
+    source: Path,
+    target: Path,
+    *,
+    segment_size: int,
+    pool: ThreadPoolExecutor,
+    window: int,
+    advance: Advance,
+) -> dict[str, Any]:
+    """Encrypt one file (read once, in order; segments sealed on ``pool``); return its
+    manifest entry. The target appears only complete (``<target>.partial`` renamed)."""
+    partial = target.with_name(target.name + ".partial")
+    pending: deque[Future[bytes]] = deque()
+    try:
+        entry = _seal_to(
+            dek,
+            kid,
+            source,
+            partial,
+            segment_size=segment_size,
+            pool=pool,
+            window=window,
+            advance=advance,
+            pending=pending,
+        )
+        partial.replace(target)
+    except BaseException:
+        for future in pending:
+            future.cancel()
+        partial.unlink(missing_ok=True)
+        raise
+    return entry
+
+
+def _seal_to(
+    dek: bytes,
+    kid: str,
+    source: Path,
+    partial: Path,
+    *,
+    segment_size: int,
+    pool: ThreadPoolExecutor,
+    window: int,
+    advance: Advance,
+    pending: deque[Future[bytes]],
+) -> dict[str, Any]:
+    salt, prefix = os.urandom(SALT_BYTES), os.urandom(PREFIX_BYTES)
+    header = encode_header(kid, salt, prefix, segment_size)
+    aead = file_key(dek, salt, kid)
+    size = source.stat().st_size
+    count = max(1, -(-size // segment_size))
+    digest = hashlib.sha256()
+    with source.open("rb") as reader, partial.open("wb") as writer:
+        os.chmod(partial, 0o600)
+        writer.write(header)
+        for index in range(count):
+            chunk = reader.read(segment_size)
+            last = index == count - 1
+            if len(chunk) != segment_size and not last:
+                raise InputError(f"{source} changed while it was being encrypted")
+            digest.update(chunk)
+            pending.append(
+                pool.submit(aead.encrypt, segment_nonce(prefix, index, last), chunk, header)
+            )
+            while len(pending) > window or (last and pending):
+                writer.write(pending.popleft().result())
+            advance(len(chunk))
+        if reader.read(1):
+            raise InputError(f"{source} grew while it was being encrypted")
+        writer.flush()
+        os.fsync(writer.fileno())
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def model_files(directory: Path) -> Iterator[Path]:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and not path.name.endswith((SEALED_SUFFIX, ".partial")):
+            yield path
+
+
+def _encrypt(args: argparse.Namespace) -> int:
+    if not 1 <= args.segment_size <= MAX_SEGMENT:
+        raise InputError(f"--segment-size must be 1..{MAX_SEGMENT}")
+    if not args.source.exists():
+        raise InputError(f"no such file or directory: {args.source}")
+    if args.source.is_dir():
+        plan = [p for p in model_files(args.source) if p.name.endswith(WEIGHT_SUFFIXES)]
+        if not plan:
+            raise InputError(f"{args.source} holds no *.safetensors, *.bin or *.gguf files")
+        args.target.mkdir(parents=True, exist_ok=True)
+    else:
+        plan = [args.source]
+    total = sum(p.stat().st_size for p in plan)
+    settings = load_settings(args.config)
+
+    async def dek() -> tuple[str, bytes]:
+        async with open_key_service(settings.keys) as keys:
+            audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
+            await audit.open()
+            keys.attach_change_log(audit.append)
+            try:
+                detail = {"files": len(plan), "bytes": total, "source": str(args.source)}
+                record, material = await keys.owner_material(
+                    args.key,
+                    args.version,
+                    action="weights-encrypt",
+                    detail=detail,
+                    now=datetime.now(UTC),
+                )
+            finally:
+                await audit.close()
+            return key_id(record.name, record.version), material
+
+    kid, material = asyncio.run(dek())
+    entries = []
+    with (
+        ThreadPoolExecutor(max_workers=max(1, args.workers)) as pool,
+        tqdm(total=total, unit="B", unit_scale=True, disable=not sys.stderr.isatty()) as bar,
+    ):
+        for path in plan:
+            if args.source.is_dir():
+                relative = path.relative_to(args.source).as_posix()
+                target = args.target / (relative + SEALED_SUFFIX)
+                target.parent.mkdir(parents=True, exist_ok=True)
+            else:
+                relative = path.name
+                target = args.target
+            entry = encrypt_file(
+                material,
+                kid,
+                path,
+                target,
+                segment_size=args.segment_size,
+                pool=pool,
+                window=2 * max(1, args.workers),
+                advance=bar.update,
+            )
+            entries.append(
+                {
+                    "path": relative,
+                    "encrypted": target.name
+                    if not args.source.is_dir()
+                    else relative + SEALED_SUFFIX,
+                    **entry,
+                }
+            )
+    if args.source.is_dir():
+        for other in model_files(args.source):
+            if other not in plan:  # configs, tokenizers: not secret, copied as they are
+                copy = args.target / other.relative_to(args.source)
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(other, copy)
+        manifest = {
+            "format": "BRKW1",
+            "kid": kid,
+            "segment_size": args.segment_size,
+            "files": entries,
+        }
+        (args.target / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    print(json.dumps({"kid": kid, "files": entries}, indent=2))
+    return 0
+
+
+# --- decrypt -------------------------------------------------------------------------------
+
+
+def _decrypt(args: argparse.Namespace) -> int:
+    if args.source.is_dir():
+        manifest = json.loads((args.source / MANIFEST).read_text())
+        jobs = [
+            (args.source / e["encrypted"], args.target / e["path"], e.get("sha256"))
+            for e in manifest["files"]
+        ]
+        kid = str(manifest["kid"])
+    else:
+        jobs = [(args.source, args.target, None)]
+        kid = _header(args.source).kid
+    name, _, version = kid.rpartition("#")
+    if not name or not version.isdigit():
+        raise InputError(f"key id {kid!r} is not <key>#<version>")
+    settings = load_settings(args.config)
+
+    async def run() -> list[dict[str, Any]]:
+        async with open_key_service(settings.keys) as keys:
+            audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
+            await audit.open()
+            keys.attach_change_log(audit.append)
+            try:
+                detail = {"files": len(jobs), "source": str(args.source)}
+                _, material = await keys.owner_material(
+                    name,
+                    int(version),
+                    action="weights-decrypt",
+                    detail=detail,
+                    now=datetime.now(UTC),
+                )
+            finally:
+                await audit.close()
+        results = []
+        for source, target, expected in jobs:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            size = await decrypt_to(source, target, material, kid)
+            actual = await asyncio.to_thread(_sha256, target)
+            if expected is not None and actual != expected:
+                raise WeightsFormatError(f"{target}: SHA-256 differs from the manifest")
+            results.append({"path": str(target), "size": size, "sha256": actual})
+        return results
+
+    try:
+        print(json.dumps(asyncio.run(run()), indent=2))
+    except WeightsFormatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_NO
+    return 0
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- inspect -------------------------------------------------------------------------------
+
+
+def _header(path: Path) -> Header:
+    source = open_source(path)
+    try:
+        return Header.parse(source.read_range(0, min(source.size(), MAX_HEADER_BYTES)))
+    finally:
+        source.close()
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    try:
+        header = _header(args.file)
+        sealed = SealedFile(header, args.file.stat().st_size)
+        sealed.check()
+    except WeightsFormatError as exc:
+        print(f"error: {args.file}: {exc}", file=sys.stderr)
+        return EXIT_NO
+    print(
+        json.dumps(
+            {
+                "format": "BRKW1",
+                "kid": header.kid,
+                "segment_size": header.segment_size,
+                "segments": sealed.segments,
+                "plaintext_size": sealed.plaintext_size,
+                "encrypted_size": sealed.size,
+                "salt": header.salt.hex(),
+                "nonce_prefix": header.prefix.hex(),
+            },
+            indent=2,
+        )
+    )
+    return 0
