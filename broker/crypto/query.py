@@ -36,6 +36,9 @@ class QueryPublicKey:
     kem: str
     public_key: hpke.HpkePublicKey
     policy_digest: str
+    public_raw: bytes = (
+        b""  # the raw encoding (HPKE contexts need it; the hybrid key object hides it)
+    )
 
 
 def query_info(key: str, version: int) -> bytes:
@@ -84,8 +87,10 @@ def verify_statement(statement: str, signing_key: ec.EllipticCurvePublicKey) -> 
     if header.get("typ") != STATEMENT_TYPE:
         raise StatementError("not a query-key statement")
     try:
-        public = hpke.public_from_raw(str(claims["kem"]), b64url_decode(str(claims["public_key"])))
+        raw = b64url_decode(str(claims["public_key"]))
+        public = hpke.public_from_raw(str(claims["kem"]), raw)
         return QueryPublicKey(
+            public_raw=raw,
             key=str(claims["key"]),
             version=int(claims["version"]),
             kem=str(claims["kem"]),
