@@ -3,10 +3,14 @@
 1. Make a work directory: dev TLS material, a development issuer's JWKS, a policy directory
    (the shipped Rego plus data allowing one image digest for the demo key) and ``broker.toml``.
 2. Load that config through the normal validation, create the key (local development KEK).
-3. Encrypt a sample "weights" file with the DEK, as the model owner would.
+3. The model owner encrypts a model directory (a ``.safetensors`` file and its config) with
+   ``broker weights encrypt`` (the CLI, as a subprocess); a loopback HTTPS server plays the
+   storage bucket that holds the encrypted files.
 4. Start the broker over TLS on 127.0.0.1 (a free port).
-5. A sealed runner with the allowed image gets the key through ``broker.client`` and decrypts
-   the sample; a runner with another image is denied with the policy's reasons.
+5. A sealed runner with the allowed image gets the key through ``broker.client``, reads one
+   tensor straight from storage with random access (``open_encrypted``: only the segments it
+   needs are fetched and decrypted), then streams the whole file (``decrypt_to``) and checks it
+   against the manifest; a runner with another image is denied with the policy's reasons.
 6. The security team withdraws the allowed image with a per-key policy and reloads it through
    the admin API (checked, tested, swapped); the same runner is now denied with the new reason.
 7. An auditor fetches the signed checkpoint and proves the allowed decision is included in it,
@@ -21,13 +25,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import io
 import json
 import secrets
 import ssl
+import struct
+import sys
 import tempfile
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -39,8 +46,8 @@ from broker.audit.log import DecisionLog, verify_file
 from broker.audit.merkle import leaf_hash, verify_inclusion
 from broker.audit.signers import open_checkpoint_signer
 from broker.client import BrokerClient, BrokerClientError
+from broker.client.weights import decrypt_to, open_encrypted, open_source
 from broker.config import Settings, load_settings
-from broker.crypto.weights import decrypt_stream, encrypt_stream
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from broker.dev.workspace import write_dev_workspace
 from broker.keys.factory import open_key_service
@@ -51,7 +58,6 @@ DEMO_KEY = "models/demo-llama"
 AUDIENCE = "https://broker.demo.invalid"
 ALLOWED_DIGEST = "sha256:" + hashlib.sha256(b"sealed-runner:1.0").hexdigest()
 OTHER_DIGEST = "sha256:" + hashlib.sha256(b"tampered-runner:6.6").hexdigest()
-SAMPLE = b"layer.0.weight " + bytes(range(256)) * 4096  # ~1 MiB of pretend weights
 
 
 def _sha256(text: str) -> str:
@@ -93,12 +99,12 @@ async def _run(workdir: Path) -> bool:
         change_log = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
         await change_log.open()
         keys.attach_change_log(change_log.append)
-        record = await keys.create(DEMO_KEY, Purpose.MODEL_WEIGHTS, now=utc_now())
+        await keys.create(DEMO_KEY, Purpose.MODEL_WEIGHTS, now=utc_now())
         await change_log.close()
-        sealed = io.BytesIO()
-        encrypt_stream(await keys.unwrap(record), key_id(DEMO_KEY, 1), io.BytesIO(SAMPLE), sealed)
-    _say("owner", f"created {DEMO_KEY} v1; encrypted {len(SAMPLE)} bytes of weights with it")
+    if not await _owner_encrypts(workdir, config):
+        return False
 
+    storage = await _storage_server(workdir / "bucket", workdir)
     runner = BrokerRunner(create_app(settings), settings.server)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl_context(settings))
@@ -108,7 +114,7 @@ async def _run(workdir: Path) -> bool:
     ok = False
     try:
         async with BrokerClient(f"https://127.0.0.1:{port}", ssl_context=client_tls) as client:
-            ok = await _runners(client, issuer, sealed.getvalue())
+            ok = await _runners(client, issuer, storage.url, client_tls, workdir)
             base = f"https://127.0.0.1:{port}"
             ok = ok and await _policy_reload(
                 client, issuer, workdir=workdir, base=base, admin_token=admin_token, tls=client_tls
@@ -116,25 +122,148 @@ async def _run(workdir: Path) -> bool:
             ok = ok and await _prove_through_api(settings, base, admin_token, client_tls)
     finally:
         await runner.cleanup()
+        await storage.runner.cleanup()
     return ok and _audit(settings.audit.log)
 
 
-async def _runners(client: BrokerClient, issuer: DevIssuer, sealed: bytes) -> bool:
+def demo_safetensors(layers: int = 8, width: int = 256) -> bytes:
+    """A small ``.safetensors`` file (8-byte header length, JSON header, raw F32 data)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for layer in range(layers):
+        size = width * width * 4
+        header[f"layer.{layer}.weight"] = {
+            "dtype": "F32",
+            "shape": [width, width],
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    data = b"".join(
+        struct.pack(f"<{width * width}f", *([float(layer)] * width * width))
+        for layer in range(layers)
+    )
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+async def _owner_encrypts(workdir: Path, config: Path) -> bool:
+    model, bucket = workdir / "model", workdir / "bucket"
+    await asyncio.to_thread(model.mkdir, exist_ok=True)
+    await asyncio.to_thread((model / "model.safetensors").write_bytes, demo_safetensors())
+    await asyncio.to_thread((model / "config.json").write_text, '{"architectures": ["Demo"]}')
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "broker.cli",
+        "weights",
+        "encrypt",
+        str(model),
+        str(bucket),
+        "--key",
+        DEMO_KEY,
+        "--config",
+        str(config),
+        "--segment-size",
+        "65536",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    if process.returncode != 0:
+        _say("owner", f"FAILED: broker weights encrypt: {err.decode()[-500:]}")
+        return False
+    files = json.loads(out)["files"]
+    _say(
+        "owner",
+        f"created {DEMO_KEY} v1; `broker weights encrypt {model.name}/ {bucket.name}/` sealed "
+        f"{', '.join(f['path'] for f in files)} ({sum(f['size'] for f in files)} bytes) "
+        "and wrote manifest.json",
+    )
+    return True
+
+
+@dataclass
+class Storage:
+    runner: web.AppRunner
+    url: str
+
+
+async def _storage_server(bucket: Path, workdir: Path) -> Storage:
+    """A loopback HTTPS server standing in for the bucket (ranged GETs, like Cloud Storage)."""
+    app = web.Application()
+    app.router.add_static("/bucket/", bucket)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    await asyncio.to_thread(
+        tls.load_cert_chain, workdir / "tls" / "server.pem", workdir / "tls" / "server.key"
+    )
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
+    await site.start()
+    return Storage(runner, f"https://127.0.0.1:{runner.addresses[0][1]}/bucket")
+
+
+def _read_tensor(
+    url: str, dek: bytes, kid: str, name: str, tls: ssl.SSLContext
+) -> tuple[Any, int, int]:
+    """Random access: the safetensors header, then one tensor's bytes; nothing else."""
+    source = open_source(url, ssl_context=tls)
+    fetched: list[int] = []
+    reads = source.read_range
+
+    def counting(start: int, length: int) -> bytes:
+        fetched.append(length)
+        return reads(start, length)
+
+    source.read_range = counting  # type: ignore[method-assign]
+    with open_encrypted(source, dek, kid) as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+        start, end = header[name]["data_offsets"]
+        handle.seek(8 + length + start)
+        values = struct.unpack(f"<{(end - start) // 4}f", handle.read(end - start))
+    return values, sum(fetched), source.size()
+
+
+async def _runners(
+    client: BrokerClient, issuer: DevIssuer, storage: str, tls: ssl.SSLContext, workdir: Path
+) -> bool:
     good = DevTokenSource(issuer, Workload(image_digest=ALLOWED_DIGEST), utc_now)
     try:
         released = await client.release(DEMO_KEY, good)
     except BrokerClientError as exc:
         _say("runner", f"FAILED: the allowed runner was refused: {exc} {exc.details}")
         return False
-    plain = io.BytesIO()
-    decrypt_stream(released.dek, key_id(released.key, released.version), io.BytesIO(sealed), plain)
-    if plain.getvalue() != SAMPLE:
-        _say("runner", "FAILED: decrypted weights differ from the original")
+    kid = key_id(released.key, released.version)
+    url = f"{storage}/model.safetensors.brkw"
+    values, fetched, total = await asyncio.to_thread(
+        _read_tensor, url, released.dek, kid, "layer.5.weight", tls
+    )
+    if set(values) != {5.0}:
+        _say("runner", "FAILED: the tensor read with random access is wrong")
         return False
     _say(
         "runner",
         f"allowed image {ALLOWED_DIGEST[:19]}…: released {released.key} v{released.version} "
-        f"(decision {released.decision_id}); decrypted the weights, bytes match",
+        f"(decision {released.decision_id})",
+    )
+    _say(
+        "runner",
+        f"read tensor layer.5.weight ({len(values)} floats) from {url}: fetched and decrypted "
+        f"{fetched} of {total} bytes",
+    )
+    target = workdir / "runner" / "model.safetensors"
+    await asyncio.to_thread(target.parent.mkdir, exist_ok=True)
+    size = await decrypt_to(url, target, released.dek, kid, ssl_context=tls)
+    manifest = json.loads(await asyncio.to_thread((workdir / "bucket" / "manifest.json").read_text))
+    digest = await asyncio.to_thread(lambda: hashlib.sha256(target.read_bytes()).hexdigest())
+    if digest != manifest["files"][0]["sha256"]:
+        _say("runner", "FAILED: the streamed file differs from the owner's manifest")
+        return False
+    _say(
+        "runner",
+        f"streamed the whole file ({size} bytes, parallel segments): SHA-256 matches the manifest",
     )
     bad = DevTokenSource(issuer, Workload(image_digest=OTHER_DIGEST), utc_now)
     try:
@@ -220,11 +349,11 @@ async def _prove_through_api(
             async with session.get(f"{base}/v1/log/checkpoint", ssl=tls) as reply:
                 note = await reply.text()
             checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
-            if checkpoint.size >= 5:
+            if checkpoint.size >= 6:
                 break
             await asyncio.sleep(0.1)
         assert checkpoint is not None  # noqa: S101 - the loop ran
-        index = 1  # the allowed release
+        index = 2  # the allowed release
         async with session.get(
             f"{base}/v1/log/entries?start={index}&end={index + 1}", ssl=tls
         ) as reply:
@@ -252,7 +381,7 @@ def _audit(log_path: Path) -> bool:
     records = [json.loads(line) for line in lines]
     results = [record.get("result") or record.get("action") for record in records]
     results = [r or record.get("type") for r, record in zip(results, records, strict=True)]
-    expected = ["create", "allow", "deny", "policy_change", "deny"]
+    expected = ["create", "weights-encrypt", "allow", "deny", "policy_change", "deny"]
     if results != expected:
         _say("audit", f"FAILED: expected {', '.join(expected)}; found {results}")
         return False

@@ -167,10 +167,14 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     result = run("demo", "--workdir", str(tmp_path / "demo"), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "denied 403 policy_denied" in result.stdout
-    assert "decision log verified: 5 records (create, allow, deny, policy_change, deny)" in (
-        result.stdout
+    assert (
+        "decision log verified: 6 records (create, weights-encrypt, allow, deny, policy_change, "
+        "deny)" in result.stdout
     )
     assert "the formerly allowed image is now denied" in result.stdout
+    assert "`broker weights encrypt model/ bucket/` sealed model.safetensors" in result.stdout
+    assert "read tensor layer.5.weight (65536 floats)" in result.stdout
+    assert "SHA-256 matches the manifest" in result.stdout
 
 
 REAL = ROOT / "tests" / "fixtures" / "real"
