@@ -338,47 +338,15 @@ async def decrypt_to(
         fd = await loop.run_in_executor(
             pool, lambda: os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         )
-        done = 0
-        total = sealed.plaintext_size
-        # 2 * parallelism workers take segment indexes in turn, each decrypting into a buffer of
-        # its own (no fresh megabyte per segment: allocation and page faults cost more than
-        # AES-GCM itself); memory stays the same whatever the file's size.
-        indexes = iter(range(sealed.segments))
-
-        def open_and_write(index: int, data: bytes, buffer: bytearray) -> int:
-            size = cipher.open_into(index, data, buffer)
-            view = memoryview(buffer)[:size]
-            offset = index * sealed.header.segment_size
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view, offset = view[written:], offset + written
-            return size
-
-        async def worker() -> None:
-            nonlocal done
-            buffer = bytearray(sealed.header.segment_size)
-            for index in indexes:
-                start, length = sealed.span(index)
-                data = await opened.aread_range(start, length)
-                size = await loop.run_in_executor(pool, open_and_write, index, data, buffer)
-                done += size  # after the await: `done += await …` would read `done` before it
-                if progress is not None:
-                    progress(done, total)
-
         try:
-            workers = [asyncio.create_task(worker()) for _ in range(2 * parallelism)]
-            try:
-                await asyncio.gather(*workers)
-            except BaseException:
-                for task in workers:
-                    task.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
-                raise
+            await _decrypt_segments(
+                opened, cipher, fd, pool=pool, workers=2 * parallelism, progress=progress
+            )
             await loop.run_in_executor(pool, os.fsync, fd)
         finally:
             await loop.run_in_executor(pool, os.close, fd)
         await loop.run_in_executor(pool, os.replace, partial, dest)
-        return total
+        return sealed.plaintext_size
     except BaseException:
         await asyncio.shield(loop.run_in_executor(pool, _remove, partial))
         raise
@@ -388,6 +356,53 @@ async def decrypt_to(
         else:
             opened.close()
         pool.shutdown(wait=False)
+
+
+async def _decrypt_segments(
+    opened: RangeSource,
+    cipher: SegmentCipher,
+    fd: int,
+    *,
+    pool: ThreadPoolExecutor,
+    workers: int,
+    progress: Progress | None,
+) -> None:
+    """``workers`` coroutines take segment indexes in turn, each decrypting into a buffer of its
+    own (no fresh megabyte per segment: allocation and page faults cost more than AES-GCM
+    itself) and writing at the segment's offset; memory stays the same whatever the size."""
+    loop = asyncio.get_running_loop()
+    sealed = cipher.sealed
+    indexes = iter(range(sealed.segments))
+    done, total = 0, sealed.plaintext_size
+
+    def open_and_write(index: int, data: bytes, buffer: bytearray) -> int:
+        size = cipher.open_into(index, data, buffer)
+        view = memoryview(buffer)[:size]
+        offset = index * sealed.header.segment_size
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+        return size
+
+    async def worker() -> None:
+        nonlocal done
+        buffer = bytearray(sealed.header.segment_size)
+        for index in indexes:
+            start, length = sealed.span(index)
+            data = await opened.aread_range(start, length)
+            size = await loop.run_in_executor(pool, open_and_write, index, data, buffer)
+            done += size  # after the await: `done += await …` would read `done` before it
+            if progress is not None:
+                progress(done, total)
+
+    tasks = [asyncio.create_task(worker()) for _ in range(workers)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _remove(path: Path) -> None:
