@@ -59,17 +59,26 @@ class VerifiedJws:
 
 
 def b64url_decode(text: str) -> bytes:
-    """Decode unpadded base64url strictly.
+    """Decode unpadded base64url strictly: the alphabet, the length, and the canonical form.
+
+    The last character of a base64 string carries unused bits; a decoder that ignores them
+    lets several strings decode to the same bytes (RFC 4648 §3.5). Those are refused, as PyJWT
+    refuses them in signatures: one signed token has exactly one spelling, so digests and
+    replay checks over token strings cannot be sidestepped.
 
     Raises:
-        ValueError: on characters outside the base64url alphabet or a bad length.
+        ValueError: on characters outside the base64url alphabet, a bad length, or a
+            non-canonical final character.
     """
     if "=" in text or "+" in text or "/" in text:
         raise ValueError("not unpadded base64url")
     try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        decoded = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError) as exc:
         raise ValueError("not base64url") from exc
+    if b64url_encode(decoded) != text:
+        raise ValueError("not canonical base64url")
+    return decoded
 
 
 def b64url_encode(data: bytes) -> str:

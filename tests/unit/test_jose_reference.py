@@ -118,3 +118,29 @@ def test_ecdsa_curve_must_match_the_alg() -> None:
     header = jose.parse_header(token, ["ES384"])
     with pytest.raises(AttestationError):
         jose.verify_jws(token, header, EC_KEYS["ES256"][0].public_key(), now=NOW)
+
+
+def test_non_canonical_base64_is_refused_like_pyjwt_does() -> None:
+    """A signature spelled with other unused trailing bits decodes to the same bytes; PyJWT
+    refuses it and so must we (one signed token, one spelling)."""
+    now = int(NOW.timestamp())
+    token = jwt.encode({"iat": now - 10, "exp": now + 600}, RSA_KEYS[0], algorithm="PS512")
+    assert ours_accepts(token, RSA_KEYS[0].public_key(), "PS512")  # the canonical spelling
+    head, body, signature = token.split(".")
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    canonical = jose.b64url_decode(signature)
+    variants = []
+    for char in alphabet:
+        spelled = signature[:-1] + char
+        if char != signature[-1] and _loose(spelled) == canonical:
+            variants.append(f"{head}.{body}.{spelled}")
+    assert variants  # 2048-bit signatures leave unused bits in the last character
+    for variant in variants:
+        assert not reference_accepts(variant, RSA_KEYS[0].public_key(), "PS512")
+        assert not ours_accepts(variant, RSA_KEYS[0].public_key(), "PS512")
+
+
+def _loose(text: str) -> bytes:
+    import base64  # noqa: PLC0415
+
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
