@@ -34,11 +34,11 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.release_bench import CLI, free_port, wait_ready
+from bench.release_bench import CLI, bench_workspace, free_port, wait_ready
 from broker.client.sdk import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, Workload
-from tests.integration.conftest import ALLOWED, KEY, write_config
+from tests.integration.conftest import ALLOWED, KEY
 
 
 @dataclass
@@ -166,17 +166,7 @@ async def main(args: argparse.Namespace) -> int:
         issuer = DevIssuer(dev_mode=True)
         # Nonces live nonce_ttl_seconds after use (single use is enforced until expiry): a short
         # TTL lets the soak reach the store's steady size (rate x TTL) well inside its run.
-        config = write_config(Path(tmp) / "b", issuer, insecure_http=True, nonce_ttl_seconds=30)
-        text = config.read_text().replace(
-            'tls_cert = "tls/server.pem"\ntls_key = "tls/server.key"\n', ""
-        )
-        config.write_text(text)
-        subprocess.run(
-            [*CLI, "keys", "create", KEY, "--purpose", "model-weights", "--config", str(config)],
-            check=True,
-            cwd=ROOT,
-            capture_output=True,
-        )
+        config = bench_workspace(Path(tmp) / "b", issuer, nonce_ttl_seconds=30)
         port = free_port()
         env = {**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}"}
         command = [*CLI, "serve", "--config", str(config), "--workers", str(args.workers)]

@@ -171,21 +171,27 @@ async def measure(
     return main, wide
 
 
+def bench_workspace(workdir: Path, issuer: DevIssuer, *, nonce_ttl_seconds: int) -> Path:
+    """A plain-HTTP loopback config (TLS is not part of the comparison) with the key created."""
+    config = write_config(workdir, issuer, insecure_http=True, nonce_ttl_seconds=nonce_ttl_seconds)
+    text = config.read_text().replace(
+        'tls_cert = "tls/server.pem"\ntls_key = "tls/server.key"\n', ""
+    )
+    config.write_text(text)
+    subprocess.run(
+        [*CLI, "keys", "create", KEY, "--purpose", "model-weights", "--config", str(config)],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
+    return config
+
+
 async def main(requests: int, concurrency: int) -> None:
     with tempfile.TemporaryDirectory(prefix="broker-bench-") as tmp:
         workdir = Path(tmp) / "b"
         issuer = DevIssuer(dev_mode=True)
-        config = write_config(workdir, issuer, insecure_http=True, nonce_ttl_seconds=3600)
-        text = config.read_text().replace(
-            'tls_cert = "tls/server.pem"\ntls_key = "tls/server.key"\n', ""
-        )
-        config.write_text(text)
-        subprocess.run(
-            [*CLI, "keys", "create", KEY, "--purpose", "model-weights", "--config", str(config)],
-            check=True,
-            cwd=ROOT,
-            capture_output=True,
-        )
+        config = bench_workspace(workdir, issuer, nonce_ttl_seconds=3600)
         echo_port = free_port()
         echo = subprocess.Popen(
             [sys.executable, "-c", ECHO_APP, str(echo_port)], stderr=subprocess.DEVNULL

@@ -21,7 +21,6 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -36,7 +35,7 @@ from broker.keys.kek.base import dek_aad
 from broker.keys.store.base import Purpose, VersionState
 from broker.keys.store.postgres import SCHEMA_VERSION, PostgresKeyStore, migrate
 from tests.integration.conftest import KEY, free_port, write_config
-from tests.integration.test_shared_nonces import ROOT, release_body, wait_ready
+from tests.integration.test_shared_nonces import ROOT, release_body, serve, wait_ready
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -194,23 +193,6 @@ async def test_two_rewraps_racing_leave_every_dek_wrapped_once(
 # --- two replicas on one PostgreSQL: keys, nonces; a log each -------------------------------
 
 
-def serve(config: Path, port: int, log: Path, replica: str, env: dict[str, str]) -> Any:
-    return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)],
-        cwd=ROOT,
-        env={
-            **os.environ,
-            **env,
-            "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
-            "BROKER_SERVER_REPLICA_ID": replica,
-            "BROKER_AUDIT_LOG": str(log),
-        },
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 @pytest.mark.timeout(180)
 async def test_two_replicas_share_keys_and_a_disable_reaches_both(
     database: str, tmp_path: Path
@@ -232,7 +214,7 @@ async def test_two_replicas_share_keys_and_a_disable_reaches_both(
     ports = [free_port(), free_port()]
     logs = [tmp_path / f"decisions-r{i}.log" for i in range(2)]
     replicas = [
-        serve(config, port, log, f"r{i}", env)
+        serve(config, port, log, database, {**env, "BROKER_SERVER_REPLICA_ID": f"r{i}"})
         for i, (port, log) in enumerate(zip(ports, logs, strict=True))
     ]
     urls = [f"https://127.0.0.1:{port}" for port in ports]

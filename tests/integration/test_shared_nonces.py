@@ -199,12 +199,31 @@ async def release_body(
 # --- two replicas: separate processes, separate ports and logs, one store ----------------------
 
 
-def serve(config: Path, port: int, log: Path, store: str) -> subprocess.Popen[str]:
+def create_key_with_cli(config: Path, environ: dict[str, str] | None = None) -> None:
+    """``broker keys create KEY`` as an operator runs it (a subprocess)."""
+    created = subprocess.run(
+        [
+            *(sys.executable, "-m", "broker.cli", "keys", "create", KEY),
+            *("--purpose", "model-weights", "--config", str(config)),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **(environ or {})},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert created.returncode == 0, created.stderr
+
+
+def serve(
+    config: Path, port: int, log: Path, store: str, extra: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     env = {
         **os.environ,
         "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
         "BROKER_AUDIT_LOG": str(log),
         "BROKER_NONCES_STORE": store,
+        **(extra or {}),
     }
     return subprocess.Popen(
         [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)],
@@ -233,18 +252,7 @@ def wait_ready(port: int, tls: ssl.SSLContext) -> None:
 async def test_two_replicas_release_a_nonce_exactly_once(store_uri: str, tmp_path: Path) -> None:
     issuer = DevIssuer(dev_mode=True)
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
-    created = await asyncio.to_thread(
-        subprocess.run,
-        [
-            *(sys.executable, "-m", "broker.cli", "keys", "create", KEY),
-            *("--purpose", "model-weights", "--config", str(config)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert created.returncode == 0, created.stderr
+    await asyncio.to_thread(create_key_with_cli, config)
     tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
     ports = [free_port(), free_port()]
     logs = [tmp_path / f"replica-{i}.log" for i in range(2)]

@@ -23,8 +23,14 @@ import pytest
 
 from broker.config import ConfigError, load_settings
 from broker.dev.issuer import DevIssuer
-from tests.integration.conftest import KEY, write_config
-from tests.integration.test_shared_nonces import ROOT, free_port, release_body, wait_ready
+from tests.integration.conftest import write_config
+from tests.integration.test_shared_nonces import (
+    ROOT,
+    create_key_with_cli,
+    free_port,
+    release_body,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -61,18 +67,7 @@ def test_workers_need_a_shared_nonce_store(tmp_path: Path) -> None:
 async def test_two_workers_share_a_port_restart_and_stop_cleanly(tmp_path: Path) -> None:
     issuer = DevIssuer(dev_mode=True)
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
-    created = await asyncio.to_thread(
-        subprocess.run,
-        [
-            *(sys.executable, "-m", "broker.cli", "keys", "create", KEY),
-            *("--purpose", "model-weights", "--config", str(config)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert created.returncode == 0, created.stderr
+    await asyncio.to_thread(create_key_with_cli, config)
     tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
     port = free_port()
     supervisor = subprocess.Popen(
