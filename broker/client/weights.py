@@ -235,7 +235,7 @@ class EncryptedReader(io.RawIOBase):
     """A read-only, seekable view of the plaintext; decrypts only the segments it reads and
     keeps the last one (sequential reads decrypt each segment once)."""
 
-    def __init__(self, source: RangeSource, dek: bytes, kid: str) -> None:
+    def __init__(self, source: RangeSource, dek: bytes, kid: str | None = None) -> None:
         super().__init__()
         self._source = source
         self._cipher = SegmentCipher(dek, _sealed(source), kid)
@@ -295,9 +295,12 @@ class EncryptedReader(io.RawIOBase):
 
 
 def open_encrypted(
-    source: str | Path | RangeSource, dek: bytes, kid: str, **options: Any
+    source: str | Path | RangeSource, dek: bytes, kid: str | None = None, **options: Any
 ) -> io.BufferedReader:
     """The plaintext of an encrypted weights file as a seekable binary file object.
+
+    ``kid`` (``"<key>#<version>"``), when given, must be the file's: pass it to refuse a file
+    meant for another key version up front; without it the DEK alone authenticates every segment.
 
     Raises:
         WeightsFormatError: a wrong key id (checked before any read past the header), a wrong
@@ -312,7 +315,7 @@ async def decrypt_to(
     source: str | Path | RangeSource,
     dest: str | Path,
     dek: bytes,
-    kid: str,
+    kid: str | None = None,
     *,
     progress: Progress | None = None,
     parallelism: int = DEFAULT_PARALLELISM,

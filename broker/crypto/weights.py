@@ -145,8 +145,11 @@ class SealedFile:
 class SegmentCipher:
     """Decrypts the segments of one file with its derived key (thread-safe: AESGCM is)."""
 
-    def __init__(self, dek: bytes, sealed: SealedFile, expected_kid: str) -> None:
-        if sealed.header.kid != expected_kid:
+    def __init__(self, dek: bytes, sealed: SealedFile, expected_kid: str | None = None) -> None:
+        # Without expected_kid the DEK alone authenticates the file (the per-file key is derived
+        # from it and the header's kid); with it, a file for another key or version is refused
+        # before any segment is read, with a clear message.
+        if expected_kid is not None and sealed.header.kid != expected_kid:
             raise WeightsFormatError(f"file is for key {sealed.header.kid!r}, not {expected_kid!r}")
         sealed.check()
         self.sealed = sealed

@@ -282,3 +282,16 @@ def test_reader_reports_its_size_and_supports_seek_from_the_end(files: dict[str,
     assert reader.readinto(buffer) == 10
     assert bytes(buffer) == files["plain"]["blob"][-10:]
     reader.close()
+
+
+async def test_without_a_key_id_the_dek_alone_authenticates(
+    files: dict[str, Any], tmp_path: Path
+) -> None:
+    sealed = files["dir"] / "blob.brkw"
+    with open_encrypted(sealed, DEK) as reader:  # the two-argument form
+        assert reader.read() == files["plain"]["blob"]
+    with pytest.raises(WeightsFormatError), open_encrypted(sealed, bytes(32)) as reader:
+        reader.read()  # another DEK: the first segment does not authenticate
+    dest = tmp_path / "blob.bin"
+    await decrypt_to(sealed, dest, DEK)
+    assert dest.read_bytes() == files["plain"]["blob"]
