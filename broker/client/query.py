@@ -25,6 +25,7 @@ answer cannot be read by others nor replayed onto another query.
 
 from __future__ import annotations
 
+import os
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,14 +36,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from broker.crypto import hpke
+from broker.crypto.hpke import HpkeError
 from broker.crypto.hpke_context import (
     ENC_BYTES,
     NK,
     NN,
-    HpkeContextError,
     hkdf_expand,
     hkdf_extract,
-    random_bytes,
     setup_recipient,
     setup_sender,
 )
@@ -92,7 +92,7 @@ class ResponseContext:
 
     def seal_response(self, plaintext: bytes) -> bytes:
         """The runner seals the answer to the client that sent the query."""
-        response_nonce = random_bytes(RESPONSE_NONCE_BYTES)
+        response_nonce = os.urandom(RESPONSE_NONCE_BYTES)
         aead, nonce = self._keys(response_nonce)
         return response_nonce + aead.encrypt(nonce, plaintext, b"")
 
@@ -121,7 +121,7 @@ def seal_query(
         context = setup_sender(
             public.kem, public.public_raw, request_info(public.key, public.version, public.kem)
         )
-    except HpkeContextError as exc:
+    except HpkeError as exc:
         raise QueryError(str(exc)) from exc
     ciphertext = context.seal(aad, plaintext)
     secret = context.export(RESPONSE_LABEL, RESPONSE_SECRET_BYTES)
@@ -148,7 +148,7 @@ def open_query(
             request_info(private.key, private.version, private.kem),
         )
         plaintext = context.open(aad, ciphertext)
-    except HpkeContextError as exc:
+    except HpkeError as exc:
         raise QueryError("the query does not open with this key") from exc
     secret = context.export(RESPONSE_LABEL, RESPONSE_SECRET_BYTES)
     return plaintext, ResponseContext(secret=secret, enc=enc)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import struct
 from dataclasses import dataclass, field
 
@@ -29,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import mlkem, x25519
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from broker.crypto import hpke
+from broker.crypto.hpke import HpkeError
 
 KEM_IDS = {hpke.X25519: 0x0020, hpke.HYBRID: 0x647A}
 KDF_HKDF_SHA256 = 0x0001
@@ -37,10 +37,6 @@ NK, NN, NH = 32, 12, 32
 ENC_BYTES = {hpke.X25519: 32, hpke.HYBRID: 1088 + 32}
 XWING_LABEL = b"\\.//^\\"
 MODE_BASE = 0
-
-
-class HpkeContextError(ValueError):
-    """A message did not open, or an input is malformed."""
 
 
 def hkdf_extract(salt: bytes, ikm: bytes) -> bytes:
@@ -102,8 +98,8 @@ def _encap(kem: str, public_raw: bytes) -> tuple[bytes, bytes]:
             ss_m, ct_m = pk_m.encapsulate()
             return _xwing_combine(ss_m, ss_x, ct_x, pk_x), ct_m + ct_x
     except ValueError as exc:  # a small-order X25519 key, a malformed ML-KEM key
-        raise HpkeContextError("the public key is not usable") from exc
-    raise HpkeContextError(f"a {kem} public key has another size")
+        raise HpkeError("the public key is not usable") from exc
+    raise HpkeError(f"a {kem} public key has another size")
 
 
 def _decap(kem: str, secret: bytes, enc: bytes) -> bytes:
@@ -120,8 +116,8 @@ def _decap(kem: str, secret: bytes, enc: bytes) -> bytes:
             ss_x = sk_x.exchange(x25519.X25519PublicKey.from_public_bytes(ct_x))
             return _xwing_combine(ss_m, ss_x, ct_x, _raw(sk_x.public_key()))
     except ValueError as exc:
-        raise HpkeContextError("the encapsulated key does not decapsulate") from exc
-    raise HpkeContextError(f"a {kem} private key has another size")
+        raise HpkeError("the encapsulated key does not decapsulate") from exc
+    raise HpkeError(f"a {kem} private key has another size")
 
 
 # --- contexts --------------------------------------------------------------------------------
@@ -150,7 +146,7 @@ class Context:
         try:
             return AESGCM(self.key).decrypt(self._nonce(), ciphertext, aad)
         except InvalidTag as exc:
-            raise HpkeContextError("the message does not open in this context") from exc
+            raise HpkeError("the message does not open in this context") from exc
 
     def export(self, exporter_context: bytes, length: int) -> bytes:
         return _labeled_expand(
@@ -178,7 +174,7 @@ def setup_sender(kem: str, public_raw: bytes, info: bytes) -> Context:
     encoding); ``context.enc`` goes to the recipient.
 
     Raises:
-        HpkeContextError: for a key of the wrong size or an unusable one.
+        HpkeError: for a key of the wrong size or an unusable one.
     """
     shared, enc = _encap(kem, public_raw)
     return _schedule(kem, shared, info, enc)
@@ -189,12 +185,8 @@ def setup_recipient(kem: str, secret: bytes, enc: bytes, info: bytes) -> Context
     (``hpke.private_from_secret``'s encoding).
 
     Raises:
-        HpkeContextError: for an ``enc`` of the wrong size or one that does not decapsulate.
+        HpkeError: for an ``enc`` of the wrong size or one that does not decapsulate.
     """
     if kem not in ENC_BYTES or len(enc) != ENC_BYTES[kem]:
-        raise HpkeContextError("the encapsulated key has the wrong size")
+        raise HpkeError("the encapsulated key has the wrong size")
     return _schedule(kem, _decap(kem, secret, enc), info, enc)
-
-
-def random_bytes(length: int) -> bytes:
-    return os.urandom(length)
