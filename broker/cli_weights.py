@@ -29,15 +29,13 @@ from typing import Any
 from tqdm import tqdm
 
 from broker.audit.log import DecisionLog
-from broker.client.weights import decrypt_to, open_source
+from broker.client.weights import decrypt_to, open_source, read_sealed
 from broker.config import load_settings
 from broker.crypto.weights import (
     DEFAULT_SEGMENT,
-    MAX_HEADER_BYTES,
     MAX_SEGMENT,
     PREFIX_BYTES,
     SALT_BYTES,
-    Header,
     SealedFile,
     WeightsFormatError,
     encode_header,
@@ -256,7 +254,7 @@ def _decrypt(args: argparse.Namespace) -> int:
         kid = str(manifest["kid"])
     else:
         jobs = [(args.source, args.target, None)]
-        kid = _header(args.source).kid
+        kid = _sealed_file(args.source).header.kid
     name, _, version = kid.rpartition("#")
     if not name or not version.isdigit():
         raise InputError(f"key id {kid!r} is not <key>#<version>")
@@ -307,19 +305,19 @@ def _sha256(path: Path) -> str:
 # --- inspect -------------------------------------------------------------------------------
 
 
-def _header(path: Path) -> Header:
+def _sealed_file(path: Path) -> SealedFile:
     source = open_source(path)
     try:
-        return Header.parse(source.read_range(0, min(source.size(), MAX_HEADER_BYTES)))
+        return read_sealed(source)
     finally:
         source.close()
 
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        header = _header(args.file)
-        sealed = SealedFile(header, args.file.stat().st_size)
+        sealed = _sealed_file(args.file)
         sealed.check()
+        header = sealed.header
     except WeightsFormatError as exc:
         print(f"error: {args.file}: {exc}", file=sys.stderr)
         return EXIT_NO

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -58,6 +59,8 @@ class RangeSource(Protocol):
 
     def close(self) -> None: ...
 
+    async def aclose(self) -> None: ...
+
 
 class LocalSource:
     def __init__(self, path: str | Path) -> None:
@@ -82,6 +85,9 @@ class LocalSource:
     def close(self) -> None:
         os.close(self._fd)
 
+    async def aclose(self) -> None:
+        self.close()
+
 
 class HttpsSource:
     """Ranged GETs (RFC 9110 §14): every answer must be ``206`` with exactly the asked range."""
@@ -94,7 +100,9 @@ class HttpsSource:
         headers: dict[str, str] | None = None,
         timeout_seconds: float = 60.0,
     ) -> None:
-        self.name = url
+        self.name = _without_query(
+            url
+        )  # a signed URL's query is a credential: kept out of messages
         self._url = url
         self._ssl = ssl_context if ssl_context is not None else ssl.create_default_context()
         self._headers = dict(headers or {})
@@ -109,7 +117,7 @@ class HttpsSource:
                 with urllib.request.urlopen(request, context=self._ssl, timeout=self._timeout) as r:  # noqa: S310
                     self._size = int(r.headers["Content-Length"])
             except (urllib.error.URLError, KeyError, ValueError, TimeoutError) as exc:
-                raise SourceError(f"{self._url}: no size ({exc})") from exc
+                raise SourceError(f"{self.name}: no size ({exc})") from exc
         return self._size
 
     def read_range(self, start: int, length: int) -> bytes:
@@ -120,7 +128,7 @@ class HttpsSource:
                 data: bytes = r.read(length + 1)
                 status = r.status
         except (urllib.error.URLError, TimeoutError) as exc:
-            raise SourceError(f"{self._url}: range {start}+{length}: {exc}") from exc
+            raise SourceError(f"{self.name}: range {start}+{length}: {exc}") from exc
         return self._checked(status, data, start, length)
 
     async def aread_range(self, start: int, length: int) -> bytes:
@@ -136,12 +144,12 @@ class HttpsSource:
                 data = await response.content.readexactly(length)
                 status = response.status
         except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            raise SourceError(f"{self._url}: range {start}+{length}: {exc}") from exc
+            raise SourceError(f"{self.name}: range {start}+{length}: {exc}") from exc
         return self._checked(status, data, start, length)
 
     def _checked(self, status: int, data: bytes, start: int, length: int) -> bytes:
         if status != 206 or len(data) != length:  # a 200 would be the whole file: refuse
-            raise SourceError(f"{self._url}: range {start}+{length} answered {status}")
+            raise SourceError(f"{self.name}: range {start}+{length} answered {status}")
         return data
 
     async def aclose(self) -> None:
@@ -150,8 +158,7 @@ class HttpsSource:
             self._session = None
 
     def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            raise RuntimeError("close an HttpsSource used asynchronously with aclose()")
+        """Sync users never open the aiohttp session; async users close it with ``aclose``."""
 
 
 def _gcs_errors() -> tuple[type[BaseException], ...]:
@@ -205,6 +212,9 @@ class GcsSource:
     def close(self) -> None:
         return None
 
+    async def aclose(self) -> None:
+        return None
+
 
 def open_source(source: str | Path | RangeSource, **options: Any) -> RangeSource:
     """A ``RangeSource`` for a path, ``https://`` URL or ``gs://`` URI (or one given as is).
@@ -225,7 +235,17 @@ def open_source(source: str | Path | RangeSource, **options: Any) -> RangeSource
     return LocalSource(text)
 
 
-def _sealed(source: RangeSource) -> SealedFile:
+def _without_query(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(query="", fragment=""))
+
+
+def read_sealed(source: RangeSource) -> SealedFile:
+    """A file's header and size (one ranged read), before any key is needed.
+
+    Raises:
+        WeightsFormatError: when it is not a BRKW1 file.
+    """
     size = source.size()
     head = source.read_range(0, min(size, MAX_HEADER_BYTES))
     return SealedFile(Header.parse(head), size)
@@ -238,7 +258,7 @@ class EncryptedReader(io.RawIOBase):
     def __init__(self, source: RangeSource, dek: bytes, kid: str | None = None) -> None:
         super().__init__()
         self._source = source
-        self._cipher = SegmentCipher(dek, _sealed(source), kid)
+        self._cipher = SegmentCipher(dek, read_sealed(source), kid)
         self._position = 0
         self._cached: tuple[int, bytes] | None = None
 
@@ -336,7 +356,7 @@ async def decrypt_to(
     pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="weights")
     loop = asyncio.get_running_loop()
     try:
-        sealed = await loop.run_in_executor(pool, _sealed, opened)
+        sealed = await loop.run_in_executor(pool, read_sealed, opened)
         cipher = SegmentCipher(dek, sealed, kid)
         fd = await loop.run_in_executor(
             pool, lambda: os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -354,10 +374,7 @@ async def decrypt_to(
         await asyncio.shield(loop.run_in_executor(pool, _remove, partial))
         raise
     finally:
-        if isinstance(opened, HttpsSource):
-            await opened.aclose()
-        else:
-            opened.close()
+        await opened.aclose()
         pool.shutdown(wait=False)
 
 
@@ -423,4 +440,5 @@ __all__ = [
     "decrypt_to",
     "open_encrypted",
     "open_source",
+    "read_sealed",
 ]

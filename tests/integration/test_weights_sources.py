@@ -39,6 +39,7 @@ from broker.client.weights import (
 )
 from broker.crypto.weights import WeightsFormatError, encrypt_stream
 from broker.dev.tls import make_dev_tls
+from tests.integration.conftest import free_port
 
 ROOT = Path(__file__).parents[2]
 FAKE_GCS = ROOT / ".venv" / "bin" / "fake-gcs-server"
@@ -46,12 +47,6 @@ DEK = bytes(range(32))
 KID = "models/tiny#1"
 SEGMENT = 4096
 LARGE_SEGMENT = 512 * 1024  # arrives over HTTPS in many TCP reads: partial reads must not pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tensors() -> dict[str, np.ndarray]:
@@ -238,6 +233,14 @@ async def test_a_changed_segment_fails_and_leaves_no_plaintext(
     assert not dest.exists()
 
 
+def test_a_signed_url_query_stays_out_of_names_and_errors() -> None:
+    source = open_source("https://127.0.0.1:9/w/model.brkw?X-Goog-Signature=secret123")
+    assert source.name == "https://127.0.0.1:9/w/model.brkw"
+    with pytest.raises(SourceError) as caught:
+        source.read_range(0, 10)  # nothing listens: the error names the URL without its query
+    assert "secret123" not in str(caught.value)
+
+
 async def test_sources_refuse_what_they_cannot_serve(
     files: dict[str, Any], https: tuple[str, ssl.SSLContext], tmp_path: Path
 ) -> None:
@@ -272,6 +275,9 @@ class _Counting:
 
     def close(self) -> None:
         self.inner.close()
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 def test_reader_reports_its_size_and_supports_seek_from_the_end(files: dict[str, Any]) -> None:

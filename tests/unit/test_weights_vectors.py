@@ -127,3 +127,6 @@ class _MemorySource:
 
     def close(self) -> None:
         return None
+
+    async def aclose(self) -> None:
+        return None
