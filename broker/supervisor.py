@@ -129,18 +129,12 @@ class Supervisor:
         lived = time.monotonic() - worker.started
         worker.failures = 0 if lived >= HEALTHY_AFTER_SECONDS else worker.failures + 1
         delay = min(MAX_BACKOFF_SECONDS, float(2 ** max(worker.failures - 1, 0)))
-        log.warning(
+        log.warning(  # on stderr: `broker` logs WARNING and above there
             "worker %d exited with %d after %.1f s; restarting in %.0f s",
             worker.index,
             code,
             lived,
             delay,
-        )
-        print(
-            f"broker supervisor: worker {worker.index} exited ({code}); "
-            f"restarting in {delay:.0f} s",
-            file=sys.stderr,
-            flush=True,
         )
         worker.waiter = None
         try:

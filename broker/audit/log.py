@@ -521,11 +521,12 @@ class DecisionLog:
         """If another writer rotated the active file, write to the new one."""
         assert self._fd is not None  # noqa: S101 - checked by the caller
         try:
-            current = self._path.stat().st_ino
+            status = self._path.stat()
         except FileNotFoundError:
-            current = -1
-        if self._path.exists() and not self._path.is_file():
+            status = None
+        if status is not None and not stat.S_ISREG(status.st_mode):
             return  # a device is never rotated
+        current = -1 if status is None else status.st_ino
         if current != os.fstat(self._fd).st_ino:
             os.close(self._fd)
             self._fd = self._open_fd()
