@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from broker.config_tables import config_table, convert_value, resolve_path
 from broker.errors import ConfigError
 
-ENV_PREFIX = "BROKER_"
 ISSUER_KINDS = frozenset({"gca", "ita", "nras"})
 # Signature algorithms each kind of issuer uses when the entry does not list its own.
 MAX_WORKERS = 64
@@ -297,24 +297,24 @@ def settings_from_mapping(
     for key in raw:
         if key not in known:
             raise ConfigError(key, "unknown section")
-    server = _section(ServerSettings, "server", raw, env, base_dir)
-    policy = _section(PolicySettings, "policy", raw, env, base_dir)
-    keys = _section(KeySettings, "keys", raw, env, base_dir)
-    audit = _section(AuditSettings, "audit", raw, env, base_dir)
+    server = config_table(ServerSettings, "server", raw, env, base_dir)
+    policy = config_table(PolicySettings, "policy", raw, env, base_dir)
+    keys = config_table(KeySettings, "keys", raw, env, base_dir)
+    audit = config_table(AuditSettings, "audit", raw, env, base_dir)
     audit = replace(audit, log=Path(str(audit.log).replace("{replica}", server.replica_id)))
     if audit.signing_key and not audit.signing_key.startswith("cloudkms:"):  # a file: resolve it
-        audit = replace(audit, signing_key=str(_resolve(base_dir, audit.signing_key)))
-    nvidia = _section(NvidiaSettings, "nvidia", raw, env, base_dir)
-    nonces = _section(NonceSettings, "nonces", raw, env, base_dir)
+        audit = replace(audit, signing_key=str(resolve_path(base_dir, audit.signing_key)))
+    nvidia = config_table(NvidiaSettings, "nvidia", raw, env, base_dir)
+    nonces = config_table(NonceSettings, "nonces", raw, env, base_dir)
     if not nonces.store:
         shared = f"sqlite:///{audit.log.parent / 'nonces.db'}"
         nonces = replace(nonces, store="memory" if server.workers == 1 else shared)
     if nonces.store.startswith("sqlite:///"):  # a relative path is relative to the config
-        path = _resolve(base_dir, nonces.store.removeprefix("sqlite:///"))
+        path = resolve_path(base_dir, nonces.store.removeprefix("sqlite:///"))
         nonces = replace(nonces, store=f"sqlite://{path}")
     admin_raw = dict(raw.get("admin", {})) if isinstance(raw.get("admin", {}), dict) else {}
     token_tables = admin_raw.pop("tokens", [])
-    admin = _section(AdminSettings, "admin", {"admin": admin_raw}, env, base_dir)
+    admin = config_table(AdminSettings, "admin", {"admin": admin_raw}, env, base_dir)
     admin = AdminSettings(token_sha256=admin.token_sha256, tokens=_admin_tokens(token_tables))
     issuers = _issuers(raw.get("issuers", []), base_dir)
     settings = Settings(
@@ -346,74 +346,6 @@ def _admin_tokens(raw: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple(tokens)
 
 
-def _section(
-    cls: type[Any], name: str, raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path
-) -> Any:
-    table = raw.get(name, {})
-    if not isinstance(table, dict):
-        raise ConfigError(name, "must be a table")
-    allowed = {f.name: f for f in fields(cls)}
-    values: dict[str, Any] = {}
-    for key, value in table.items():
-        if key not in allowed:
-            raise ConfigError(f"{name}.{key}", "unknown key")
-        values[key] = value
-    for key in allowed:
-        env_name = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
-        if env_name in env:
-            values[key] = env[env_name]
-    converted = {
-        key: _convert(f"{name}.{key}", value, allowed[key].type, base_dir)
-        for key, value in values.items()
-    }
-    return cls(**converted)
-
-
-def _convert(key: str, value: Any, type_name: Any, base_dir: Path) -> Any:  # noqa: PLR0911, PLR0912
-    type_text = str(type_name)
-    if type_text == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in {"true", "1", "yes", "false", "0", "no"}:
-            return value.lower() in {"true", "1", "yes"}
-        raise ConfigError(key, "must be a boolean")
-    if type_text == "int":
-        if isinstance(value, bool):
-            raise ConfigError(key, "must be an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str) and value.strip().isdigit():
-            return int(value)
-        raise ConfigError(key, "must be an integer")
-    if type_text == "float":
-        if isinstance(value, bool):
-            raise ConfigError(key, "must be a number")
-        if isinstance(value, int | float):
-            return float(value)
-        try:
-            return float(str(value))
-        except ValueError as exc:
-            raise ConfigError(key, "must be a number") from exc
-    if "Path" in type_text:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(key, "must be a non-empty path")
-        return _resolve(base_dir, value)
-    if "tuple" in type_text:
-        if isinstance(value, str):  # from the environment: comma-separated
-            value = [item.strip() for item in value.split(",") if item.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(key, "must be a list of strings")
-        return tuple(value)
-    if not isinstance(value, str):
-        raise ConfigError(key, "must be a string")
-    return value
-
-
-def _resolve(base_dir: Path, value: str) -> Path:
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else (base_dir / path).resolve()
-
-
 def _issuers(raw: Any, base_dir: Path) -> tuple[IssuerSettings, ...]:
     if not isinstance(raw, list):
         raise ConfigError("issuers", "must be an array of tables ([[issuers]])")
@@ -430,7 +362,7 @@ def _issuers(raw: Any, base_dir: Path) -> tuple[IssuerSettings, ...]:
             if required not in table:
                 raise ConfigError(f"{name}.{required}", "is required")
         values = {
-            key: _convert(f"{name}.{key}", value, allowed[key].type, base_dir)
+            key: convert_value(f"{name}.{key}", value, allowed[key].type, base_dir)
             for key, value in table.items()
         }
         result.append(IssuerSettings(**values))
