@@ -46,7 +46,6 @@ class Worker:
     process: asyncio.subprocess.Process | None = None
     started: float = 0.0
     failures: int = 0  # consecutive early exits
-    restarts: int = 0
     waiter: asyncio.Task[int] | None = field(default=None, repr=False)
 
 
@@ -140,7 +139,6 @@ class Supervisor:
         try:
             await asyncio.wait_for(self._stopping.wait(), timeout=delay)
         except TimeoutError:
-            worker.restarts += 1
             await self._start(worker)
 
     def _forward(self, signum: int) -> None:
