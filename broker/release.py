@@ -221,9 +221,10 @@ class ReleaseService:
             gpus=outcome.evidence.gpus,
             now=now,
         )
-        outcome.input_digest = "sha256:" + hashlib.sha256(canonical(policy_input)).hexdigest()
+        encoded = canonical(policy_input)  # digested, and the very bytes the policy reads
+        outcome.input_digest = "sha256:" + hashlib.sha256(encoded).hexdigest()
         outcome.policy_input = policy_input
-        outcome.decision = decision = await self._policy.evaluate(policy_input)
+        outcome.decision = decision = await self._policy.evaluate(policy_input, encoded=encoded)
         if not decision.allowed:
             raise PolicyDenied(decision.reasons, outcome.decision_id)
         dek = await self._keys.unwrap(record)

@@ -59,6 +59,11 @@ class PolicyEngine(Protocol):
         """Digest of the policy text and data in force."""
         ...
 
-    async def evaluate(self, policy_input: Mapping[str, Any]) -> Decision:
-        """Evaluate; raise ``UpstreamError`` (``policy_unavailable``) if no answer is possible."""
+    async def evaluate(
+        self, policy_input: Mapping[str, Any], *, encoded: bytes | None = None
+    ) -> Decision:
+        """Evaluate; raise ``UpstreamError`` (``policy_unavailable``) if no answer is possible.
+
+        ``encoded``: ``policy_input`` already written as UTF-8 JSON (the release path's
+        canonical bytes); an engine may evaluate those bytes instead of writing them again."""
         ...

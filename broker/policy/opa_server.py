@@ -67,7 +67,10 @@ class OpaServerEngine:
     async def close(self) -> None:
         await self._client.close_connection()
 
-    async def evaluate(self, policy_input: Mapping[str, Any]) -> Decision:
+    async def evaluate(
+        self, policy_input: Mapping[str, Any], *, encoded: bytes | None = None
+    ) -> Decision:
+        del encoded  # the HTTP client writes the request body itself
         try:
             async with asyncio.timeout(self._timeout):
                 body = await self._client.decide(policy_input)

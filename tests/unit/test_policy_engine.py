@@ -10,13 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import wasmtime
 
+from broker.audit.log import canonical
 from broker.errors import ConfigError, ErrorCode, UpstreamError
 from broker.policy.build import compile_policy_dir
 from broker.policy.bundle import load_policy_dir
 from broker.policy.engine import Decision
 from broker.policy.testing import find_opa
-from broker.policy.wasm import PolicyLoadError, WasmPolicyEngine
+from broker.policy.wasm import PolicyLoadError, WasmPolicyEngine, WasmPolicyInstance, _RawCall
 
 
 def main_module(policy_dir: Path) -> Path:
@@ -281,3 +283,42 @@ def test_data_under_the_release_package_is_refused(tmp_path: Path) -> None:
     (policies / "broker" / "release" / "data.json").write_text('{"allow": true}')
     with pytest.raises(PolicyLoadError):
         wasm_engine(policies)
+
+
+async def test_canonical_bytes_decide_as_the_input_does(engine: WasmPolicyEngine) -> None:
+    """The release path evaluates its canonical bytes (sorted keys) instead of re-serialising."""
+    for document in (GOOD, variant("tee.debug", True), variant("request.key", "other")):
+        plain = await engine.evaluate(document)
+        encoded = await engine.evaluate(document, encoded=canonical(document))
+        assert (encoded.allowed, encoded.reasons) == (plain.allowed, plain.reasons)
+
+
+def test_exhausted_fuel_fails_closed(tmp_path: Path) -> None:
+    """Evaluation is bounded by fuel; running out is a trap through the raw call, a 503."""
+    main_module(tmp_path).write_text(
+        "package broker.release\nimport rego.v1\n"
+        "allow if count([x | some x in numbers.range(1, 2000); x % 7 == 0]) > 0\n"
+    )
+    compiled = compile_policy_dir(tmp_path, opa=find_opa())
+    assert WasmPolicyInstance(compiled).evaluate({}) is not None  # enough with the default
+    starved = WasmPolicyInstance(compiled)
+    starved._fuel = 10_000
+    with pytest.raises(UpstreamError) as caught:
+        starved.evaluate({})
+    assert caught.value.code is ErrorCode.POLICY_UNAVAILABLE
+
+
+def test_raw_call_checks_the_signature_once() -> None:
+    """The unchecked call is sound only for the signature it was built for."""
+    store = wasmtime.Store(wasmtime.Engine())
+    module = wasmtime.Module(
+        store.engine,
+        '(module (func (export "two") (param i32 i32) (result i32) local.get 0 local.get 1 '
+        'i32.add) (func (export "wide") (param i64) (result i32) i32.const 0))',
+    )
+    exports = wasmtime.Instance(store, module, []).exports(store)
+    assert _RawCall(store, exports["two"], params=2)(40, 2) == 42
+    with pytest.raises(PolicyLoadError):
+        _RawCall(store, exports["two"], params=3)
+    with pytest.raises(PolicyLoadError):
+        _RawCall(store, exports["wide"], params=1)
