@@ -36,9 +36,15 @@ def loads_bounded(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise ValueError("JSON is nested too deeply") from exc
     except UnicodeDecodeError as exc:
         raise ValueError("JSON is not UTF-8") from exc
-    if not depth_within(value, max_depth):
+    # Each container opens with a bracket, so a text with at most max_depth of them (inside
+    # strings or not) cannot nest deeper: the walk is needed only for bracket-rich documents.
+    if _brackets(text) > max_depth and not depth_within(value, max_depth):
         raise ValueError(f"JSON is nested deeper than {max_depth} levels")
     return value
+
+
+def _brackets(text: str) -> int:
+    return text.count("{") + text.count("[")
 
 
 def _no_constant(name: str) -> Any:

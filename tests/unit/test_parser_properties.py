@@ -232,3 +232,25 @@ def test_properties_see_the_real_artifacts_verify() -> None:
     assert rim.verify_rim(DRIVER_RIM, roots=roots, now=NOW).version == "550.90.07"
     assert spdm.parse_report(HOPPER_REPORT).driver_version == "550.90.07"
     assert base64.b64encode(HOPPER_REPORT)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@PROPERTY
+@given(json_values, st.integers(0, 6), st.text(alphabet="[]{}", max_size=8))
+def test_depth_bound_matches_the_nesting(value: Any, limit: int, noise: str) -> None:
+    """``loads_bounded`` skips its walk when the text has few brackets; brackets inside strings
+    (``noise``) must not change the answer: refused exactly when nested deeper than the limit."""
+    document = [value, noise]
+    text = json.dumps(document)
+    if _depth(document) <= limit:
+        assert loads_bounded(text, max_depth=limit) == document
+    else:
+        with pytest.raises(ValueError, match="nested deeper"):
+            loads_bounded(text, max_depth=limit)
