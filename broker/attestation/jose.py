@@ -31,10 +31,11 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from broker.errors import AttestationError, ErrorCode
-from broker.jsonsafe import loads_bounded
+from broker.jsonsafe import MAX_JSON_DEPTH, loads_bounded
 
 MAX_TOKEN_BYTES = 64 * 1024
 MAX_HEADER_BYTES = 16 * 1024
+HEADER_DEPTH = 8  # a JOSE header is flat but for x5c (a list of strings)
 DEFAULT_LEEWAY = timedelta(seconds=30)
 DEFAULT_MAX_LIFETIME = timedelta(hours=1)  # exp - iat; issuers may configure their own
 FORBIDDEN_HEADERS = frozenset({"jku", "x5u", "jwk", "crit"})
@@ -108,11 +109,12 @@ def parse_header(
     if len(parts[0]) > MAX_HEADER_BYTES:
         raise AttestationError("token header exceeds the size limit")
     try:
-        header = loads_bounded(b64url_decode(parts[0]), max_depth=8)
+        shared = json_segment(parts[0], HEADER_DEPTH)
     except ValueError as exc:
         raise AttestationError("token header is not base64url JSON") from exc
-    if not isinstance(header, dict):
+    if not isinstance(shared, dict):
         raise AttestationError("token header is not a JSON object")
+    header = dict(shared)
     forbidden = sorted(FORBIDDEN_HEADERS.intersection(header))
     if forbidden == ["jku"] and header["jku"] in tolerated_jku:
         forbidden = []
@@ -148,6 +150,20 @@ def parse_header_with_kid(
     return header
 
 
+@functools.lru_cache(maxsize=256)
+def json_segment(segment: str, max_depth: int) -> Any:
+    """A token segment as JSON (strict base64url, strict bounded JSON).
+
+    Cached: a release reads the same header and payload in the fetch step and in the pure
+    verifier; each is decoded once. The value is shared between callers, none of which
+    mutates it (headers are copied at the top level). Errors are not cached.
+
+    Raises:
+        ValueError: not canonical base64url, or not strict JSON within ``max_depth``.
+    """
+    return loads_bounded(b64url_decode(segment), max_depth=max_depth)
+
+
 @functools.lru_cache(maxsize=64)
 def unverified_claim(token: str, name: str) -> str | None:
     """Read one string claim without verifying, only to choose which trust to verify with.
@@ -158,7 +174,7 @@ def unverified_claim(token: str, name: str) -> str | None:
     if len(parts) != 3 or len(token) > MAX_TOKEN_BYTES:
         return None
     try:
-        unverified_claims = loads_bounded(b64url_decode(parts[1]))
+        unverified_claims = json_segment(parts[1], MAX_JSON_DEPTH)
     except ValueError:
         return None
     if not isinstance(unverified_claims, dict):
@@ -202,8 +218,9 @@ def verify_jws(
     except ValueError as exc:
         raise AttestationError("token could not be decoded") from exc
     check_signature(header.alg, key, f"{parts[0]}.{parts[1]}".encode("ascii"), signature)
+    del payload  # decoded above only to refuse a bad encoding before the signature check
     try:
-        claims = loads_bounded(payload)
+        claims = json_segment(parts[1], MAX_JSON_DEPTH)
     except ValueError as exc:
         raise AttestationError("token payload is not strict JSON") from exc
     if isinstance(claims, dict):
