@@ -71,6 +71,22 @@ def record_hash(record: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical(body)).hexdigest()
 
 
+def sealed_line(body: Mapping[str, Any]) -> tuple[str, bytes]:
+    """``record_hash`` of ``body`` and ``canonical`` of ``body`` with that ``hash`` member, each
+    member written once: the line is the hashed text with ``"hash":…`` spliced in at its sorted
+    place (what ``json.dumps(sort_keys=True)`` does member by member). Byte-identical to the two
+    calls (tests/unit/test_audit_log.py compares them); the writer thread saves one full dump."""
+    members = [
+        canonical(key) + b":" + canonical(value)
+        for key, value in sorted(body.items())
+        if key != "hash"
+    ]
+    digest = hashlib.sha256(b"{" + b",".join(members) + b"}").hexdigest()
+    place = sum(1 for key in body if key < "hash")
+    members.insert(place, b'"hash":"' + digest.encode("ascii") + b'"')
+    return digest, b"{" + b",".join(members) + b"}"
+
+
 @dataclass(frozen=True)
 class ChainHead:
     size: int  # number of records
@@ -482,8 +498,8 @@ class DecisionLog:
                 record = {**entry, "index": head.size, "seq": head.size, "prev": head.hash}
                 if self._replica is not None:
                     record["replica"] = self._replica
-                record["hash"] = record_hash(record)
-                lines.append(canonical(record))
+                record["hash"], line = sealed_line(record)
+                lines.append(line)
                 appended.append(Appended(index=head.size, hash=record["hash"]))
                 head = ChainHead(size=head.size + 1, hash=record["hash"])
             data = b"".join(line + b"\n" for line in lines)

@@ -7,8 +7,19 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from broker.audit.log import DecisionLog, LogCorrupt, read_head, repair_torn_tail, verify_file
+from broker.audit.log import (
+    DecisionLog,
+    LogCorrupt,
+    canonical,
+    read_head,
+    record_hash,
+    repair_torn_tail,
+    sealed_line,
+    verify_file,
+)
 from broker.errors import ErrorCode, UpstreamError
 
 
@@ -173,3 +184,27 @@ async def test_head_found_behind_a_record_longer_than_the_first_read(tmp_path: P
     await log.close()
     assert read_head(path).hash == last
     assert read_head(path).size == 2
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),  # lone surrogates included
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+_keys = st.sampled_from(["", "Hash", "h", "has", "hasg", "hash2", "hasi", "i", "é", "\ud800", "z"])
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(st.dictionaries(_keys | st.text(max_size=8), _values, max_size=8))
+def test_sealed_line_is_the_hash_and_the_canonical_line(body: dict[str, object]) -> None:
+    """The writer's one-pass seal equals the reference: record_hash, then canonical with it."""
+    body.pop("hash", None)
+    digest, line = sealed_line(body)
+    assert digest == record_hash(body)
+    assert line == canonical({**body, "hash": digest})
