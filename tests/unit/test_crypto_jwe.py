@@ -12,7 +12,7 @@ from jwcrypto import jwk as jw_jwk
 
 from broker.client.sdk import new_ephemeral_key, unwrap_release
 from broker.crypto import jwe
-from broker.crypto.jwk import parse_runner_key, public_jwk
+from broker.crypto.jwk import parse_runner_key, public_jwk, x25519_small_order
 from broker.errors import ErrorCode, InputError
 from broker.keys.wrap import wrap_to_runner
 
@@ -143,3 +143,44 @@ def test_x25519_thumbprint_uses_required_members_only() -> None:
     key = x25519.X25519PrivateKey.generate().public_key()
     jwk = public_jwk(key)
     assert parse_runner_key({**jwk, "use": "enc"}).thumbprint == parse_runner_key(jwk).thumbprint
+
+
+# --- the small-order set against the reference test (a key agreement) ------------------------
+
+_P = 2**255 - 19
+_ORACLE = x25519.X25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
+
+
+def _agreement_refused(raw: bytes) -> bool:
+    """The reference: OpenSSL refuses the all-zero secret, which a clamped scalar yields
+    exactly for the small-order points (RFC 7748 §6.1)."""
+    try:
+        _ORACLE.exchange(x25519.X25519PublicKey.from_public_bytes(raw))
+    except ValueError:
+        return True
+    return False
+
+
+def _encodings(u: int) -> list[bytes]:
+    """Every 32-byte spelling X25519 reads as ``u``: canonical, + p when it fits, top bit set."""
+    values = [u] + ([u + _P] if u + _P < 2**255 else [])
+    return [(v | high).to_bytes(32, "little") for v in values for high in (0, 1 << 255)]
+
+
+def test_small_order_set_agrees_with_a_key_agreement() -> None:
+    small = [0, 1, _P - 1]
+    small += [
+        int.from_bytes(bytes.fromhex(h), "little")
+        for h in (
+            "e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800",
+            "5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157",
+        )
+    ]
+    candidates = [raw for u in small for raw in _encodings(u)]
+    candidates += [raw for u in small for d in (-2, -1, 1, 2) for raw in _encodings((u + d) % _P)]
+    candidates += [os.urandom(32) for _ in range(3000)]
+    refused = 0
+    for raw in candidates:
+        assert x25519_small_order(raw) is _agreement_refused(raw), raw.hex()
+        refused += x25519_small_order(raw)
+    assert refused >= 5 * 2 + 2 * 2  # every listed point in each of its spellings
