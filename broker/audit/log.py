@@ -72,19 +72,16 @@ def record_hash(record: Mapping[str, Any]) -> str:
 
 
 def sealed_line(body: Mapping[str, Any]) -> tuple[str, bytes]:
-    """``record_hash`` of ``body`` and ``canonical`` of ``body`` with that ``hash`` member, each
-    member written once: the line is the hashed text with ``"hash":…`` spliced in at its sorted
-    place (what ``json.dumps(sort_keys=True)`` does member by member). Byte-identical to the two
-    calls (tests/unit/test_audit_log.py compares them); the writer thread saves one full dump."""
-    members = [
-        canonical(key) + b":" + canonical(value)
-        for key, value in sorted(body.items())
-        if key != "hash"
-    ]
-    digest = hashlib.sha256(b"{" + b",".join(members) + b"}").hexdigest()
-    place = sum(1 for key in body if key < "hash")
-    members.insert(place, b'"hash":"' + digest.encode("ascii") + b'"')
-    return digest, b"{" + b",".join(members) + b"}"
+    """``record_hash`` of ``body`` and ``canonical`` of ``body`` with that ``hash`` member, in one
+    canonical pass: the members sorting before ``"hash"`` and those after it are dumped apart,
+    so the hashed text and the line are the two halves joined without and with the hash member
+    (what ``json.dumps(sort_keys=True)`` writes, member for member). Byte-identical to the two
+    calls (a property test compares them); the log writer thread saves two of three dumps."""
+    before = canonical({k: v for k, v in body.items() if k < "hash"})[1:-1]
+    after = canonical({k: v for k, v in body.items() if k > "hash"})[1:-1]
+    digest = hashlib.sha256(b"{" + b",".join(m for m in (before, after) if m) + b"}").hexdigest()
+    member = b'"hash":"' + digest.encode("ascii") + b'"'
+    return digest, b"{" + b",".join(m for m in (before, member, after) if m) + b"}"
 
 
 @dataclass(frozen=True)
