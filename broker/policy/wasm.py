@@ -350,6 +350,8 @@ class _RawCall:
 
     def __call__(self, *args: int) -> int:
         raw = self._args
+        if len(args) != len(raw):
+            raise TypeError(f"{len(raw)} arguments expected, {len(args)} given")
         for index, value in enumerate(args):
             raw[index].i32 = value
         with enter_wasm(self._store) as trap:

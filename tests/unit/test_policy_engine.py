@@ -317,7 +317,10 @@ def test_raw_call_checks_the_signature_once() -> None:
         'i32.add) (func (export "wide") (param i64) (result i32) i32.const 0))',
     )
     exports = wasmtime.Instance(store, module, []).exports(store)
-    assert _RawCall(store, exports["two"], params=2)(40, 2) == 42
+    add = _RawCall(store, exports["two"], params=2)
+    assert add(40, 2) == 42
+    with pytest.raises(TypeError):
+        add(1)  # never a call with a stale argument left in the reused array
     with pytest.raises(PolicyLoadError):
         _RawCall(store, exports["two"], params=3)
     with pytest.raises(PolicyLoadError):
