@@ -104,11 +104,10 @@ def encrypt_file(
             pending=pending,
         )
         partial.replace(target)
-    except BaseException:
+    finally:  # after a failure or an interrupt: stop the work, leave no partial file
         for future in pending:
-            future.cancel()
-        partial.unlink(missing_ok=True)
-        raise
+            future.cancel()  # a no-op for finished work
+        partial.unlink(missing_ok=True)  # already renamed after a success
     return entry
 
 

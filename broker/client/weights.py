@@ -370,10 +370,8 @@ async def decrypt_to(
             await loop.run_in_executor(pool, os.close, fd)
         await loop.run_in_executor(pool, os.replace, partial, dest)
         return sealed.plaintext_size
-    except BaseException:
+    finally:  # a failed or cancelled run leaves no partial file (renamed after a success)
         await asyncio.shield(loop.run_in_executor(pool, _remove, partial))
-        raise
-    finally:
         await opened.aclose()
         pool.shutdown(wait=False)
 
@@ -418,11 +416,10 @@ async def _decrypt_segments(
     tasks = [asyncio.create_task(worker()) for _ in range(workers)]
     try:
         await asyncio.gather(*tasks)
-    except BaseException:
+    finally:  # one failed or the caller was cancelled: stop the others (no-op when all done)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def _remove(path: Path) -> None:
