@@ -166,12 +166,11 @@ def json_segment(segment: str, max_depth: int) -> Any:
     return loads_bounded(b64url_decode(segment), max_depth=max_depth)
 
 
-@functools.lru_cache(maxsize=64)
 def unverified_claim(token: str, name: str) -> str | None:
     """Read one string claim without verifying, only to choose which trust to verify with.
 
-    Cached (the answer is an immutable string): the async layer and the pure verifier both ask
-    for ``iss`` of the same token, and the payload is decoded once for both."""
+    The async layer and the pure verifier both ask for ``iss`` of the same token; the payload
+    is decoded once for both (and for the verifier's claims) by ``json_segment``'s cache."""
     parts = token.split(".")
     if len(parts) != 3 or len(token) > MAX_TOKEN_BYTES:
         return None
