@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.release_bench import CLI, bench_workspace, free_port, wait_ready
-from broker.client.sdk import new_ephemeral_key
-from broker.crypto.jwk import public_jwk, thumbprint
-from broker.dev.issuer import DevIssuer, Workload
-from tests.integration.conftest import ALLOWED, KEY
+from bench.release_bench import CLI, bench_workspace, free_port, release_body, wait_ready
+from broker.dev.issuer import DevIssuer
 
 
 @dataclass
@@ -88,15 +84,7 @@ async def runner_loop(
                 if response.status != 200:
                     tally.error(f"challenge {response.status}")
                     continue
-            jwk = public_jwk(new_ephemeral_key("X25519").public_key())
-            token = issuer.mint(
-                audience=challenge["audience"],
-                nonces=[challenge["nonce"], thumbprint(jwk)],
-                workload=Workload(image_digest=ALLOWED),
-                now=datetime.now(UTC),
-            )
-            body = {"key": KEY, "nonce": challenge["nonce"], "evidence": {"gca": token}}
-            body["runner_key"] = jwk
+            body = release_body(issuer, challenge)
             sent = time.perf_counter()
             async with session.post(url + "/v1/release", json=body) as response:
                 answer = await response.json()

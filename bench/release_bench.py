@@ -108,27 +108,26 @@ async def drive(url: str, bodies: list[dict[str, Any]], concurrency: int) -> Run
         return Run(time.perf_counter() - started, ok, latencies)
 
 
+def release_body(issuer: DevIssuer, challenge: dict[str, Any]) -> dict[str, Any]:
+    """A runner's release request for ``challenge``: a fresh X25519 key and a token bound to
+    the nonce and that key."""
+    jwk = public_jwk(new_ephemeral_key("X25519").public_key())
+    token = issuer.mint(
+        audience=challenge["audience"],
+        nonces=[challenge["nonce"], thumbprint(jwk)],
+        workload=Workload(image_digest=ALLOWED),
+        now=datetime.now(UTC),
+    )
+    return {"key": KEY, "nonce": challenge["nonce"], "evidence": {"gca": token}, "runner_key": jwk}
+
+
 async def prepare_releases(url: str, issuer: DevIssuer, count: int) -> list[dict[str, Any]]:
     bodies = []
     async with aiohttp.ClientSession() as session:
         for _ in range(count):
             async with session.post(url + "/v1/challenge", json={}) as response:
                 challenge = await response.json()
-            jwk = public_jwk(new_ephemeral_key("X25519").public_key())
-            token = issuer.mint(
-                audience=challenge["audience"],
-                nonces=[challenge["nonce"], thumbprint(jwk)],
-                workload=Workload(image_digest=ALLOWED),
-                now=datetime.now(UTC),
-            )
-            bodies.append(
-                {
-                    "key": KEY,
-                    "nonce": challenge["nonce"],
-                    "evidence": {"gca": token},
-                    "runner_key": jwk,
-                }
-            )
+            bodies.append(release_body(issuer, challenge))
     return bodies
 
 
