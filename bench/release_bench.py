@@ -9,6 +9,10 @@ durable (fsync'd, group-committed) log append.
 Printed: one process's releases/s and its ratio to the echo's req/s (the issue's target is
 >= 0.25), p50/p99 at the run's concurrency and p99 at 64 connections; then the same for
 ``--workers 2`` (SQLite nonce store, the default with workers > 1) and its ratio to one worker.
+Also the *floor* (``floor_server.py``): the same load against a server that makes only the
+library calls a release cannot avoid (parse, RS256, X25519 + AES-GCM, one Wasm evaluation, a
+record hashed and written) and checks nothing, so the figures show how much of the gap is the
+broker's own work and how much the libraries' floor in one Python process.
 The load generator shares the machine: on 2 cores it competes with the workers for CPU.
 
     make bench            # or: .venv/bin/python bench/release_bench.py --requests 2000
@@ -170,6 +174,27 @@ async def measure(
     return main, wide
 
 
+async def measure_floor(workdir: Path, issuer: DevIssuer, requests: int, concurrency: int) -> Run:
+    """The same load against ``floor_server.py``: the library calls of a release, no glue."""
+    port = free_port()
+    command = [sys.executable, str(ROOT / "bench" / "floor_server.py"), str(port)]
+    command += [str(workdir / "jwks.json"), str(workdir / "policies"), str(workdir), KEY, ALLOWED]
+    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url + "/readyz")
+        challenge = {"audience": "floor", "nonce": "n" * 43}
+        await drive(url + "/v1/release", [release_body(issuer, challenge)] * 100, concurrency)
+        bodies = [release_body(issuer, challenge) for _ in range(requests)]
+        run = await drive(url + "/v1/release", bodies, concurrency)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    if run.ok != requests:
+        raise SystemExit(f"floor: only {run.ok}/{requests} requests succeeded")
+    return run
+
+
 def bench_workspace(workdir: Path, issuer: DevIssuer, *, nonce_ttl_seconds: int) -> Path:
     """A plain-HTTP loopback config (TLS is not part of the comparison) with the key created."""
     config = write_config(workdir, issuer, insecure_http=True, nonce_ttl_seconds=nonce_ttl_seconds)
@@ -204,6 +229,7 @@ async def main(requests: int, concurrency: int) -> None:
         finally:
             echo.terminate()
             echo.wait(timeout=10)
+        floor_run = await measure_floor(workdir, issuer, requests, concurrency)
         one, one_wide = await measure(config, issuer, 1, requests, concurrency)
         two, two_wide = await measure(config, issuer, 2, requests, concurrency)
         log_lines = (workdir / "decisions.log").read_text().count("\n")
@@ -217,6 +243,9 @@ async def main(requests: int, concurrency: int) -> None:
                 "release_per_s": round(one.rate, 1),
                 "release_vs_echo": round(one.rate / echo_run.rate, 3),
                 "broker_ms_per_release": round(1000 / one.rate, 3),
+                "floor_per_s": round(floor_run.rate, 1),
+                "floor_vs_echo": round(floor_run.rate / echo_run.rate, 3),
+                "release_vs_floor": round(one.rate / floor_run.rate, 3),
                 "release_p50_ms": round(one.percentile(0.5), 2),
                 "release_p99_ms": round(one.percentile(0.99), 2),
                 "release_p99_ms_at_64_connections": round(one_wide.percentile(0.99), 2),
