@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ CHECKS = ",".join(
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 
 
-@pytest.mark.timeout(180)  # schemathesis is time-boxed at 45 s; start-up and shrinking add
+@pytest.mark.timeout(
+    300
+)  # each run is time-boxed at 45 s (at most two); start-up and shrinking add
 async def test_schemathesis_finds_no_server_error_or_schema_violation(
     start_broker: Any, tmp_path: Path
 ) -> None:
@@ -37,6 +40,22 @@ async def test_schemathesis_finds_no_server_error_or_schema_violation(
             "BROKER_KEYS_SIGNING_KEY": str(signing_key),
         }
     )
+    # A run that fails only because hypothesis itself crashed (a "Runtime Error" raised inside
+    # hypothesis's engine, no check failed) says nothing about the broker: run once more with
+    # the next seed. Seen with hypothesis 6.170.17, whose target-optimisation pass can index
+    # past the end of a shorter attempt (IndexError in optimiser.hill_climb) depending on timing.
+    # Any check failure, or any other error, fails at once; the last run must exit 0 either way.
+    for seed in (20261130, 20261131):
+        returncode, text = await run_schemathesis(broker, seed)
+        if returncode == 0 or not hypothesis_crashed(text):
+            break
+        print(f"schemathesis: hypothesis crashed internally with seed {seed}; running again")
+    summary = [line for line in text.splitlines() if "passed" in line or "failed" in line]
+    print("schemathesis:", *summary[-3:], sep="\n")
+    assert returncode == 0, text[-6000:]
+
+
+async def run_schemathesis(broker: Any, seed: int) -> tuple[int, str]:
     run = await asyncio.create_subprocess_exec(
         str(SCHEMATHESIS),
         "run",
@@ -50,7 +69,7 @@ async def test_schemathesis_finds_no_server_error_or_schema_violation(
         "--max-examples",
         "40",
         "--seed",
-        "20261130",
+        str(seed),
         "--phases",
         "examples,coverage,fuzzing",
         "--request-timeout",
@@ -67,7 +86,19 @@ async def test_schemathesis_finds_no_server_error_or_schema_violation(
         stderr=asyncio.subprocess.STDOUT,
     )
     out, _ = await run.communicate()
-    text = out.decode(errors="replace")
-    summary = [line for line in text.splitlines() if "passed" in line or "failed" in line]
-    print("schemathesis:", *summary[-3:], sep="\n")
-    assert run.returncode == 0, text[-6000:]
+    assert run.returncode is not None
+    return run.returncode, out.decode(errors="replace")
+
+
+def hypothesis_crashed(text: str) -> bool:
+    """True when the run's only problems are runtime errors raised inside hypothesis's engine."""
+    if re.search(r"=+ FAILURES =+", text):
+        return False
+    parts = re.split(r"=+ ERRORS =+", text, maxsplit=1)
+    if len(parts) != 2:
+        return False
+    section = re.split(r"=+ (?:WARNINGS|SUMMARY) =+", parts[1], maxsplit=1)[0]
+    blocks = re.split(r"\n_{3,} .+ _{3,}\n", section)[1:]
+    return bool(blocks) and all(
+        "Runtime Error" in block and "/hypothesis/internal/conjecture/" in block for block in blocks
+    )
