@@ -7,16 +7,19 @@ the gap to the issue's target is the broker's own work and how much is the libra
 
 Per request, each with the library the broker uses for it:
 
-* aiohttp: read the body; orjson: parse it;
+* aiohttp: read the body; the standard library's C JSON parser: parse it;
 * cryptography: RS256 verify of the token's signature (base64 decode of its three segments,
-  orjson parse of the claims);
+  JSON parse of the claims);
 * cryptography: X25519 key generation + key agreement, one SHA-256 round (Concat KDF),
   AES-256-GCM of a 32-byte key (what an ECDH-ES JWE of one DEK costs);
 * wasmtime: one evaluation of the shipped policy on an input of the broker's shape (canonical
-  orjson bytes, then SHA-256 for the input digest);
-* orjson + SHA-256 + write(2): one decision record appended to a file (no fsync: the broker's
+  JSON bytes, then SHA-256 for the input digest);
+* JSON + SHA-256 + write(2): one decision record appended to a file (no fsync: the broker's
   fsync is group-committed on another thread, with the GIL released);
-* orjson: the JSON response.
+* the JSON response.
+
+JSON is the standard library's C codec, as in the broker (docs/decisions.md says why not
+orjson).
 
     python bench/floor_server.py PORT JWKS POLICY_DIR WORKDIR KEY IMAGE_DIGEST
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import sys
 import uuid
@@ -32,7 +36,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
 import uvloop
 from aiohttp import web
 from cryptography.hazmat.primitives import hashes
@@ -52,6 +55,10 @@ from broker.policy.testing import find_opa
 from broker.policy.wasm import WasmPolicyInstance
 
 
+def canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def b64(segment: str) -> bytes:
     return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
 
@@ -65,7 +72,7 @@ def input_template(key: str, image_digest: str) -> dict[str, Any]:
     token = issuer.mint(
         audience="floor", nonces=["n" * 43], workload=Workload(image_digest=image_digest), now=now
     )
-    verified = VerifiedGcaToken(issuer.issuer, issuer.kid, orjson.loads(b64(token.split(".")[1])))
+    verified = VerifiedGcaToken(issuer.issuer, issuer.kid, json.loads(b64(token.split(".")[1])))
     return claims_module.build_input(
         request=claims_module.RequestFacts(
             key=key, version=1, purpose="model-weights", runner_key_thumbprint="t" * 43
@@ -90,20 +97,20 @@ class Floor:
         self, jwks: Path, policy_dir: Path, workdir: Path, key: str, image_digest: str
     ) -> None:
         self.template = input_template(key, image_digest)
-        self.key = rsa_key(orjson.loads(jwks.read_bytes()))
+        self.key = rsa_key(json.loads(jwks.read_bytes()))
         self.policy = WasmPolicyInstance(compile_policy_dir(policy_dir, opa=find_opa()))
         self.dek = os.urandom(32)
         self.log = os.open(workdir / "floor.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     async def release(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
+        body = json.loads(await request.read())
         token = body["evidence"]["gca"]
         header, payload, signature = token.split(".")
         b64(header)
         self.key.verify(
             b64(signature), f"{header}.{payload}".encode(), padding.PKCS1v15(), hashes.SHA256()
         )
-        claims = orjson.loads(b64(payload))
+        claims = json.loads(b64(payload))
         ephemeral = X25519PrivateKey.generate()
         shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(b64(body["runner_key"]["x"])))
         kek = hashlib.sha256(b"\x00\x00\x00\x01" + shared + b"A256GCM").digest()
@@ -111,26 +118,25 @@ class Floor:
         sealed = AESGCM(kek).encrypt(iv, self.dek, b"protected-header")
         epk = ephemeral.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
         policy_input = {**self.template, "claims": {"gca": claims}}
-        encoded = orjson.dumps(policy_input, option=orjson.OPT_SORT_KEYS)
+        encoded = canonical(policy_input)
         digest = hashlib.sha256(encoded).hexdigest()
         result = self.policy.evaluate_encoded(encoded)
         if not result or result.get("allow") is not True:
             raise web.HTTPForbidden(text="the floor's policy input was not allowed")
         decision_id = str(uuid.uuid4())
-        record = orjson.dumps(
+        record = canonical(
             {
                 "decision_id": decision_id,
                 "input_digest": digest,
                 "result": result,
                 "claims": claims,
             },
-            option=orjson.OPT_SORT_KEYS,
         )
         line = record[:-1] + b',"hash":"' + hashlib.sha256(record).hexdigest().encode() + b'"}\n'
         os.write(self.log, line)
         wrapped = b".".join(base64.urlsafe_b64encode(part) for part in (epk, iv, sealed))
         return web.Response(
-            body=orjson.dumps({"decision_id": decision_id, "wrapped_key": wrapped.decode()}),
+            body=json.dumps({"decision_id": decision_id, "wrapped_key": wrapped.decode()}).encode(),
             content_type="application/json",
         )
 

@@ -27,9 +27,8 @@ CHECKS = ",".join(
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 
 
-@pytest.mark.timeout(
-    300
-)  # each run is time-boxed at 45 s (at most two); start-up and shrinking add
+# Each schemathesis run is time-boxed at 45 s (at most two runs); start-up and shrinking add.
+@pytest.mark.timeout(300)
 async def test_schemathesis_finds_no_server_error_or_schema_violation(
     start_broker: Any, tmp_path: Path
 ) -> None:
