@@ -268,6 +268,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_until(ready: Callable[[], bool], *, what: str, tries: int = 200) -> None:
+    """Poll ``ready`` every 50 ms (False or an OSError: not yet) until it holds, or fail the
+    test saying that ``what`` did not start."""
+    for _ in range(tries):
+        try:
+            if ready():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"{what} did not start")
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server on 127.0.0.1, no persistence, stopped after the session."""
@@ -281,17 +294,14 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+    def pong() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+
     try:
-        for _ in range(100):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            pytest.fail("redis-server did not start")
+        wait_until(pong, what="redis-server")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         process.terminate()
@@ -336,18 +346,12 @@ def postgresql_url() -> Iterator[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    isready = [str(pg_bin / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)]
     try:
-        for _ in range(200):
-            ready = subprocess.run(
-                [str(pg_bin / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)],
-                capture_output=True,
-                check=False,
-            )
-            if ready.returncode == 0:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("PostgreSQL did not start")
+        wait_until(
+            lambda: subprocess.run(isready, capture_output=True, check=False).returncode == 0,
+            what="PostgreSQL",
+        )
         yield f"postgresql://broker@127.0.0.1:{port}/postgres"
     finally:
         process.terminate()

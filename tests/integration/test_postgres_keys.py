@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import secrets
-import signal
 import ssl
 import subprocess
 import sys
@@ -35,7 +34,13 @@ from broker.keys.kek.base import dek_aad
 from broker.keys.store.base import Purpose, VersionState
 from broker.keys.store.postgres import SCHEMA_VERSION, PostgresKeyStore, migrate
 from tests.integration.conftest import KEY, free_port, write_config
-from tests.integration.test_shared_nonces import ROOT, release_body, serve, wait_ready
+from tests.integration.test_shared_nonces import (
+    ROOT,
+    release_body,
+    serve,
+    stop_replicas,
+    wait_ready,
+)
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -240,11 +245,7 @@ async def test_two_replicas_share_keys_and_a_disable_reaches_both(
                 status, code = await release(via, 1 - via)
                 assert (status, code) == (409, "key_version_unavailable"), (via, status, code)
     finally:
-        for process in replicas:
-            process.send_signal(signal.SIGTERM)
-        for process in replicas:
-            _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
-            assert process.returncode == 0, stderr[-2000:]
+        await stop_replicas(replicas)
     for replica, log in enumerate(logs):
         records = [json.loads(line) for line in log.read_text().splitlines()]
         assert {r["replica"] for r in records} == {f"r{replica}"}

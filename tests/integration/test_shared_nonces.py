@@ -235,6 +235,15 @@ def serve(
     )
 
 
+async def stop_replicas(replicas: list[subprocess.Popen[str]]) -> None:
+    """SIGTERM to every replica, then each must exit cleanly (its stderr shown if not)."""
+    for process in replicas:
+        process.send_signal(signal.SIGTERM)
+    for process in replicas:
+        _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
+        assert process.returncode == 0, stderr[-2000:]
+
+
 def wait_ready(port: int, tls: ssl.SSLContext) -> None:
     for _ in range(200):
         try:
@@ -281,11 +290,7 @@ async def test_two_replicas_release_a_nonce_exactly_once(store_uri: str, tmp_pat
         assert [status for status, _ in results].count(200) == 1
         assert {code for status, code in results if status != 200} == {"nonce_reused"}
     finally:
-        for process in replicas:
-            process.send_signal(signal.SIGTERM)
-        for process in replicas:
-            _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
-            assert process.returncode == 0, stderr[-2000:]
+        await stop_replicas(replicas)
     allows = []
     for log in logs:
         records = [json.loads(line) for line in log.read_text().splitlines()]

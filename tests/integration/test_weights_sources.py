@@ -18,7 +18,6 @@ import socket
 import ssl
 import struct
 import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,7 +38,7 @@ from broker.client.weights import (
 )
 from broker.crypto.weights import WeightsFormatError, encrypt_stream
 from broker.dev.tls import make_dev_tls
-from tests.integration.conftest import free_port
+from tests.integration.conftest import free_port, wait_until
 
 ROOT = Path(__file__).parents[2]
 FAKE_GCS = ROOT / ".venv" / "bin" / "fake-gcs-server"
@@ -93,15 +92,13 @@ def fake_gcs(files: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+    def accepts() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+
     try:
-        for _ in range(200):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            pytest.fail("fake-gcs-server did not start")
+        wait_until(accepts, what="fake-gcs-server")
         from google.auth.credentials import AnonymousCredentials  # noqa: PLC0415
         from google.cloud import storage  # type: ignore[attr-defined]  # noqa: PLC0415
 
