@@ -57,6 +57,7 @@ class ErrorCode(StrEnum):
     SUBMOD_DIGEST_MISMATCH = "submod_digest_mismatch"
     FWID_MISMATCH = "fwid_mismatch"
     GPU_ARCH_MISMATCH = "gpu_arch_mismatch"
+    GPU_EVIDENCE_DUPLICATE = "gpu_evidence_duplicate"  # one device's evidence listed twice
     RIM_INVALID = "rim_invalid"
     AUDIENCE_MISMATCH = "audience_mismatch"
     # binding of evidence to this request

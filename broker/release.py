@@ -273,7 +273,11 @@ class ReleaseService:
             "code": error.code.value if error else None,
             "message": error.message if error else None,
             "reasons": [] if outcome.decision is None else list(outcome.decision.reasons),
-            "policy_digest": self._policy.digest,
+            # the digest of the engine that decided (a reload during the key unwrap must not
+            # attribute this decision to its successor); no decision: the policy in force
+            "policy_digest": self._policy.digest
+            if outcome.decision is None
+            else outcome.decision.policy_digest,
             "input_digest": outcome.input_digest,
             "runner_key_thumbprint": request.runner_key.thumbprint if request else None,
             "wrap": request.wrap if request else _loggable_string(body.get("wrap")),

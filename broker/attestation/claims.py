@@ -244,8 +244,9 @@ def ita_gpu_entries(claims: Mapping[str, Any], *, cc_mode: str) -> list[dict[str
     ITA appraises GPU evidence through NRAS and copies the result in one of two documented
     shapes (EVIDENCE.md §2.3): the 2024 form (NRAS claims with
     ``x-nvidia-attestation-detailed-result``) or the newer ``{"x-nvidia-overall-att-result",
-    "claim_details": {"GPU-0": {…}}}``. Both normalise to the same fields; anything not stated
-    reads as the failing value.
+    "claim_details": {"GPU-0": {…}}}``. Both normalise to the same fields. A result the token
+    does not state (the certificate chain's, the overall one) is left out of the entry, never
+    defaulted to success: a policy that requires it then denies.
     """
     nvgpu = _obj(claims.get("nvgpu"))
     if not nvgpu:
@@ -261,29 +262,40 @@ def ita_gpu_entries(claims: Mapping[str, Any], *, cc_mode: str) -> list[dict[str
             detailed.get("x-nvidia-gpu-measurements-match") is True
         )
         hwmodel = _str(gpu.get("hwmodel"))
-        entries.append(
-            {
-                "id": str(name),
-                "verifier": "ita",
-                "mode": "unknown",  # ITA's nvgpu results do not state it
-                "arch": _arch(hwmodel),
-                "hwmodel": hwmodel,
-                "cc_mode": cc_mode,
-                "debug": gpu.get("dbgstat") != "disabled",
-                "secure_boot": gpu.get("secboot") is True,
-                "measurements": "match" if matched and overall is not False else "mismatch",
-                "overall_result": overall is True or (overall is None and matched),
-                "driver_version": _str(gpu.get("x-nvidia-gpu-driver-version")),
-                "vbios_version": _str(gpu.get("x-nvidia-gpu-vbios-version")),
-                "ueid": _str(gpu.get("ueid")),
-                "cert_chain": "valid"
-                if detailed.get("x-nvidia-gpu-attestation-report-cert-chain-validated", True)
-                is True
-                else "invalid",
-                "ocsp": "unknown",
-            }
-        )
+        entry: dict[str, Any] = {
+            "id": str(name),
+            "verifier": "ita",
+            "mode": "unknown",  # ITA's nvgpu results do not state it
+            "arch": _arch(hwmodel),
+            "hwmodel": hwmodel,
+            "cc_mode": cc_mode,
+            "debug": gpu.get("dbgstat") != "disabled",
+            "secure_boot": gpu.get("secboot") is True,
+            "measurements": "match" if matched and overall is not False else "mismatch",
+            "driver_version": _str(gpu.get("x-nvidia-gpu-driver-version")),
+            "vbios_version": _str(gpu.get("x-nvidia-gpu-vbios-version")),
+            "ueid": _str(gpu.get("ueid")),
+            "ocsp": "unknown",
+        }
+        if isinstance(overall, bool):
+            entry["overall_result"] = overall
+        chain_validated = _ita_chain_validated(gpu, detailed)
+        if chain_validated is not None:
+            entry["cert_chain"] = "valid" if chain_validated else "invalid"
+        entries.append(entry)
     return entries
+
+
+ITA_CHAIN_CLAIM = "x-nvidia-gpu-attestation-report-cert-chain-validated"
+
+
+def _ita_chain_validated(gpu: Mapping[str, Any], detailed: Mapping[str, Any]) -> bool | None:
+    """The GPU's certificate-chain result as the token states it; ``None`` when it does not
+    (only the JSON boolean ``true`` is a valid chain)."""
+    for source in (detailed, gpu):
+        if ITA_CHAIN_CLAIM in source:
+            return source[ITA_CHAIN_CLAIM] is True
+    return None
 
 
 def local_gpu_entry(

@@ -17,7 +17,8 @@ Checklist of ``verify_evidence`` (DESIGN.md §2, EVIDENCE.md):
    signature, FWID, nonce = SHA-256(nonce || thumbprint), architecture inferred from the
    certificate; measurements against the RIMs named by the report (version equal to the
    report's, XMLDSig, signer chain); OCSP of the device chain and of both RIM signer chains.
-4. Normalise claims (``claims``) into the policy input's ``tee`` and ``gpus``.
+4. Normalise claims (``claims``) into the policy input's ``tee`` and ``gpus``; every GPU entry
+   must be a distinct device (UEID; for raw reports also the leaf certificate).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 
 from broker.attestation import binding, claims, gca, ita, jose
 from broker.attestation.jwks import TrustedKeySet
@@ -231,6 +232,7 @@ def verify_evidence(
     gpu_kind = next((k for k in kinds if k in GPU_KINDS), None)
     if gpu_kind is None:
         assert cpu is not None  # noqa: S101 - split_kinds returned at least one kind
+        require_distinct_devices(cpu.gpus)
         return VerifiedEvidence(cpu.tee, cpu.raw_claims, cpu.identity, cpu.gpus, tuple(skipped))
     gpu_nonce = bound_to.expected_gpu_nonce
     if gpu_nonce is None:
@@ -246,6 +248,7 @@ def verify_evidence(
         now=now,
     )
     all_gpus = [*(cpu.gpus if cpu else ()), *gpus]
+    require_distinct_devices(all_gpus)
     return VerifiedEvidence(
         tee=cpu.tee if cpu else {},
         raw_claims={**(cpu.raw_claims if cpu else {}), gpu_kind: raw},
@@ -253,6 +256,30 @@ def verify_evidence(
         gpus=all_gpus,
         skipped=tuple(skipped),
     )
+
+
+def require_distinct_devices(gpus: Sequence[Mapping[str, Any]]) -> None:
+    """Step 4a. Every GPU entry is a different device: one GPU's evidence sent twice must not
+    meet a policy's ``min_gpus: 2``. Devices are told apart by UEID (the serial number of the
+    GPU's leaf certificate); with two or more GPUs, an entry without one cannot be told apart
+    and is refused too.
+
+    Raises:
+        AttestationError: ``gpu_evidence_duplicate``.
+    """
+    if len(gpus) < 2:
+        return
+    ueids = [gpu.get("ueid") for gpu in gpus]
+    if not all(isinstance(ueid, str) and ueid for ueid in ueids):
+        raise AttestationError(
+            "GPU evidence without a device identity (ueid) cannot be counted as a distinct GPU",
+            code=ErrorCode.GPU_EVIDENCE_DUPLICATE,
+        )
+    if len(set(ueids)) != len(ueids):
+        raise AttestationError(
+            "the same GPU's evidence is listed more than once",
+            code=ErrorCode.GPU_EVIDENCE_DUPLICATE,
+        )
 
 
 def _verify_cpu(
@@ -395,6 +422,7 @@ def _verify_local(
         )
     declared_arch, items = local.parse_local_evidence(unverified)
     entries, summaries = [], []
+    leaves: set[bytes] = set()
     for index, item in enumerate(items):
         report = local.verify_gpu_report(
             item,
@@ -403,6 +431,13 @@ def _verify_local(
             expected_nonce=gpu_nonce,
             now=now,
         )
+        leaf = report.chain[0].fingerprint(hashes.SHA256())
+        if leaf in leaves:
+            raise AttestationError(
+                "the same GPU's report is listed more than once (one leaf certificate)",
+                code=ErrorCode.GPU_EVIDENCE_DUPLICATE,
+            )
+        leaves.add(leaf)
         measurements, problems, rim_chains = judge_measurements(report, trust, material, now)
         statuses = [material.ocsp.get(chain_id(report.chain), "unknown")]
         statuses += [material.ocsp.get(chain_id(chain), "unknown") for chain in rim_chains]

@@ -26,11 +26,15 @@ def world() -> tuple[SimulatedGpu, RimAuthority]:
     return SimulatedGpu(NOW), RimAuthority(NOW)
 
 
+# A second device with the same firmware, under a root the pipeline also trusts.
+SECOND_GPU = SimulatedGpu(NOW)
+
+
 def trust_for(gpu: SimulatedGpu, authority: RimAuthority) -> Trust:
     return Trust(
         issuers={},
         audience=None,
-        device_roots=[gpu.root],
+        device_roots=[gpu.root, SECOND_GPU.root],
         rim_roots=[authority.root],
         local_gpu=True,
     )
@@ -71,7 +75,12 @@ def verify(world: tuple[SimulatedGpu, RimAuthority], evidence: Any, **material: 
 def test_gpu_mode_comes_from_the_feature_flag(
     world: tuple[SimulatedGpu, RimAuthority], flags: tuple[int | None, ...], modes: list[str]
 ) -> None:
-    verified = verify(world, world[0].evidence(NONCE, feature_flags=flags))
+    evidence = world[0].evidence(NONCE, feature_flags=flags[:1])
+    if len(flags) > 1:
+        evidence["evidence_list"] += SECOND_GPU.evidence(NONCE, feature_flags=flags[1:])[
+            "evidence_list"
+        ]
+    verified = verify(world, evidence)
     assert [g["mode"] for g in verified.gpus] == modes
     assert all(g["measurements"] == "match" for g in verified.gpus)
 
@@ -166,3 +175,32 @@ def test_token_lifetime_over_the_issuer_maximum_rejected() -> None:
             with pytest.raises(AttestationError) as caught:
                 run()
             assert caught.value.code.value == "token_claim_invalid"
+
+
+def test_one_gpu_listed_twice_is_refused(world: tuple[SimulatedGpu, RimAuthority]) -> None:
+    """Two fresh reports of one device (same leaf certificate) must not count as two GPUs."""
+    evidence = world[0].evidence(NONCE, feature_flags=(0, 0))
+    with pytest.raises(AttestationError) as caught:
+        verify(world, evidence)
+    assert caught.value.code.value == "gpu_evidence_duplicate"
+
+
+def test_same_report_replayed_twice_is_refused(world: tuple[SimulatedGpu, RimAuthority]) -> None:
+    evidence = world[0].evidence(NONCE)
+    evidence["evidence_list"] *= 2
+    with pytest.raises(AttestationError) as caught:
+        verify(world, evidence)
+    assert caught.value.code.value == "gpu_evidence_duplicate"
+
+
+@pytest.mark.parametrize(
+    "ueids",
+    [["7", "7"], ["7", ""], ["7", None]],
+    ids=["same-ueid", "empty-ueid", "no-ueid"],
+)
+def test_gpus_that_cannot_be_told_apart_are_refused(ueids: list[Any]) -> None:
+    with pytest.raises(AttestationError) as caught:
+        pipeline.require_distinct_devices([{"ueid": u} for u in ueids])
+    assert caught.value.code.value == "gpu_evidence_duplicate"
+    pipeline.require_distinct_devices([{"ueid": "7"}, {"ueid": "8"}])
+    pipeline.require_distinct_devices([{}])  # one GPU: nothing to tell apart

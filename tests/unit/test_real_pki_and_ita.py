@@ -263,6 +263,20 @@ def test_ita_overall_result_false_means_mismatch() -> None:
     assert gpu["measurements"] == "mismatch"
 
 
+def test_ita_gpu_results_not_stated_are_absent_not_success() -> None:
+    """A token that omits the chain and overall results must not read as a valid chain."""
+    nvgpu = {"claim_details": {"GPU-0": {"measres": "success", "dbgstat": "disabled"}}}
+    (gpu,) = ita_gpu_entries({"nvgpu": nvgpu}, cc_mode="on")
+    assert "cert_chain" not in gpu
+    assert "overall_result" not in gpu
+    nvgpu["x-nvidia-overall-att-result"] = True  # type: ignore[assignment]
+    nvgpu["claim_details"]["GPU-0"][  # type: ignore[index]
+        "x-nvidia-gpu-attestation-report-cert-chain-validated"
+    ] = "true"  # a string is not the boolean true
+    (gpu,) = ita_gpu_entries({"nvgpu": nvgpu}, cc_mode="on")
+    assert (gpu["cert_chain"], gpu["overall_result"]) == ("invalid", True)
+
+
 def test_ita_gpu_result_from_another_appraisal_rejected() -> None:
     claims = {"verifier_nonce": {"val": "dmFs", "iat": "aWF0"}, "nvgpu": {"eat_nonce": "00" * 32}}
     with pytest.raises(AttestationError) as caught:
