@@ -90,7 +90,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         stack.push_async_callback(audit.close)
         keys.attach_change_log(audit.append)
         policies = PolicyManager(settings.policy, app[METRICS], clock=state.clock)
-        engine = await policies.open(audit.append)
+        engine = await policies.open(audit.append, audit.append_policy_change)
         stack.push_async_callback(policies.close)
         state.policies = policies
         verifier = await _evidence_verifier(settings, session)

@@ -147,7 +147,9 @@ async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False
         def reload_policy() -> None:  # SIGHUP: check, test and swap the policy
             state = runner.app[STATE]
             if state.policies is not None:
-                task = asyncio.create_task(state.policies.reload(trigger="sighup"))
+                task = asyncio.create_task(
+                    state.policies.reload(trigger="sighup", who="signal:SIGHUP")
+                )
                 reloads.add(task)
                 task.add_done_callback(reloads.discard)
 

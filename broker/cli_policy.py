@@ -22,7 +22,6 @@ from broker.jsonsafe import loads_bounded
 from broker.policy.build import (
     build_bundle,
     check_policy_dir,
-    check_structure,
     compile_entrypoints,
     compile_policy_dir,
     load_bundle,
@@ -82,17 +81,22 @@ def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     evaluate.add_argument("--policy", type=Path, default=Path("policies"), help="DIR or BUNDLE")
     evaluate.add_argument("--input", required=True, help="FILE, or - for standard input")
     evaluate.add_argument("--explain", action="store_true", help="OPA's trace (opa eval)")
+    evaluate.add_argument("--verification-key", type=Path, help="PEM: a signed BUNDLE's key")
     evaluate.set_defaults(run=_eval)
     replay = command("replay", "re-decide logged decisions with a candidate policy")
     replay.add_argument("--log", type=Path, required=True, action="append")
     replay.add_argument("--policy", type=Path, default=Path("policies"), help="DIR or BUNDLE")
     replay.add_argument("--since", help="RFC 3339: only decisions at or after this time")
     replay.add_argument("--key", help="only decisions about this key")
+    replay.add_argument("--verification-key", type=Path, help="PEM: a signed BUNDLE's key")
     replay.set_defaults(run=_replay)
     build = command("build", "an OPA bundle (Wasm) for deployment, optionally signed")
     build.add_argument("dir", type=Path)
     build.add_argument("-o", "--output", type=Path, required=True)
-    build.add_argument("--signing-key", type=Path, help="PEM private key (RSA or EC)")
+    build.add_argument("--signing-key", type=Path, help="PEM private key (RSA or EC P-256)")
+    build.add_argument(
+        "--revision", default="", help="written into .manifest and logged (e.g. the git commit)"
+    )
     build.set_defaults(run=_build)
 
 
@@ -103,8 +107,12 @@ def _opa(args: argparse.Namespace) -> Path:
 def _check(args: argparse.Namespace) -> int:
     opa = _opa(args)
     print(check_policy_dir(args.dir, opa=opa).strip() or "opa check --strict: ok")
-    check_structure(args.dir, opa=opa)
-    print("structure: ok (only broker/release.rego defines data.broker.release)")
+    compiled = compile_policy_dir(args.dir, opa=opa)
+    print(
+        "structure: ok (broker/release.rego decides; other modules are "
+        "broker.key_policies.<name>; other data only under data.broker.key_requirements)"
+    )
+    print(f"policy digest: {compiled.digest}")
     warnings = list(lint_input_paths(args.dir))
     for warning in warnings:
         print(f"warning: {warning}")
@@ -188,8 +196,10 @@ def _test(args: argparse.Namespace) -> int:
     return 0 if failures == 0 and differences == 0 else EXIT_NO
 
 
-def _compiled(policy: Path, opa: Path) -> CompiledPolicy:
-    return compile_policy_dir(policy, opa=opa) if policy.is_dir() else load_bundle(policy)
+def _compiled(policy: Path, opa: Path, verification_key: Path | None = None) -> CompiledPolicy:
+    if policy.is_dir():
+        return compile_policy_dir(policy, opa=opa)
+    return load_bundle(policy, verification_key=verification_key)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -199,7 +209,7 @@ def _eval(args: argparse.Namespace) -> int:
         document = loads_bounded(raw)
     except ValueError as exc:
         raise ConfigError("--input", f"not JSON: {exc}") from exc
-    compiled = _compiled(args.policy, opa)
+    compiled = _compiled(args.policy, opa, args.verification_key)
     decision = Decision.from_result(
         WasmPolicyInstance(compiled).evaluate(document), compiled.digest
     )
@@ -243,7 +253,7 @@ def _read(path: Path, what: str) -> bytes:
 
 def _replay(args: argparse.Namespace) -> int:
     since = _time(args.since) if args.since else None
-    compiled = _compiled(args.policy, _opa(args))
+    compiled = _compiled(args.policy, _opa(args), args.verification_key)
     instance = WasmPolicyInstance(compiled)
     summary = {
         "decisions": 0,
@@ -302,6 +312,18 @@ def _time(text: str) -> datetime:
 
 
 def _build(args: argparse.Namespace) -> int:
-    build_bundle(args.dir, args.output, opa=_opa(args), signing_key=args.signing_key)
-    print(json.dumps({"bundle": str(args.output), "signed": args.signing_key is not None}))
+    compiled = build_bundle(
+        args.dir, args.output, opa=_opa(args), signing_key=args.signing_key, revision=args.revision
+    )
+    print(
+        json.dumps(
+            {
+                "bundle": str(args.output),
+                "signed": args.signing_key is not None,
+                "revision": compiled.revision,
+                "policy_digest": compiled.digest,
+                "source_digest": compiled.source_digest,
+            }
+        )
+    )
     return 0

@@ -144,6 +144,7 @@ class PolicySettings:
     dir: Path = Path("policies")  # Rego + data.json, compiled at load and reload (wasm)
     bundle: Path | None = None  # or a pre-built bundle from `broker policy build` (wasm)
     bundle_verification_key: Path | None = None  # require a bundle signed with this key
+    bundle_verification_scope: str = ""  # the signature's scope must equal this (as OPA's --scope)
     opa_url: str | None = None  # engine = "opa"
     opa_binary: Path | None = None  # compiles `dir`; default: next to the broker, or on PATH
     reload_seconds: int = 5  # poll dir/bundle for changes; 0 = only SIGHUP / admin reload

@@ -291,7 +291,10 @@ class DecisionLog:
         self._lock_fd: int | None = None
         self._head = ChainHead(size=0, hash=GENESIS)
         self._known_head: ChainHead | None = None  # the head our last batch wrote (fast path)
-        self._pending: list[tuple[dict[str, Any], asyncio.Future[Appended]]] = []
+        # (entry, its future, whether it is a policy_change written only if the log's last
+        # policy differs)
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[Appended | None], bool]] = []
+        self._policy_digest: str | None = None  # new_digest of the log's last policy_change
         self._writer: asyncio.Task[None] | None = None
         self._broken = False
         self.tree = MerkleTree()
@@ -342,6 +345,12 @@ class DecisionLog:
                 fresh.append(line)
                 offset += len(line) + 1
             self._consumed[inode] = start + end
+        for line in reversed(fresh):  # the newest policy_change, by anyone
+            if POLICY_CHANGE_MARK in line:
+                digest = _policy_change_digest(line)
+                if digest is not None:
+                    self._policy_digest = digest
+                    break
         if self.tree.size == 0 and fresh:
             self.tree = MerkleTree.from_lines(fresh)  # start-up: the whole log, in bulk
         else:
@@ -438,10 +447,26 @@ class DecisionLog:
         Raises:
             UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
         """
+        appended = await self._enqueue(entry, conditional=False)
+        assert appended is not None  # noqa: S101 - only conditional entries are skipped
+        return appended
+
+    async def append_policy_change(self, entry: Mapping[str, Any]) -> Appended | None:
+        """Append a ``policy_change`` record unless the newest one in the log, written by any
+        process or replica sharing it, already names ``entry["new_digest"]``; ``old_digest`` is
+        that newest one's. Decided under the log's lock: N workers loading one policy write one
+        record. ``None`` when nothing needed writing.
+
+        Raises:
+            UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
+        """
+        return await self._enqueue({**entry, "type": "policy_change"}, conditional=True)
+
+    async def _enqueue(self, entry: Mapping[str, Any], *, conditional: bool) -> Appended | None:
         if self._broken or self._fd is None:
             raise _unavailable()
-        future: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
-        self._pending.append((dict(entry), future))
+        future: asyncio.Future[Appended | None] = asyncio.get_running_loop().create_future()
+        self._pending.append((dict(entry), future, conditional))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._drain())
         return await asyncio.shield(future)
@@ -451,30 +476,34 @@ class DecisionLog:
             batch, self._pending = self._pending, []
             try:
                 head, appended = await asyncio.to_thread(
-                    self._seal_and_write, [entry for entry, _ in batch]
+                    self._seal_and_write, [(entry, conditional) for entry, _, conditional in batch]
                 )
             except (OSError, LogCorrupt) as exc:
                 log.critical("decision log write failed; refusing all releases: %s", exc)
                 self._broken = True
-                for _, future in batch + self._pending:
+                for _, future, _ in batch + self._pending:
                     if not future.done():
                         future.set_exception(_unavailable())
                 self._pending = []
                 return
             self._head = head
-            if self._listeners:
+            written = [a for a in appended if a is not None]
+            if self._listeners and written:
                 lines = await asyncio.to_thread(
-                    self.read_lines, appended[0].index, appended[-1].index + 1
+                    self.read_lines, written[0].index, written[-1].index + 1
                 )
                 for listener in self._listeners:
                     listener(lines)
-            for (_, future), result in zip(batch, appended, strict=True):
+            for (_, future, _), result in zip(batch, appended, strict=True):
                 if not future.done():
                     future.set_result(result)
 
-    def _seal_and_write(self, entries: list[dict[str, Any]]) -> tuple[ChainHead, list[Appended]]:
+    def _seal_and_write(
+        self, entries: list[tuple[dict[str, Any], bool]]
+    ) -> tuple[ChainHead, list[Appended | None]]:
         """Under an exclusive lock: catch up with other writers, chain the batch to the head,
-        write, fsync, and hash the new lines into the tree."""
+        write, fsync, and hash the new lines into the tree. A conditional ``policy_change``
+        naming the policy the log already names last is skipped (``None``)."""
         if self._fd is None or self._lock_fd is None:
             raise OSError("decision log is closed")
         # The lock is a file of its own: rotation replaces the active file under it.
@@ -490,9 +519,22 @@ class DecisionLog:
             if self.tree.size != head.size:
                 raise LogCorrupt(head.size, "the tree and the chain disagree on the size")
             lines: list[bytes] = []
-            appended: list[Appended] = []
-            for entry in entries:
-                record = {**entry, "index": head.size, "seq": head.size, "prev": head.hash}
+            appended: list[Appended | None] = []
+            policy_digest = self._policy_digest
+            for entry, conditional in entries:
+                chained = {"old_digest": policy_digest} if conditional else {}
+                if conditional and entry.get("new_digest") == policy_digest:
+                    appended.append(None)
+                    continue
+                if entry.get("type") == "policy_change":
+                    policy_digest = entry.get("new_digest")
+                record = {
+                    **entry,
+                    **chained,
+                    "index": head.size,
+                    "seq": head.size,
+                    "prev": head.hash,
+                }
                 if self._replica is not None:
                     record["replica"] = self._replica
                 record["hash"], line = sealed_line(record)
@@ -515,6 +557,7 @@ class DecisionLog:
             self._consumed[inode] = offset
             self._committed = self.tree.size
             self._known_head = head
+            self._policy_digest = policy_digest
             return head, appended
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -571,6 +614,21 @@ class Locations:
     def append(self, inode: int, offset: int) -> None:
         self.inodes.append(inode)
         self.offsets.append(offset)
+
+
+POLICY_CHANGE_MARK = b'"type":"policy_change"'
+
+
+def _policy_change_digest(line: bytes) -> str | None:
+    """``new_digest`` of a stored ``policy_change`` line (canonical JSON), else ``None``."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("type") != "policy_change":
+        return None
+    digest = record.get("new_digest")
+    return digest if isinstance(digest, str) else None
 
 
 def _unavailable() -> UpstreamError:

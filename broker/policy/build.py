@@ -1,32 +1,35 @@
 """Compiling and loading policies with the pinned ``opa``: the same tool security teams use.
 
-* ``compile_policy_dir``: ``opa check --strict``, then ``opa build -t wasm`` of the directory
-  plus a generated wrapper module whose one rule, ``data.broker_internal.decision.result``, is
-  ``{allow, reasons}`` of ``data.broker.release`` (each key defined or not, as in OPA's own
-  package document). ``*_test.rego`` files are left out of the module.
-* ``load_bundle``: a pre-built bundle (``broker policy build``: ``policy.wasm``, ``data.json``,
-  ``.manifest``), optionally required to be signed: the signature is checked by OPA itself
-  (``opa build -b BUNDLE --verification-key KEY``).
+* ``compile_policy_dir``: read the directory once (``bundle.load_policy_dir``), stage those
+  bytes in a private directory, ``opa check --strict``, the structure rules (``opa parse``),
+  optionally ``opa test``, then ``opa build -t wasm`` of the modules plus a generated wrapper
+  whose one rule, ``data.broker_internal.decision.result``, is ``{allow, reasons, mask}`` of
+  ``data.broker.release``. The result is the bundle ``broker policy build`` writes: the Rego
+  sources, ``policy.wasm``, ``data.json`` and a ``.manifest`` with the revision and the source
+  directory's digest. Its digest is the policy digest, the same for the directory served as it
+  is and for the bundle built from it.
+* ``load_bundle``: a bundle read once, verified by ``opa_bundle.read_bundle`` (OPA's signature
+  format, checked by the broker itself), loaded from those same bytes. Serving a bundle needs no
+  OPA binary.
 
-Every call runs ``opa`` as a subprocess: callers run these off the event loop (start-up,
+Every call that runs ``opa`` is a subprocess: callers run these off the event loop (start-up,
 reload, CLI).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
-import re
-import shutil
+import os
 import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from broker.jsonsafe import loads_bounded
-from broker.policy.bundle import load_policy_dir
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+from broker.policy import opa_bundle
+from broker.policy.bundle import PolicySource, load_policy_dir
 from broker.policy.wasm import ENTRYPOINT, CompiledPolicy, PolicyLoadError
 
 WRAPPER_PACKAGE = "broker_internal/decision.rego"
@@ -43,11 +46,20 @@ result.reasons := data.broker.release.reasons
 result.mask := data.broker.release.mask
 """
 OPA_TIMEOUT_SECONDS = 120
-MAX_BUNDLE_BYTES = 32 * 1024 * 1024
+MAX_BUNDLE_BYTES = opa_bundle.MAX_BUNDLE_BYTES
+MAX_REVISION_CHARS = 256
+
+# The structure that makes per-key rules able only to narrow (docs/policy.md).
+MAIN_MODULE = "broker/release.rego"
+MAIN_PACKAGE = ("broker", "release")
+KEY_POLICIES = ("broker", "key_policies")
+MAIN_DATA = "broker/data.json"
+MAIN_DATA_RESERVED = frozenset({"release", "key_policies"})  # rules live there, not data
+RESTRICTION_DATA = ("broker", "key_requirements")  # where other data files may add
 
 
 def run_opa(
-    opa: Path, *args: str, input_text: str | None = None
+    opa: Path, *args: str, input_text: str | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(  # noqa: S603 - fixed argv, no shell
         [str(opa), *args],
@@ -56,6 +68,7 @@ def run_opa(
         timeout=OPA_TIMEOUT_SECONDS,
         check=False,
         input=input_text,
+        cwd=cwd,
     )
 
 
@@ -71,189 +84,220 @@ def check_policy_dir(policy_dir: Path, *, opa: Path) -> str:
     return done.stdout + done.stderr
 
 
-MAIN_MODULE = "broker/release.rego"
-GUARDED = (("broker", "release"), ("broker_internal",))
+def check_structure(source: PolicySource, staged: Path, *, opa: Path) -> None:
+    """Per-key modules and data can only narrow, by structure:
 
-
-def check_structure(policy_dir: Path, *, opa: Path) -> None:
-    """Only ``broker/release.rego`` defines ``data.broker.release``; nothing defines the
-    generated ``data.broker_internal``; no data file is mounted under either. This is what
-    makes a per-key policy (package ``broker.key_policies.<name>``) able only to narrow access:
-    a second module's ``allow`` would otherwise widen it for every key.
+    * ``broker/release.rego`` is ``package broker.release``; every other module (tests aside)
+      is in ``package broker.key_policies.<name>``, so each rule head it has — plain, ref head,
+      written through an ``import`` alias — lies under ``data.broker.key_policies.<name>``
+      (checked on OPA's parsed AST of the staged bytes, rule by rule);
+    * ``broker/data.json`` is the security team's data (allow-lists) and defines neither
+      ``release`` nor ``key_policies``; every other data file mounts under
+      ``data.broker.key_requirements``, which the release policy reads only as requirements.
 
     Raises:
-        PolicyLoadError: naming the file and the rule.
+        PolicyLoadError: naming the file and the rule or key.
     """
-    for path in sorted(policy_dir.rglob("*")):
-        relative = path.relative_to(policy_dir).as_posix()
-        if path.name == "data.json" and _guarded(tuple(path.parent.relative_to(policy_dir).parts)):
-            raise PolicyLoadError(f"{relative}: data may not be mounted under data.broker.release")
-        if path.suffix != ".rego" or path.name.endswith("_test.rego"):
+    if MAIN_MODULE not in source.files:
+        raise PolicyLoadError(f"{source.root}: no {MAIN_MODULE} (package broker.release)")
+    for name in sorted(source.modules):
+        package, heads = _parsed(staged / name, opa)
+        if name == MAIN_MODULE:
+            if package != MAIN_PACKAGE:
+                raise PolicyLoadError(f"{name}: must be package broker.release")
             continue
-        done = run_opa(opa, "parse", "--format", "json", str(path))
+        if package[:2] != KEY_POLICIES or len(package) < 3:
+            raise PolicyLoadError(
+                f"{name}: package {'.'.join(package)} is not allowed; outside {MAIN_MODULE}, "
+                "modules are per-key policies in package broker.key_policies.<name> (they can "
+                "only add denials)"
+            )
+        for head in heads:
+            full = (*package, *head)
+            if full[:3] != package[:3]:
+                raise PolicyLoadError(f"{name}: rule data.{'.'.join(full)} leaves its package")
+    for name, value in sorted(source.data_files.items()):
+        _check_data_file(name, value)
+
+
+def _check_data_file(name: str, value: dict[str, Any]) -> None:
+    directory = tuple(name.split("/")[:-1])
+    if name == MAIN_DATA:
+        reserved = sorted(MAIN_DATA_RESERVED.intersection(value))
+        if reserved:
+            raise PolicyLoadError(
+                f"{name}: defines data.broker.{reserved[0]}, which only Rego modules define"
+            )
+        return
+    if directory[: len(RESTRICTION_DATA)] != RESTRICTION_DATA:
+        raise PolicyLoadError(
+            f"{name}: mounts at data.{'.'.join(directory) or '(root)'}; data files other than "
+            f"{MAIN_DATA} may only add under data.broker.key_requirements"
+        )
+
+
+def _parsed(path: Path, opa: Path) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """(package path, each rule head's ref) of one module, from ``opa parse``'s AST."""
+    done = run_opa(opa, "parse", "--format", "json", str(path))
+    if done.returncode != 0:
+        raise PolicyLoadError(f"opa parse failed:\n{(done.stdout + done.stderr).strip()}")
+    module = json.loads(done.stdout)
+    package = tuple(str(term["value"]) for term in module["package"]["path"][1:])
+    heads: list[tuple[str, ...]] = []
+    for rule in module.get("rules", []):
+        head = rule["head"]
+        ref = head.get("ref") or [{"value": head.get("name")}]
+        heads.append(tuple(str(term.get("value")) for term in ref))
+    return package, heads
+
+
+def compile_policy_dir(
+    policy_dir: Path, *, opa: Path, revision: str = "", run_tests: bool = False
+) -> CompiledPolicy:
+    """Read, check, (test,) and compile a policy directory into the broker's bundle.
+
+    Raises:
+        ConfigError / PolicyLoadError: unreadable directory, structure, check, test or
+            compile errors (OPA's message verbatim).
+    """
+    if len(revision) > MAX_REVISION_CHARS or not revision.isprintable():
+        raise PolicyLoadError(f"--revision must be printable, at most {MAX_REVISION_CHARS}")
+    source = load_policy_dir(policy_dir)
+    with tempfile.TemporaryDirectory(prefix="broker-policy-") as tmp:
+        staged = Path(tmp) / "policy"
+        _stage(source.files, staged)
+        check_policy_dir(staged, opa=opa)
+        check_structure(source, staged, opa=opa)
+        if run_tests and source.test_modules:
+            done = run_opa(opa, "test", str(staged))
+            if done.returncode != 0:
+                raise PolicyLoadError(f"opa test failed:\n{(done.stdout + done.stderr).strip()}")
+        _stage({WRAPPER_PACKAGE: WRAPPER.encode()}, staged)
+        output = Path(tmp) / "built.tar.gz"
+        done = run_opa(
+            opa,
+            *("build", "-b", "-t", "wasm", "-e", ENTRYPOINT, "--ignore", "*_test.rego"),
+            *("-o", str(output), "policy"),
+            cwd=Path(tmp),
+        )
         if done.returncode != 0:
-            raise PolicyLoadError(f"opa parse failed:\n{(done.stdout + done.stderr).strip()}")
-        module = json.loads(done.stdout)
-        package = [term["value"] for term in module["package"]["path"][1:]]
-        for rule in module.get("rules", []):
-            head = rule["head"]
-            ref = head.get("ref") or [{"value": head.get("name")}]
-            full = (*package, *(str(term.get("value")) for term in ref))
-            if _guarded(full) and relative != MAIN_MODULE:
-                raise PolicyLoadError(
-                    f"{relative}: defines data.{'.'.join(full)}; only {MAIN_MODULE} may define "
-                    "rules of data.broker.release (per-key rules belong in package "
-                    "broker.key_policies.<name>, which can only add denials)"
-                )
+            raise PolicyLoadError(f"opa build failed:\n{(done.stdout + done.stderr).strip()}")
+        built = _opa_output(output)
+    files = {name: source.files[name] for name in source.modules}
+    files[WRAPPER_PACKAGE] = WRAPPER.encode()
+    files[opa_bundle.WASM] = built[opa_bundle.WASM]
+    files[opa_bundle.DATA] = built.get(opa_bundle.DATA, b"{}")
+    files[opa_bundle.MANIFEST] = _manifest(revision, source.digest)
+    return _compiled(files, source=str(policy_dir))
 
 
-def _guarded(path: tuple[str, ...]) -> bool:
-    return any(path[: len(prefix)] == prefix for prefix in GUARDED)
+def _opa_output(path: Path) -> dict[str, bytes]:
+    """``policy.wasm`` and ``data.json`` of what our own ``opa build`` just wrote into our private
+    directory (OPA names entries with a leading ``/`` and uses PAX headers for long names, which
+    the strict reader of untrusted bundles refuses)."""
+    found: dict[str, bytes] = {}
+    with tarfile.open(path, mode="r:gz") as archive:
+        for member in archive.getmembers():
+            name = member.name.lstrip("/")
+            if member.isreg() and name in (opa_bundle.WASM, opa_bundle.DATA):
+                extracted = archive.extractfile(member)
+                if extracted is not None:
+                    found[name] = extracted.read()
+    if opa_bundle.WASM not in found:
+        raise PolicyLoadError("opa build wrote no policy.wasm")
+    return found
+
+
+def _stage(files: dict[str, bytes] | Any, root: Path) -> None:
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+
+
+def _manifest(revision: str, source_digest: str) -> bytes:
+    manifest = {
+        "revision": revision,
+        "roots": [""],
+        "rego_version": 1,
+        "wasm": [{"entrypoint": ENTRYPOINT, "module": opa_bundle.WASM}],
+        "metadata": {"broker": {"source_digest": source_digest}},
+    }
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _compiled(files: dict[str, bytes], *, source: str) -> CompiledPolicy:
+    """The engine's view of verified bundle files (the manifest must name our entrypoint)."""
+    verified = opa_bundle.read_bundle(opa_bundle.pack(files), source=source, verification=None)
+    return _from_verified(verified, source)
+
+
+def _from_verified(verified: opa_bundle.VerifiedBundle, source: str) -> CompiledPolicy:
+    wasm_entries = verified.manifest.get("wasm", [])
+    entrypoints = [w.get("entrypoint") for w in wasm_entries if isinstance(w, dict)]
+    if entrypoints and ENTRYPOINT not in entrypoints:
+        raise PolicyLoadError(f"{source}: the bundle's entrypoints {entrypoints} lack {ENTRYPOINT}")
+    return CompiledPolicy(
+        wasm=verified.wasm,
+        data=verified.data,
+        digest=verified.digest,
+        source=source,
+        files=verified.files,
+        revision=verified.revision,
+        source_digest=verified.source_digest,
+    )
 
 
 def build_bundle(
-    policy_dir: Path, output: Path, *, opa: Path, signing_key: Path | None = None
-) -> None:
-    """``opa build -t wasm`` of the directory (tests excluded) plus the wrapper into ``output``.
+    policy_dir: Path,
+    output: Path,
+    *,
+    opa: Path,
+    signing_key: Path | None = None,
+    revision: str = "",
+) -> CompiledPolicy:
+    """``broker policy build``: the directory's bundle, tested, optionally signed in OPA's
+    format, written reproducibly (two builds of one directory and revision are byte-identical).
 
     Raises:
-        PolicyLoadError: with OPA's compiler message verbatim.
+        PolicyLoadError: with OPA's compiler message verbatim, or an unusable signing key.
     """
-    check_policy_dir(policy_dir, opa=opa)
-    check_structure(policy_dir, opa=opa)
-    with tempfile.TemporaryDirectory(prefix="broker-policy-") as tmp:
-        # One staged bundle directory (the policy without its tests, plus the wrapper): OPA
-        # signs only in bundle mode (-b), which reads one root directory.
-        staged = Path(tmp) / "bundle"
-        shutil.copytree(policy_dir, staged, ignore=shutil.ignore_patterns("*_test.rego", ".*"))
-        (staged / "broker_internal").mkdir(exist_ok=True)
-        (staged / WRAPPER_PACKAGE).write_text(WRAPPER, encoding="utf-8")
-        args = ["build", "-b", "-t", "wasm", "-e", ENTRYPOINT]
-        if signing_key is not None:
-            args += ["--signing-key", str(signing_key), "--signing-alg", _alg(signing_key)]
-        done = run_opa(opa, *args, "-o", str(output), str(staged))
-        if done.returncode != 0:
-            raise PolicyLoadError(f"opa build failed:\n{(done.stdout + done.stderr).strip()}")
-
-
-def _public_alg(key: Path) -> str:
-    """ES256 for an EC public key, RS256 for RSA (OPA needs the algorithm to verify)."""
-    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
-    from cryptography.hazmat.primitives.serialization import load_pem_public_key  # noqa: PLC0415
-
-    try:
-        public = load_pem_public_key(key.read_bytes())
-    except (ValueError, TypeError) as exc:
-        raise PolicyLoadError(f"{key} is not a PEM public key") from exc
-    return "ES256" if isinstance(public, ec.EllipticCurvePublicKey) else "RS256"
-
-
-def _alg(key: Path) -> str:
-    return "ES256" if b"EC PRIVATE KEY" in key.read_bytes() or _is_ec(key) else "RS256"
-
-
-def _is_ec(key: Path) -> bool:
-    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
-    from cryptography.hazmat.primitives.serialization import load_pem_private_key  # noqa: PLC0415
-
-    try:
-        return isinstance(load_pem_private_key(key.read_bytes(), None), ec.EllipticCurvePrivateKey)
-    except (ValueError, TypeError):
-        return False
-
-
-def compile_policy_dir(policy_dir: Path, *, opa: Path) -> CompiledPolicy:
-    """Check and compile a policy directory; the digest is the directory's (every file).
-
-    Raises:
-        ConfigError / PolicyLoadError: unreadable directory, check or compile errors.
-    """
-    loaded = load_policy_dir(policy_dir)
-    if not any(
-        re.search(r"^package broker\.release\s*$", text, re.M) for text in loaded.modules.values()
-    ):
-        raise PolicyLoadError(f"{policy_dir}: no module declares package broker.release")
-    digest = loaded.digest
-    with tempfile.TemporaryDirectory(prefix="broker-policy-") as tmp:
-        bundle = Path(tmp) / "bundle.tar.gz"
-        build_bundle(policy_dir, bundle, opa=opa)
-        wasm, data = _read_bundle(bundle.read_bytes(), str(policy_dir))
-    return CompiledPolicy(wasm=wasm, data=data, digest=digest, source=str(policy_dir))
+    compiled = compile_policy_dir(policy_dir, opa=opa, revision=revision, run_tests=True)
+    files = dict(compiled.files)
+    if signing_key is not None:
+        try:
+            key = load_pem_private_key(signing_key.read_bytes(), None)
+        except (OSError, ValueError, TypeError) as exc:
+            raise PolicyLoadError(f"{signing_key} is not an unencrypted PEM private key") from exc
+        files[opa_bundle.SIGNATURES] = opa_bundle.signatures_file(files, key)
+    temporary = output.with_name(f".{output.name}.tmp")
+    temporary.write_bytes(opa_bundle.pack(files))
+    os.replace(temporary, output)
+    return compiled
 
 
 def load_bundle(
-    path: Path, *, opa: Path | None = None, verification_key: Path | None = None
+    path: Path, *, verification_key: Path | None = None, scope: str = ""
 ) -> CompiledPolicy:
-    """A pre-built bundle; with ``verification_key`` its signature must verify (by OPA).
+    """A bundle read once and verified (signature required when ``verification_key`` is set).
 
     Raises:
-        PolicyLoadError: unreadable, unsigned or badly signed, or not a broker Wasm bundle.
+        PolicyLoadError: unreadable, unsigned, badly signed, malformed, or not a broker bundle.
     """
+    verification = None
+    if verification_key is not None:
+        try:
+            pem = verification_key.read_bytes()
+        except OSError as exc:
+            raise PolicyLoadError(f"cannot read the verification key {verification_key}") from exc
+        verification = opa_bundle.BundleVerification(opa_bundle.load_public_key(pem), scope)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_BUNDLE_BYTES + 1)
     except OSError as exc:
         raise PolicyLoadError(f"cannot read the bundle {path}") from exc
-    if len(raw) > MAX_BUNDLE_BYTES:
-        raise PolicyLoadError(f"{path}: bundle exceeds {MAX_BUNDLE_BYTES} bytes")
-    if verification_key is not None:
-        if opa is None:
-            raise PolicyLoadError("verifying a signed bundle needs the opa binary")
-        with tempfile.TemporaryDirectory(prefix="broker-verify-") as tmp:
-            done = run_opa(
-                opa,
-                "build",
-                "-b",
-                str(path),
-                "--verification-key",
-                str(verification_key),
-                "--signing-alg",
-                _public_alg(verification_key),
-                "-o",
-                str(Path(tmp) / "checked.tar.gz"),
-            )
-        if done.returncode != 0:
-            raise PolicyLoadError(
-                f"bundle signature does not verify:\n{(done.stdout + done.stderr).strip()}"
-            )
-    wasm, data = _read_bundle(raw, str(path))
-    digest = "sha256:" + hashlib.sha256(raw).hexdigest()
-    return CompiledPolicy(wasm=wasm, data=data, digest=digest, source=str(path))
-
-
-def _read_bundle(
-    raw: bytes, source: str, *, entrypoint: str | None = ENTRYPOINT
-) -> tuple[bytes, dict[str, Any]]:
-    files: dict[str, bytes] = {}
-    try:
-        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as archive:
-            for member in archive.getmembers():
-                if not member.isfile() or member.size > MAX_BUNDLE_BYTES:
-                    continue
-                extracted = archive.extractfile(member)
-                if extracted is not None:
-                    files[member.name.lstrip("/")] = extracted.read()
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise PolicyLoadError(f"{source}: not an OPA bundle (.tar.gz)") from exc
-    if "policy.wasm" not in files:
-        raise PolicyLoadError(f"{source}: the bundle has no policy.wasm (build it with -t wasm)")
-    try:
-        data = loads_bounded(files.get("data.json", b"{}"))
-        manifest = loads_bounded(files.get(".manifest", b"{}"))
-    except ValueError as exc:
-        raise PolicyLoadError(f"{source}: data.json or .manifest is not JSON") from exc
-    if not isinstance(data, dict):
-        raise PolicyLoadError(f"{source}: data.json is not an object")
-    entrypoints = [w.get("entrypoint") for w in manifest.get("wasm", []) if isinstance(w, dict)]
-    if entrypoint is not None and entrypoints and entrypoint not in entrypoints:
-        raise PolicyLoadError(f"{source}: the bundle's entrypoints {entrypoints} lack {ENTRYPOINT}")
-    return files["policy.wasm"], data
-
-
-def bundle_manifest(path: Path) -> dict[str, Any]:
-    """The ``.manifest`` of a bundle (for ``broker policy`` output)."""
-    with tarfile.open(path, mode="r:gz") as archive:
-        member = archive.extractfile(".manifest") if ".manifest" in archive.getnames() else None
-        return dict(json.loads(member.read())) if member else {}
+    verified = opa_bundle.read_bundle(raw, source=str(path), verification=verification)
+    return _from_verified(verified, str(path))
 
 
 def compile_entrypoints(
@@ -274,5 +318,8 @@ def compile_entrypoints(
         done = run_opa(opa, *args, "-o", str(output), str(policy_dir))
         if done.returncode != 0:
             raise PolicyLoadError(f"opa build failed:\n{(done.stdout + done.stderr).strip()}")
-        wasm, data = _read_bundle(output.read_bytes(), str(policy_dir), entrypoint=None)
-    return CompiledPolicy(wasm=wasm, data=data, digest="tests", source=str(policy_dir))
+        built = _opa_output(output)
+    data = json.loads(built.get(opa_bundle.DATA, b"{}"))
+    return CompiledPolicy(
+        wasm=built[opa_bundle.WASM], data=data, digest="tests", source=str(policy_dir)
+    )

@@ -1,12 +1,19 @@
 """Loading the policy in force, and replacing it without ever letting a bad one go live.
 
 A reload (SIGHUP, ``POST /v1/admin/policy/reload``, or a change seen by polling every
-``reload_seconds``) runs, off the event loop: ``opa check --strict`` and ``opa build -t wasm``
-(or the bundle's signature check), the policy's own Rego tests with ``opa test`` (when the
-directory has any), and a smoke evaluation of a fixed input that must produce a decision. Only
-then is the engine swapped, atomically. Any failure keeps the last good policy serving, logs
-OPA's message verbatim, and shows in ``/readyz`` and ``/metrics``. Every change that goes live
-appends a ``policy_change`` record (old digest, new digest, trigger, who) to the decision log.
+``reload_seconds``) runs, off the event loop: for a directory, one read, ``opa check
+--strict``, the structure rules, the policy's own Rego tests (``opa test``) and ``opa build -t
+wasm`` on those bytes; for a bundle, one read and the broker's own verification of its
+signature; then a smoke evaluation of a fixed input that must produce a decision. Only then is
+the engine swapped, atomically. Any failure keeps the last good policy serving, logs OPA's
+message verbatim, shows in ``/readyz`` and ``/metrics``, and appends a
+``policy_reload_failed`` record (trigger, who, problem, the digest that stays live).
+
+Every policy that goes live is in the log: a ``policy_change`` record (old and new digest,
+revision, source digest, trigger, who) written before the swap, and at start-up whenever the
+policy in force differs from the last one the log names (a new bundle, new directory contents,
+a new replica). The log decides under its lock whether the record is new, so the workers of one
+broker write one record per change.
 
 The OPA server engine (``engine = "opa"``) has nothing to reload here: the sidecar loads its
 own bundles.
@@ -25,7 +32,8 @@ from typing import Any
 from broker.config import PolicySettings
 from broker.errors import ConfigError, UpstreamError
 from broker.metrics import Metrics
-from broker.policy.build import compile_policy_dir, load_bundle, run_opa
+from broker.policy import opa_bundle
+from broker.policy.build import compile_policy_dir, load_bundle
 from broker.policy.bundle import load_policy_dir
 from broker.policy.engine import PolicyEngine
 from broker.policy.opa_server import OpaServerEngine
@@ -34,6 +42,8 @@ from broker.policy.wasm import CompiledPolicy, WasmPolicyEngine, WasmPolicyInsta
 
 log = logging.getLogger(__name__)
 ChangeLog = Callable[[Mapping[str, Any]], Awaitable[object]]
+SYSTEM_WHO = "broker"
+MAX_PROBLEM_CHARS = 4096  # start-up and polling: the broker itself
 SMOKE_INPUT: dict[str, Any] = {
     "schema": "broker.input/v1",
     "request": {"key": "smoke/test", "version": 1, "purpose": "generic"},
@@ -73,6 +83,7 @@ class PolicyManager:
     engine: PolicyEngine | None = None
     last_reload: ReloadOutcome | None = None
     _change_log: ChangeLog | None = None
+    _policy_log: ChangeLog | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _watch_stamp: str | None = None
 
@@ -80,13 +91,22 @@ class PolicyManager:
     def digest(self) -> str:
         return self.engine.digest if self.engine is not None else "none"
 
-    async def open(self, change_log: ChangeLog) -> PolicyEngine:
-        """Load the configured policy (start-up: a policy that does not load stops the broker).
+    async def open(
+        self, change_log: ChangeLog, policy_log: ChangeLog | None = None
+    ) -> PolicyEngine:
+        """Load the configured policy (start-up: a policy that does not load stops the broker),
+        and log it as a ``policy_change`` when the log names another one last.
+
+        Args:
+            change_log: appends a record (failed reloads).
+            policy_log: appends a ``policy_change`` record unless the log's last one names the
+                same digest (``DecisionLog.append_policy_change``); default ``change_log``.
 
         Raises:
             ConfigError / PolicyLoadError: with OPA's message.
         """
         self._change_log = change_log
+        self._policy_log = policy_log or change_log
         if self.settings.engine == "opa":
             digest = await asyncio.to_thread(self._dir_digest_or_url)
             engine = OpaServerEngine(
@@ -98,6 +118,7 @@ class PolicyManager:
             self.engine = engine
         else:
             compiled = await asyncio.to_thread(self._prepare)
+            await self._record_change(None, compiled, "startup", SYSTEM_WHO)
             self.engine = WasmPolicyEngine(compiled)
             self._watch_stamp = await asyncio.to_thread(self._stamp)
         self.metrics.policy_info(self.digest)
@@ -107,7 +128,7 @@ class PolicyManager:
         if isinstance(self.engine, OpaServerEngine):
             await self.engine.close()
 
-    async def reload(self, *, trigger: str, who: str | None = None) -> ReloadOutcome:
+    async def reload(self, *, trigger: str, who: str = SYSTEM_WHO) -> ReloadOutcome:
         """Check, test and swap; on any failure the last good policy keeps serving."""
         async with self._lock:
             previous = self.digest
@@ -121,7 +142,7 @@ class PolicyManager:
                     stamp = await asyncio.to_thread(self._stamp)
                     if compiled.digest != previous:
                         # The record first: a change that cannot be logged does not go live.
-                        await self._record_change(previous, compiled.digest, trigger, who)
+                        await self._record_change(previous, compiled, trigger, who)
                         self.engine.swap(compiled)
                         outcome.changed = True
                         outcome.previous = previous
@@ -136,6 +157,7 @@ class PolicyManager:
                         previous,
                         outcome.problem,
                     )
+                    await self._record_failure(outcome, who)
             self.last_reload = outcome
             self.metrics.policy_reloaded(outcome.ok, self.digest)
             return outcome
@@ -167,22 +189,18 @@ class PolicyManager:
     # --- blocking helpers (run in a thread) ---------------------------------------------------
 
     def _prepare(self) -> CompiledPolicy:
-        """Compile (or load) and test the configured policy; raise on any problem."""
-        opa = find_opa(str(self.settings.opa_binary) if self.settings.opa_binary else None)
+        """Compile (or load) and test the configured policy; raise on any problem. A bundle is
+        verified and loaded by the broker itself (no OPA binary); a directory is read once and
+        checked, tested and compiled by OPA from those bytes."""
         if self.settings.bundle is not None:
             compiled = load_bundle(
                 self.settings.bundle,
-                opa=opa,
                 verification_key=self.settings.bundle_verification_key,
+                scope=self.settings.bundle_verification_scope,
             )
         else:
-            compiled = compile_policy_dir(self.settings.dir, opa=opa)
-            if any(self.settings.dir.rglob("*_test.rego")):
-                done = run_opa(opa, "test", str(self.settings.dir))
-                if done.returncode != 0:
-                    raise ConfigError(
-                        "policy", f"opa test failed:\n{(done.stdout + done.stderr).strip()}"
-                    )
+            opa = find_opa(str(self.settings.opa_binary) if self.settings.opa_binary else None)
+            compiled = compile_policy_dir(self.settings.dir, opa=opa, run_tests=True)
         smoke = WasmPolicyInstance(compiled)  # a fresh instance: the live one is untouched
         result = smoke.evaluate(SMOKE_INPUT)
         if result is None or not isinstance(result, dict) or "allow" not in result:
@@ -203,17 +221,42 @@ class PolicyManager:
     def _now(self) -> str:
         return self.clock().isoformat()
 
-    async def _record_change(self, old: str, new: str, trigger: str, who: str | None) -> None:
-        if self._change_log is None:
+    async def _record_change(
+        self, old: str | None, compiled: CompiledPolicy, trigger: str, who: str
+    ) -> None:
+        if self._policy_log is None:
             return
-        await self._change_log(
+        await self._policy_log(
             {
                 "type": "policy_change",
                 "time": self._now(),
                 "old_digest": old,
-                "new_digest": new,
+                "new_digest": compiled.digest,
+                "revision": compiled.revision,
+                "source_digest": compiled.source_digest,
+                "signed": opa_bundle.SIGNATURES in compiled.files,
                 "trigger": trigger,
                 "who": who,
                 "source": str(self.settings.bundle or self.settings.dir),
             }
         )
+
+    async def _record_failure(self, outcome: ReloadOutcome, who: str) -> None:
+        """A refused reload is in the log too; if even that cannot be written, the log says so
+        in the server log and the last good policy keeps serving (nothing changed)."""
+        if self._change_log is None:
+            return
+        try:
+            await self._change_log(
+                {
+                    "type": "policy_reload_failed",
+                    "time": outcome.time,
+                    "trigger": outcome.trigger,
+                    "who": who,
+                    "problem": (outcome.problem or "")[:MAX_PROBLEM_CHARS],
+                    "active_digest": outcome.digest,
+                    "source": str(self.settings.bundle or self.settings.dir),
+                }
+            )
+        except UpstreamError:
+            log.exception("the failed reload could not be logged")

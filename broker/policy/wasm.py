@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import wasmtime
@@ -64,8 +64,11 @@ class CompiledPolicy:
 
     wasm: bytes
     data: Mapping[str, Any]
-    digest: str
+    digest: str  # opa_bundle.files_digest of ``files``: what decided
     source: str  # the directory or bundle it came from, for messages
+    files: Mapping[str, bytes] = field(default_factory=dict)  # the bundle's verified files
+    revision: str = ""  # the bundle manifest's revision (``broker policy build --revision``)
+    source_digest: str | None = None  # digest of the policy directory it was built from
 
 
 def _host_sprintf(args: list[Any]) -> Any:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import socket
 import subprocess
 from collections.abc import AsyncIterator
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 
 from broker.client import BrokerClientError
-from broker.policy.build import build_bundle
+from broker.policy.build import build_bundle, compile_policy_dir
 from broker.policy.testing import find_opa
 from tests.integration.conftest import KEY, RunningBroker
 from tests.policy_helpers import signing_pair
@@ -104,8 +103,11 @@ async def test_opa_server_gone_is_503_never_an_allow(
 async def test_signed_bundle_as_the_policy(start_broker: Any, tmp_path: Path) -> None:
     signing_pair(tmp_path, "rsa")
     bundle = tmp_path / "bundle.tar.gz"
+    digests: list[str] = []
 
     def build(workdir: Path) -> None:
+        digests.append(build_bundle(workdir / "policies", bundle, opa=find_opa()).digest)
+        digests.append(compile_policy_dir(workdir / "policies", opa=find_opa()).digest)
         build_bundle(
             workdir / "policies", bundle, opa=find_opa(), signing_key=tmp_path / "sign.pem"
         )
@@ -120,4 +122,8 @@ async def test_signed_bundle_as_the_policy(start_broker: Any, tmp_path: Path) ->
     async with broker.client() as client:
         assert len((await client.release(KEY, broker.token_source())).dek) == 32
     digest = broker.records()[-1]["policy_digest"]
-    assert digest == "sha256:" + hashlib.sha256(bundle.read_bytes()).hexdigest()
+    # the digest names the policy, not its packaging: the directory served as it is, the
+    # bundle built from it, and that bundle signed all decide under one digest
+    assert digests == [digest, digest]
+    (change,) = [r for r in broker.records() if r["type"] == "policy_change"]
+    assert (change["new_digest"], change["signed"], change["trigger"]) == (digest, True, "startup")

@@ -71,10 +71,12 @@ async def test_reload_swaps_a_good_policy_and_records_the_change(start_broker: A
     assert body["previous_digest"] == before
     assert not await released(broker)  # the new policy decides at once
     change = [r for r in broker.records() if r["type"] == "policy_change"]
-    assert len(change) == 1
-    assert (change[0]["old_digest"], change[0]["new_digest"]) == (before, body["active_digest"])
-    assert change[0]["trigger"] == "admin"
-    assert change[0]["who"].startswith("token:")
+    assert [c["trigger"] for c in change] == ["startup", "admin"]  # every policy that went live
+    assert (change[0]["old_digest"], change[0]["new_digest"]) == (None, before)
+    assert (change[1]["old_digest"], change[1]["new_digest"]) == (before, body["active_digest"])
+    assert change[1]["who"].startswith("token:")
+    assert change[0]["who"] == "broker"
+    assert change[1]["source_digest"].startswith("sha256:")
     denial = [r for r in broker.records() if r["type"] == "release"][-1]
     assert denial["policy_digest"] == body["active_digest"]
     assert denial["input"]["tee"]["workload"]["image_digest"] == ALLOWED  # replayable input
@@ -86,7 +88,7 @@ async def test_reload_swaps_a_good_policy_and_records_the_change(start_broker: A
         ({"release.rego": "package broker.release\nallow if {\n"}, "rego_parse_error"),
         (
             {"extra.rego": "package broker.release\nimport rego.v1\nallow if input.x\n"},
-            "only broker/release.rego may define",
+            "package broker.release is not allowed",
         ),
         (
             {
@@ -117,7 +119,11 @@ async def test_a_broken_policy_is_refused_and_the_old_one_keeps_serving(
     ready = await readyz(broker)
     assert ready["checks"]["policy"] == before
     assert "failed" in ready["checks"]["policy_last_reload"]
-    assert not [r for r in broker.records() if r["type"] == "policy_change"]
+    assert [r["trigger"] for r in broker.records() if r["type"] == "policy_change"] == ["startup"]
+    (failure,) = [r for r in broker.records() if r["type"] == "policy_reload_failed"]
+    assert failure["who"].startswith("token:")
+    assert failure["active_digest"] == before
+    assert message in failure["problem"]
     async with (
         aiohttp.ClientSession() as session,
         session.get(broker.url + "/metrics", ssl=broker.client_tls) as response,
@@ -150,7 +156,7 @@ async def test_polling_picks_up_a_changed_policy(start_broker: Any) -> None:
     else:
         pytest.fail("the changed policy never went live")
     change = [r for r in broker.records() if r["type"] == "policy_change"]
-    assert [c["trigger"] for c in change] == ["poll"]
+    assert [c["trigger"] for c in change] == ["startup", "poll"]
 
 
 async def test_configured_mask_hides_input_values_in_records(start_broker: Any) -> None:

@@ -1,0 +1,567 @@
+"""OPA bundles as the broker reads and writes them: one read, one verification, one load.
+
+A bundle arrives as bytes (read once by the caller). This module unpacks those bytes with its own
+strict tar reader, verifies OPA's signature format on the unpacked files, and hands back exactly
+the files it verified; the engine loads ``policy.wasm`` and ``data.json`` from them. Nothing is
+read a second time, and no other reader (Python's ``tarfile``, OPA) sees different bytes.
+
+Checklist of ``read_bundle`` (OPA's bundle format, docs/policy.md "Bundles"):
+
+1. Size: at most ``MAX_BUNDLE_BYTES`` compressed and ``MAX_UNPACKED_BYTES`` unpacked; every
+   gzip member complete with a good CRC; nothing after the last member.
+2. Tar (POSIX ustar/GNU header blocks, checked by checksum): only regular-file entries (type
+   ``0``, or the legacy NUL); every other type — links, directories, devices, FIFOs, "contiguous"
+   files (``7``), sparse files, PAX and GNU extension headers — refuses the whole bundle (OPA
+   skips such entries where Python's ``tarfile`` reads some of them as files: type ``7`` named
+   ``policy.wasm`` was a way to load an unsigned policy). The end is two zero blocks.
+3. Names: relative (no leading ``/``), normalised (no empty, ``.`` or ``..`` component, no
+   backslash), printable UTF-8, unique. The ustar prefix field must be empty.
+4. Only files the broker loads: ``.manifest``, ``.signatures.json``, ``policy.wasm``,
+   ``data.json`` at the root, and ``*.rego`` (the sources the Wasm was built from).
+5. Signature (when a verification key is configured; a signed bundle without one is refused, as
+   OPA refuses it): ``.signatures.json`` holds exactly one compact JWS, no ``plugin``; it
+   verifies with the configured key and algorithm; its payload's ``scope`` equals the configured
+   scope; it lists every other file exactly once with a SHA-256 hash (OPA's hash: the bytes, or
+   for ``data.json`` and ``.manifest`` the parsed JSON walked in sorted-key order), and every
+   file it lists is present.
+6. ``policy.wasm`` present; ``data.json`` a JSON object; ``.manifest`` a JSON object naming
+   the broker's entrypoint.
+
+OPA's own ``opa build -b BUNDLE --verification-key`` is the test oracle
+(``tests/integration/test_bundle_differential.py``): whenever OPA refuses a bundle the broker
+refuses it, whenever the broker accepts one OPA accepts it and loads the same ``policy.wasm``
+and data, and the bundles OPA accepts but the broker refuses are exactly the stricter classes of
+steps 1-4 (OPA ignores non-regular entries and strips a leading ``/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa, utils
+
+from broker.attestation import jose
+from broker.errors import AttestationError
+from broker.policy.wasm import PolicyLoadError
+
+MAX_BUNDLE_BYTES = 32 * 1024 * 1024
+MAX_UNPACKED_BYTES = 64 * 1024 * 1024
+MAX_ENTRIES = 1024
+MAX_NAME_CHARS = 100  # the ustar name field; the prefix field must be empty
+BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)
+SIGNATURES = ".signatures.json"
+MANIFEST = ".manifest"
+WASM = "policy.wasm"
+DATA = "data.json"
+ROOT_FILES = frozenset({SIGNATURES, MANIFEST, WASM, DATA})
+STRUCTURED = frozenset({DATA, MANIFEST})  # OPA hashes these as parsed JSON
+HASH_ALGORITHM = "SHA-256"
+REGULAR_TYPES = (b"0", b"\0")
+TYPE_NAMES = {
+    b"1": "hard link",
+    b"2": "symbolic link",
+    b"3": "character device",
+    b"4": "block device",
+    b"5": "directory",
+    b"6": "FIFO",
+    b"7": "contiguous file",
+    b"g": "PAX global header",
+    b"x": "PAX extended header",
+    b"L": "GNU long name",
+    b"K": "GNU long link name",
+    b"S": "GNU sparse file",
+    b"D": "GNU directory dump",
+    b"M": "GNU multi-volume",
+    b"V": "GNU volume label",
+}
+FIXED_MTIME = 0  # builds are reproducible: no clock in the archive
+FILE_MODE = 0o644
+
+
+@dataclass(frozen=True)
+class BundleVerification:
+    """What configuration says a bundle's signature must satisfy (OPA's verification config)."""
+
+    public_key: Any  # an RSA or EC public key object
+    scope: str = ""
+
+    @property
+    def algorithm(self) -> str:
+        return signing_algorithm(self.public_key)
+
+
+@dataclass(frozen=True)
+class VerifiedBundle:
+    """A bundle whose structure (and, when configured, signature) verified: the very files the
+    engine loads, and their digest."""
+
+    files: Mapping[str, bytes]
+    wasm: bytes
+    data: Mapping[str, Any]
+    manifest: Mapping[str, Any]
+    digest: str
+    signed: bool
+
+    @property
+    def revision(self) -> str:
+        value = self.manifest.get("revision")
+        return value if isinstance(value, str) else ""
+
+    @property
+    def source_digest(self) -> str | None:
+        broker = self.manifest.get("metadata", {}).get("broker", {})
+        value = broker.get("source_digest") if isinstance(broker, dict) else None
+        return value if isinstance(value, str) else None
+
+
+def files_digest(files: Mapping[str, bytes]) -> str:
+    """``sha256:`` over every file's name and bytes, in sorted order (``.signatures.json`` left
+    out: a signature is not policy). The same function names a policy directory and a bundle."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        if name == SIGNATURES:
+            continue
+        content = files[name]
+        digest.update(f"{name}\0{len(content)}\0".encode())
+        digest.update(content)
+    return "sha256:" + digest.hexdigest()
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def read_bundle(
+    raw: bytes, *, source: str, verification: BundleVerification | None
+) -> VerifiedBundle:
+    """Steps 1-6 on ``raw``: the files verified, ready to load.
+
+    Raises:
+        PolicyLoadError: naming the step and the offending entry.
+    """
+    files = unpack(raw, source=source)
+    for name in files:
+        if name not in ROOT_FILES and not name.endswith(".rego"):
+            raise PolicyLoadError(
+                f"{source}: {name!r} is not a file the broker loads (only .manifest, "
+                ".signatures.json, policy.wasm and data.json at the root, and *.rego)"
+            )
+    signed = SIGNATURES in files
+    if verification is not None:
+        verify_signature(files, verification, source=source)
+    elif signed:
+        raise PolicyLoadError(
+            f"{source}: the bundle is signed but no [policy] bundle_verification_key is "
+            "configured to verify it"
+        )
+    if WASM not in files:
+        raise PolicyLoadError(f"{source}: the bundle has no policy.wasm (build it with -t wasm)")
+    data = _json_object(files.get(DATA, b"{}"), f"{source}: data.json")
+    manifest = _json_object(files.get(MANIFEST, b"{}"), f"{source}: .manifest")
+    return VerifiedBundle(
+        files=files,
+        wasm=files[WASM],
+        data=data,
+        manifest=manifest,
+        digest=files_digest(files),
+        signed=signed,
+    )
+
+
+def unpack(raw: bytes, *, source: str, rooted: bool = False) -> dict[str, bytes]:
+    """Steps 1-3: the regular files of a ``.tar.gz``, by name, in archive order.
+
+    ``rooted``: names may carry one leading ``/`` (OPA writes them so); only for reading what
+    our own ``opa build`` just wrote.
+
+    Raises:
+        PolicyLoadError: any entry or byte outside the rules.
+    """
+    if len(raw) > MAX_BUNDLE_BYTES:
+        raise PolicyLoadError(f"{source}: bundle exceeds {MAX_BUNDLE_BYTES} bytes")
+    archive = _gunzip(raw, source)
+    files: dict[str, bytes] = {}
+    position = 0
+    while True:
+        block = archive[position : position + BLOCK]
+        if len(block) < BLOCK:
+            raise PolicyLoadError(f"{source}: the archive is truncated (no end-of-archive blocks)")
+        if block == ZERO_BLOCK:
+            if archive[position + BLOCK : position + 2 * BLOCK] != ZERO_BLOCK:
+                raise PolicyLoadError(f"{source}: a zero block not followed by another")
+            return files  # what follows the end marker is not part of the archive
+        name, size = _header(block, source, rooted=rooted)
+        if name in files:
+            raise PolicyLoadError(f"{source}: {name!r} appears twice in the archive")
+        if len(files) >= MAX_ENTRIES:
+            raise PolicyLoadError(f"{source}: more than {MAX_ENTRIES} entries")
+        start = position + BLOCK
+        if start + size > len(archive):
+            raise PolicyLoadError(f"{source}: {name!r} is truncated")
+        files[name] = archive[start : start + size]
+        position = start + -(-size // BLOCK) * BLOCK
+
+
+def _gunzip(raw: bytes, source: str) -> bytes:
+    out = bytearray()
+    rest = raw
+    while True:
+        inflater = zlib.decompressobj(wbits=31)
+        try:
+            out += inflater.decompress(rest, MAX_UNPACKED_BYTES + 1 - len(out))
+        except zlib.error as exc:
+            raise PolicyLoadError(f"{source}: not a gzip-compressed bundle ({exc})") from exc
+        if len(out) > MAX_UNPACKED_BYTES or inflater.unconsumed_tail:
+            raise PolicyLoadError(f"{source}: bundle unpacks to more than {MAX_UNPACKED_BYTES}")
+        if not inflater.eof:
+            raise PolicyLoadError(f"{source}: the gzip stream is truncated")
+        rest = inflater.unused_data
+        if not rest:
+            return bytes(out)
+
+
+def _header(block: bytes, source: str, *, rooted: bool) -> tuple[str, int]:
+    """One header block: its checksum, type, name and size (steps 2-3)."""
+    stored = _octal(block[148:156], "checksum", source)
+    unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
+    signed = sum(b - 256 if b > 127 else b for b in block[:148] + block[156:]) + 8 * 32
+    if stored not in (unsigned, signed):
+        raise PolicyLoadError(f"{source}: a tar header fails its checksum")
+    raw_name = block[:100].split(b"\0", 1)[0]
+    typeflag = block[156:157]
+    kind = TYPE_NAMES.get(typeflag, f"type {typeflag!r}")
+    if raw_name.endswith(b"/"):
+        kind = "directory"
+    if typeflag not in REGULAR_TYPES or kind == "directory":
+        shown = raw_name.decode("utf-8", "backslashreplace")
+        raise PolicyLoadError(
+            f"{source}: entry {shown!r} is a {kind}; a bundle holds only regular files"
+        )
+    for field, (start, end) in {"mode": (100, 108), "uid": (108, 116), "gid": (116, 124)}.items():
+        _octal(block[start:end], field, source)
+    _octal(block[136:148], "mtime", source)
+    if block[345:500].strip(b"\0"):
+        raise PolicyLoadError(f"{source}: a tar header uses the name prefix field")
+    name = _entry_name(raw_name, source, rooted=rooted)
+    return name, _octal(block[124:136], "size", source)
+
+
+def _octal(field: bytes, what: str, source: str) -> int:
+    """A numeric header field as Go's archive/tar reads it: octal digits, padded with spaces or
+    NULs (base-256 numbers are refused)."""
+    text = field.strip(b" \0")
+    if not text:
+        return 0
+    if not all(0x30 <= b <= 0x37 for b in text):
+        raise PolicyLoadError(f"{source}: a tar header's {what} is not an octal number")
+    return int(text, 8)
+
+
+def _entry_name(raw_name: bytes, source: str, *, rooted: bool) -> str:
+    try:
+        name = raw_name.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyLoadError(f"{source}: an entry name is not UTF-8") from exc
+    if rooted and name.startswith("/"):
+        name = name[1:]
+    parts = name.split("/")
+    if (
+        not name
+        or name.startswith("/")
+        or "\\" in name
+        or not name.isprintable()
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise PolicyLoadError(
+            f"{source}: entry name {name!r} is not a relative, normalised path "
+            "(no leading /, no empty, . or .. component, no backslash)"
+        )
+    return name
+
+
+# --- OPA's signature format --------------------------------------------------------------------
+
+
+def verify_signature(
+    files: Mapping[str, bytes], verification: BundleVerification, *, source: str
+) -> None:
+    """Step 5, as OPA's ``bundle.VerifyBundleSignature`` and ``VerifyBundleFile`` define it.
+
+    Raises:
+        PolicyLoadError: naming what did not verify.
+    """
+    if SIGNATURES not in files:
+        raise PolicyLoadError(
+            f"{source}: bundle missing .signatures.json (a signature is required)"
+        )
+    config = _json_object(files[SIGNATURES], f"{source}: .signatures.json")
+    tokens = config.get("signatures")
+    if config.get("plugin") not in (None, ""):
+        raise PolicyLoadError(f"{source}: .signatures.json names a verifier plugin")
+    if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], str):
+        raise PolicyLoadError(f"{source}: .signatures.json must hold exactly one JWS")
+    payload = _verified_payload(tokens[0], verification, source)
+    if payload.get("scope", "") != verification.scope:
+        raise PolicyLoadError(f"{source}: the signature's scope does not match the configured one")
+    listed = _listed_files(payload, source)
+    for name, content in files.items():
+        if name == SIGNATURES:
+            continue
+        if name not in listed:
+            raise PolicyLoadError(f"{source}: {name!r} is not included in the bundle signature")
+        if listed.pop(name) != opa_file_hash(name, content, source=source):
+            raise PolicyLoadError(f"{source}: {name!r} does not match its signed hash")
+    if listed:
+        raise PolicyLoadError(
+            f"{source}: signed file(s) {sorted(listed)} are missing from the bundle"
+        )
+
+
+def _verified_payload(token: str, verification: BundleVerification, source: str) -> dict[str, Any]:
+    algorithm = verification.algorithm
+    try:
+        header = jose.parse_header(token, (algorithm,))
+        parts = token.split(".")
+        jose.check_signature(
+            header.alg,
+            verification.public_key,
+            f"{parts[0]}.{parts[1]}".encode("ascii"),
+            jose.b64url_decode(parts[2]),
+        )
+        payload = jose.json_segment(parts[1], 8)
+    except (AttestationError, ValueError, UnicodeEncodeError) as exc:
+        problem = exc.message if isinstance(exc, AttestationError) else "not a compact JWS"
+        raise PolicyLoadError(f"{source}: bundle signature does not verify: {problem}") from exc
+    if not isinstance(payload, dict):
+        raise PolicyLoadError(f"{source}: the signature's payload is not a JSON object")
+    return dict(payload)
+
+
+def _listed_files(payload: Mapping[str, Any], source: str) -> dict[str, str]:
+    entries = payload.get("files")
+    if not isinstance(entries, list):
+        raise PolicyLoadError(f"{source}: the signature lists no files")
+    listed: dict[str, str] = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise PolicyLoadError(f"{source}: a signed file entry has no name")
+        if entry.get("algorithm") != HASH_ALGORITHM or not isinstance(entry.get("hash"), str):
+            raise PolicyLoadError(
+                f"{source}: signed file {entry['name']!r} is not hashed with {HASH_ALGORITHM}"
+            )
+        listed[entry["name"]] = entry["hash"].lower()
+    return listed
+
+
+def opa_file_hash(name: str, content: bytes, *, source: str = "bundle") -> str:
+    """The hex SHA-256 OPA signs for a file: of its bytes, or for ``data.json`` and
+    ``.manifest`` of the parsed JSON written in sorted-key order with Go's encoder
+    (``bundle/hash.go``: numbers as written, no HTML escaping)."""
+    if name.rsplit("/", 1)[-1] not in STRUCTURED:
+        return hashlib.sha256(content).hexdigest()
+    value = _json_preserving_numbers(content, f"{source}: {name}")
+    out: list[bytes] = []
+    _walk(value, out)
+    return hashlib.sha256(b"".join(out)).hexdigest()
+
+
+class _Number(str):
+    """A JSON number kept as written (Go's ``json.Number``)."""
+
+
+def _json_preserving_numbers(content: bytes, what: str) -> Any:
+    text = content[3:] if content.startswith(b"\xef\xbb\xbf") else content
+    try:
+        return json.loads(
+            text.decode("utf-8"),
+            parse_int=_Number,
+            parse_float=_Number,
+            parse_constant=_refuse_constant,
+        )
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PolicyLoadError(f"{what} is not JSON") from exc
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _walk(value: Any, out: list[bytes]) -> None:
+    if isinstance(value, dict):
+        out.append(b"{")
+        for index, key in enumerate(sorted(value, key=_go_order)):
+            if index:
+                out.append(b",")
+            out.append(_go_string(key))
+            out.append(b":")
+            _walk(value[key], out)
+        out.append(b"}")
+    elif isinstance(value, list):
+        out.append(b"[")
+        for index, item in enumerate(value):
+            if index:
+                out.append(b",")
+            _walk(item, out)
+        out.append(b"]")
+    elif isinstance(value, _Number):
+        out.append(value.encode("ascii"))
+    elif isinstance(value, str):
+        out.append(_go_string(value))
+    else:  # True, False, None
+        out.append(json.dumps(value).encode("ascii"))
+
+
+def _go_order(key: str) -> bytes:
+    return key.encode("utf-8", "surrogatepass")
+
+
+GO_SHORT_ESCAPES = {0x22: b'\\"', 0x5C: b"\\\\", 0x08: b"\\b", 0x0C: b"\\f", 0x0A: b"\\n"}
+GO_SHORT_ESCAPES |= {0x0D: b"\\r", 0x09: b"\\t"}
+
+
+def _go_string(text: str) -> bytes:
+    """A string as Go's ``json.Encoder`` writes it with HTML escaping off."""
+    out = bytearray(b'"')
+    for char in text:
+        code = ord(char)
+        if code in GO_SHORT_ESCAPES:
+            out += GO_SHORT_ESCAPES[code]
+        elif code < 0x20:
+            out += b"\\u00%02x" % code
+        elif code in (0x2028, 0x2029):
+            out += b"\\u%04x" % code
+        elif 0xD800 <= code <= 0xDFFF:  # a lone surrogate: Go decoded it as U+FFFD
+            out += "\ufffd".encode()
+        else:
+            out += char.encode("utf-8")
+    out += b'"'
+    return bytes(out)
+
+
+def _json_object(content: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(content)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PolicyLoadError(f"{what} is not JSON") from exc
+    if not isinstance(value, dict):
+        raise PolicyLoadError(f"{what} is not a JSON object")
+    return value
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def signing_algorithm(key: Any) -> str:
+    """RS256 for RSA keys, ES256 for P-256 keys (what ``--signing-alg`` OPA needs to verify).
+
+    Raises:
+        PolicyLoadError: for any other key.
+    """
+    if isinstance(key, rsa.RSAPublicKey | rsa.RSAPrivateKey):
+        return "RS256"
+    if isinstance(key, ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey) and isinstance(
+        key.curve, ec.SECP256R1
+    ):
+        return "ES256"
+    raise PolicyLoadError("bundle keys are RSA (RS256) or EC P-256 (ES256)")
+
+
+def signatures_file(
+    files: Mapping[str, bytes], private_key: Any, *, key_id: str = "default", scope: str = ""
+) -> bytes:
+    """``.signatures.json`` for ``files`` in OPA's format, signed deterministically (RSA
+    PKCS#1 v1.5, or ECDSA with RFC 6979 nonces) so that a build is byte-for-byte reproducible.
+
+    Raises:
+        PolicyLoadError: for a key that is neither RSA nor P-256.
+    """
+    algorithm = signing_algorithm(private_key)
+    payload: dict[str, Any] = {
+        "files": [
+            {"name": name, "hash": opa_file_hash(name, files[name]), "algorithm": HASH_ALGORITHM}
+            for name in sorted(files)
+            if name != SIGNATURES
+        ],
+        "keyid": key_id,
+    }
+    if scope:
+        payload["scope"] = scope
+    header = {"alg": algorithm, "kid": key_id, "typ": "JWT"}
+    signing_input = (
+        jose.b64url_encode(_compact(header)) + "." + jose.b64url_encode(_compact(payload))
+    ).encode("ascii")
+    if algorithm == "RS256":
+        signature = private_key.sign(signing_input, padding.PKCS1v15(), hashes.SHA256())
+    else:
+        der = private_key.sign(signing_input, ec.ECDSA(hashes.SHA256(), deterministic_signing=True))
+        r, s = utils.decode_dss_signature(der)
+        signature = r.to_bytes(32, "big") + s.to_bytes(32, "big")
+    token = signing_input.decode("ascii") + "." + jose.b64url_encode(signature)
+    return _compact({"signatures": [token]})
+
+
+def _compact(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+
+def pack(files: Mapping[str, bytes]) -> bytes:
+    """A reproducible ``.tar.gz``: entries sorted by name, regular files only, mode 0644, uid and
+    gid 0, mtime 0, no user names, and a gzip header without a time or file name.
+
+    Raises:
+        PolicyLoadError: for a name the reader would refuse.
+    """
+    blocks = bytearray()
+    for name in sorted(files):
+        encoded = _entry_name(name.encode("utf-8"), "bundle", rooted=False).encode("utf-8")
+        if len(encoded) > MAX_NAME_CHARS:
+            raise PolicyLoadError(f"bundle entry name {name!r} exceeds {MAX_NAME_CHARS} bytes")
+        content = files[name]
+        blocks += _ustar_header(encoded, len(content))
+        blocks += content + bytes(-len(content) % BLOCK)
+    blocks += ZERO_BLOCK * 2
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+    body = compressor.compress(bytes(blocks)) + compressor.flush()
+    # zlib writes mtime 0 and no name; the OS byte is fixed to "unknown" for every platform
+    return body[:9] + b"\xff" + body[10:]
+
+
+def _ustar_header(name: bytes, size: int) -> bytes:
+    header = bytearray(BLOCK)
+    header[0 : len(name)] = name
+    header[100:108] = b"%07o\0" % FILE_MODE
+    header[108:116] = b"%07o\0" % 0
+    header[116:124] = b"%07o\0" % 0
+    header[124:136] = b"%011o\0" % size
+    header[136:148] = b"%011o\0" % FIXED_MTIME
+    header[148:156] = b" " * 8
+    header[156:157] = b"0"
+    header[257:265] = b"ustar\x0000"
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
+def load_public_key(pem: bytes) -> Any:
+    """A PEM public key (or certificate) for bundle verification.
+
+    Raises:
+        PolicyLoadError: not a PEM public key of a supported kind.
+    """
+    from cryptography import x509  # noqa: PLC0415
+
+    try:
+        key: Any = (
+            x509.load_pem_x509_certificate(pem).public_key()
+            if b"CERTIFICATE" in pem
+            else serialization.load_pem_public_key(pem)
+        )
+    except ValueError as exc:
+        raise PolicyLoadError("the bundle verification key is not a PEM public key") from exc
+    signing_algorithm(key)
+    return key
