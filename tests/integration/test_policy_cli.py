@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from broker.policy.build import load_bundle
-from broker.policy.testing import find_opa
 from broker.policy.wasm import PolicyLoadError
 from tests.integration.test_cli import run
 from tests.policy_helpers import EXAMPLE, signing_pair
@@ -149,7 +148,6 @@ def test_build_signs_and_a_tampered_bundle_is_refused(tmp_path: Path) -> None:
         str(tmp_path / "sign.pem"),
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
-    opa = find_opa()
     loaded = load_bundle(bundle, verification_key=tmp_path / "verify.pem")
     assert loaded.digest.startswith("sha256:")
     (tmp_path / "other").mkdir()
