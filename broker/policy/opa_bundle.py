@@ -360,15 +360,24 @@ def _listed_files(payload: Mapping[str, Any], source: str) -> dict[str, str]:
 
 
 def opa_file_hash(name: str, content: bytes, *, source: str = "bundle") -> str:
-    """The hex SHA-256 OPA signs for a file: of its bytes, or for ``data.json`` and
-    ``.manifest`` of the parsed JSON written in sorted-key order with Go's encoder
-    (``bundle/hash.go``: numbers as written, no HTML escaping)."""
+    """The hex SHA-256 OPA signs for a file (of ``opa_hashed_bytes``)."""
+    return hashlib.sha256(opa_hashed_bytes(name, content, source=source)).hexdigest()
+
+
+def opa_hashed_bytes(name: str, content: bytes, *, source: str = "bundle") -> bytes:
+    """What OPA hashes for a file: its bytes, or for ``data.json`` and ``.manifest`` the parsed
+    JSON written in sorted-key order with Go's encoder (``bundle/hash.go``: numbers as written,
+    no HTML escaping).
+
+    Raises:
+        PolicyLoadError: a structured file that is not JSON.
+    """
     if name.rsplit("/", 1)[-1] not in STRUCTURED:
-        return hashlib.sha256(content).hexdigest()
+        return content
     value = _json_preserving_numbers(content, f"{source}: {name}")
     out: list[bytes] = []
     _walk(value, out)
-    return hashlib.sha256(b"".join(out)).hexdigest()
+    return b"".join(out)
 
 
 class _Number(str):
