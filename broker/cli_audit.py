@@ -139,7 +139,7 @@ def _tree(lines: list[bytes]) -> MerkleTree:
 def _verify(args: argparse.Namespace) -> int:
     groups = group_logs(args.logs)
     if len(groups) == 1:
-        note = None if args.checkpoint is None else _read(args.checkpoint, "--checkpoint").decode()
+        note = _single_log_note(groups[0][-1], args.checkpoint, args.key)
         report = verify_log(
             groups[0], note=note, key=args.key, head=args.head, witness_keys=args.witness_key
         )
@@ -153,6 +153,28 @@ def _verify(args: argparse.Namespace) -> int:
         report = verify_logs(groups, key=args.key, witness_keys=args.witness_key)
     print(json.dumps(report))
     return 0 if report["ok"] else EXIT_NO
+
+
+def _single_log_note(log: Path, checkpoint: Path | None, key: str | None) -> str | None:
+    """The checkpoint one log is checked against: ``--checkpoint``, else with ``--key`` the log's
+    own ``<log>.checkpoint``. A key with no checkpoint to check is refused: it would otherwise
+    be ignored and any made-up key would read ``ok``.
+
+    Raises:
+        ConfigError: ``--key`` when there is nothing to check it against.
+    """
+    if checkpoint is not None:
+        return _read(checkpoint, "--checkpoint").decode()
+    if key is None:
+        return None
+    own = checkpoint_paths(log)[0]
+    if not own.is_file():
+        raise ConfigError(
+            "--key",
+            f"there is no checkpoint to check it against ({own} does not exist); pass "
+            "--checkpoint FILE, or verify the chain alone without --key",
+        )
+    return _read(own, "checkpoint").decode()
 
 
 def group_logs(paths: list[Path]) -> list[list[Path]]:
@@ -215,6 +237,7 @@ def verify_log(
         report |= _replica(lines)
         if note is None:  # no checkpoint: the chain names the first changed record
             report["head"] = verify_bytes(data, expected_head=head).head.hash
+            report |= _not_shorter_than_its_checkpoint(logs[-1], tree)
         else:
             report |= _against_checkpoint(logs[0], note, key, tree)
             report |= _cosigned(note, witness_keys)
@@ -224,6 +247,31 @@ def verify_log(
         if collecting:
             gc.enable()
     return report
+
+
+def _not_shorter_than_its_checkpoint(log: Path, tree: MerkleTree) -> dict[str, Any]:
+    """A chain-only verify still reads the size the log's own checkpoint file states (its
+    signature cannot be checked without the key, so this can only fail a log, never pass one):
+    a log shorter than a checkpoint the broker published was truncated.
+
+    Raises:
+        LogCorrupt: when the checkpoint file states a larger tree.
+    """
+    note_path = checkpoint_paths(log)[0]
+    if not note_path.is_file():
+        return {}
+    note = _read(note_path, "checkpoint").decode("utf-8", "replace")
+    try:
+        stated = parse_checkpoint(note[: note.rfind("\n\n") + 1])
+    except NoteError:
+        return {"checkpoint_file": "unreadable (not checked: pass --key to verify it)"}
+    if stated.size > tree.size:
+        raise LogCorrupt(
+            tree.size + 1,
+            f"log truncated: its checkpoint file ({note_path.name}, signature not checked "
+            f"without --key) covers {stated.size} records, the log has {tree.size}",
+        )
+    return {"checkpoint_file_size": stated.size}
 
 
 def _replica(lines: list[bytes]) -> dict[str, Any]:

@@ -200,6 +200,41 @@ def test_rewritten_record_with_recomputed_chain_detected(
     assert chain_only[1]["ok"] is True  # the chain alone is fooled: the checkpoint is not
 
 
+def test_made_up_key_without_checkpoint_option_uses_the_logs_own_checkpoint(
+    signed_log: tuple[Path, NoteSigner], tmp_path: Path
+) -> None:
+    """``verify LOG --key K`` used to ignore K for one log: a made-up key read ``ok``."""
+    made_up = NoteSigner(ORIGIN, ed25519.Ed25519PrivateKey.generate()).verifier_key()
+    code, report = audit("verify", str(signed_log[0]), "--key", made_up)
+    assert (code, report["ok"]) == (1, False)
+    assert "does not verify" in str(report["problem"])
+    code, report = audit("verify", str(signed_log[0]), "--key", signed_log[1].verifier_key())
+    assert (code, report["ok"], report["checkpoint_size"]) == (0, True, RECORDS)
+
+
+def test_key_without_a_checkpoint_to_check_is_refused(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.log"
+    log.write_bytes(b"")
+    key = NoteSigner(ORIGIN, ed25519.Ed25519PrivateKey.generate()).verifier_key()
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "audit", "verify", str(log), "--key", key],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "no checkpoint to check it against" in done.stderr
+
+
+def test_chain_only_verify_of_a_log_shorter_than_its_checkpoint_file_fails(
+    signed_log: tuple[Path, NoteSigner], tmp_path: Path
+) -> None:
+    """Truncating the tail keeps the chain intact; the checkpoint file beside it says more."""
+    tampered(signed_log, tmp_path, lambda lines: lines[:-3])
+    code, report = audit("verify", str(tmp_path / "decisions.log"))
+    assert (code, report["ok"]) == (1, False)
+    assert "log truncated" in str(report["problem"])
+    assert report["first_bad_index"] == RECORDS - 3
+
+
 def test_reordered_records_detected(signed_log: tuple[Path, NoteSigner], tmp_path: Path) -> None:
     def swap(lines: list[bytes]) -> list[bytes]:
         lines = list(lines)
