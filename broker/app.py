@@ -34,6 +34,7 @@ from broker.attestation.nvidia.sources import (
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
 from broker.audit.log import DecisionLog
+from broker.audit.mask import load_or_create_mask_key
 from broker.audit.publisher import CheckpointPublisher
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.sink import AuditSink
@@ -102,6 +103,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             audit=audit,
             metrics=app[METRICS],
             mask=settings.audit.mask,
+            mask_key=await asyncio.to_thread(load_or_create_mask_key, _mask_key_path(settings)),
         )
         state.statement_signer = await _statement_signer(settings)
         state.checks = {
@@ -256,3 +258,8 @@ def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
 def _store_kind(uri: str) -> str:
     """What ``/readyz`` shows of a store URI: its scheme, never credentials in it."""
     return uri.split(":", 1)[0]
+
+
+def _mask_key_path(settings: Settings) -> Path:
+    """``[audit] mask_key`` (``load_settings`` defaults it beside the log)."""
+    return settings.audit.mask_key or settings.audit.log.parent / "mask.key"

@@ -22,6 +22,7 @@ from broker.audit.log import (
     repair_torn_tail,
     verify_bytes,
 )
+from broker.audit.mask import load_or_create_mask_key, mask_value
 from broker.audit.merkle import MerkleTree, leaf_hash, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
@@ -36,9 +37,17 @@ OCSF_API_ACTIVITY = 6003  # OCSF "API Activity" (Application Activity category)
 
 
 def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    key = audit.add_parser("key", help="print the note verifier key auditors pin")
+    key = audit.add_parser(
+        "key", help="print the note verifier key auditors pin (and create the mask key if absent)"
+    )
     key.add_argument("--config", type=Path, required=True)
     key.set_defaults(run=_key)
+    mask = audit.add_parser(
+        "mask", help="what a guessed value reads as when masked in a record (needs the mask key)"
+    )
+    mask.add_argument("value", help="the value as JSON: '\"alice@example.com\"', 42, …")
+    mask.add_argument("--config", type=Path, required=True)
+    mask.set_defaults(run=_mask)
     verify = audit.add_parser(
         "verify",
         help="recompute the tree; check a signed checkpoint; several replicas' logs at once",
@@ -109,8 +118,28 @@ def _read(path: Path, what: str) -> bytes:
         raise ConfigError(what, f"cannot read {path}") from exc
 
 
+def _mask(args: argparse.Namespace) -> int:
+    """``hmac-sha256:…`` of a guessed value under this broker's mask key: compare it with a
+    masked field of a record (docs/audit.md, "Masked values")."""
+    settings = load_settings(args.config)
+    try:
+        value = json.loads(args.value)
+    except ValueError as exc:
+        raise ConfigError("VALUE", "is not JSON (quote a string: '\"alice\"')") from exc
+    key = load_or_create_mask_key(_mask_key_path(settings))
+    print(mask_value(value, key))
+    return 0
+
+
+def _mask_key_path(settings: Any) -> Path:
+    return Path(settings.audit.mask_key or settings.audit.log.parent / "mask.key")
+
+
 def _key(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
+    mask_key = _mask_key_path(settings)
+    load_or_create_mask_key(mask_key)
+    print(f"mask key: {mask_key} (keep it secret; never logged)", file=sys.stderr)
 
     async def verifier_key() -> str | None:
         signer = await open_checkpoint_signer(settings)

@@ -181,8 +181,11 @@ class AuditSettings:
     segment_bytes: int = 256 * 1024 * 1024  # rotate into <log>.000001, … past this; 0: never
     witnesses: tuple[str, ...] = ()  # tlog-witness URLs: each checkpoint is offered for cosigning
     witness_keys: tuple[str, ...] = ()  # their cosignature/v1 keys, in the same order
-    # JSON pointers into the policy input replaced by their SHA-256 in records (broker.audit.mask)
+    # JSON pointers into the policy input replaced by their HMAC-SHA-256 in records
+    # (broker.audit.mask), keyed by mask_key: 32 random bytes in a file, created (0600) at
+    # start-up or by `broker audit key` when absent; default <log directory>/mask.key
     mask: tuple[str, ...] = ()
+    mask_key: Path | None = None
 
 
 NONCE_STORE_FORMS = (
@@ -303,6 +306,8 @@ def settings_from_mapping(
     keys = config_table(KeySettings, "keys", raw, env, base_dir)
     audit = config_table(AuditSettings, "audit", raw, env, base_dir)
     audit = replace(audit, log=Path(str(audit.log).replace("{replica}", server.replica_id)))
+    if audit.mask_key is None:
+        audit = replace(audit, mask_key=audit.log.parent / "mask.key")
     if audit.signing_key and not audit.signing_key.startswith("cloudkms:"):  # a file: resolve it
         audit = replace(audit, signing_key=str(resolve_path(base_dir, audit.signing_key)))
     nvidia = config_table(NvidiaSettings, "nvidia", raw, env, base_dir)

@@ -130,6 +130,7 @@ class ReleaseService:
         policy: PolicyEngine,
         audit: DecisionLog,
         metrics: Metrics,
+        mask_key: bytes,
         mask: tuple[str, ...] = (),
     ) -> None:
         self._nonces = nonces
@@ -139,6 +140,7 @@ class ReleaseService:
         self._audit = audit
         self._metrics = metrics
         self._mask = mask
+        self._mask_key = mask_key
 
     @property
     def keys(self) -> KeyService:
@@ -289,6 +291,7 @@ class ReleaseService:
             else masked(
                 outcome.policy_input,
                 (*self._mask, *(outcome.decision.mask if outcome.decision is not None else ())),
+                self._mask_key,
             ),
         }
 

@@ -1,8 +1,12 @@
 """Masking the policy input before it enters the decision log (as OPA's decision logs do).
 
 Each mask is an RFC 6901 JSON pointer into the input (``/claims/gca/sub``); the value there is
-replaced by ``"sha256:<hex>"`` of its canonical JSON, so a reviewer can still match equal values
-without reading them, and ``broker policy replay`` sees a value of the same kind (a string).
+replaced by ``"hmac-sha256:<hex>"``, an HMAC-SHA-256 of its canonical JSON under the log's mask
+key (``[audit] mask_key``), so a reviewer can still match equal values without reading them and
+``broker policy replay`` sees a value of the same kind (a string). A plain hash would not do: a
+low-entropy value (an e-mail ``sub``, a project id) is confirmed by hashing guesses. Only who
+holds the key can check a guess (``broker audit mask VALUE``), as with Vault's audit devices.
+
 Masks come from ``[audit] mask`` and from the policy's own ``mask`` rule in package
 ``broker.release`` (a set of pointers, evaluated with the decision). A pointer that names
 nothing is ignored. Tokens, keys and secrets are never in the input to begin with.
@@ -10,19 +14,59 @@ nothing is ignored. Tokens, keys and secrets are never in the input to begin wit
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import hmac
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from broker.audit.log import canonical
+from broker.errors import ConfigError
+
+MASK_KEY_BYTES = 32
+PREFIX = "hmac-sha256:"
+
+
+def load_or_create_mask_key(path: Path) -> bytes:
+    """The mask key in ``path``; created (32 random bytes, mode 0600) if absent. Several
+    processes starting together create it once (``O_EXCL``) and all read the same key.
+
+    Raises:
+        ConfigError: ``audit.mask_key`` when the file cannot be read or is not 32 bytes.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.EEXIST:
+            raise ConfigError("audit.mask_key", f"cannot create {path}: {exc.strerror}") from exc
+    else:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(os.urandom(MASK_KEY_BYTES))
+            handle.flush()
+            os.fsync(handle.fileno())
+    try:
+        key = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("audit.mask_key", f"cannot read {path}: {exc.strerror}") from exc
+    if len(key) != MASK_KEY_BYTES:
+        raise ConfigError("audit.mask_key", f"{path} must hold {MASK_KEY_BYTES} bytes")
+    return key
+
+
+def mask_value(value: Any, key: bytes) -> str:
+    """What a masked value reads as in a record: ``hmac-sha256:`` + HMAC of its canonical JSON."""
+    return PREFIX + hmac.new(key, canonical(value), hashlib.sha256).hexdigest()
 
 
 def _unescape(token: str) -> str:
     return token.replace("~1", "/").replace("~0", "~")
 
 
-def masked(document: Mapping[str, Any], pointers: Iterable[str]) -> dict[str, Any]:
-    """``document`` with the values at ``pointers`` replaced by their digest.
+def masked(document: Mapping[str, Any], pointers: Iterable[str], key: bytes) -> dict[str, Any]:
+    """``document`` with the values at ``pointers`` replaced by their keyed digest.
 
     ``document`` is never changed: the containers on the way to a masked value are copied
     (copy on write), the rest is shared with it — records are serialised, never mutated, so
@@ -44,7 +88,7 @@ def masked(document: Mapping[str, Any], pointers: Iterable[str]) -> dict[str, An
         else:
             last = tokens[-1]
             if _has(parent, last):
-                _set(parent, last, _digest(_child(parent, last)))
+                _set(parent, last, mask_value(_child(parent, last), key))
     return result
 
 
@@ -67,7 +111,3 @@ def _child(value: Any, token: str) -> Any:
     if isinstance(value, list) and token.isdigit() and int(token) < len(value):
         return value[int(token)]
     return None
-
-
-def _digest(value: Any) -> str:
-    return "sha256:" + hashlib.sha256(canonical(value)).hexdigest()

@@ -4,13 +4,17 @@ smoke evaluation before the swap; a policy_change record for every change that g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import hmac
+import io
 import json
 from typing import Any
 
 import aiohttp
 import pytest
 
+from broker import cli
 from broker.audit.log import canonical
 from broker.client import BrokerClientError
 from tests.integration.conftest import ALLOWED, KEY, RunningBroker
@@ -165,8 +169,19 @@ async def test_configured_mask_hides_input_values_in_records(start_broker: Any) 
     )
     assert await released(broker)
     record = [r for r in broker.records() if r["type"] == "release"][-1]
-    expected = "sha256:" + hashlib.sha256(canonical(ALLOWED)).hexdigest()
+    key = (broker.settings.audit.log.parent / "mask.key").read_bytes()  # created at start-up
+    expected = "hmac-sha256:" + hmac.new(key, canonical(ALLOWED), hashlib.sha256).hexdigest()
     assert record["input"]["tee"]["workload"]["image_digest"] == expected
     assert ALLOWED not in json.dumps(record["input"]["tee"])
+    # an auditor who holds the key checks a guess with the CLI
+    config = str(broker.workdir / "broker.toml")
+
+    def guess() -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["audit", "mask", json.dumps(ALLOWED), "--config", config]) == 0
+        return out.getvalue().strip()
+
+    assert await asyncio.to_thread(guess) == expected
     # A pointer masks that place only: the raw claims keep their own copy unless masked too.
     assert record["input"]["claims"]["gca"]["submods"]["container"]["image_digest"] == ALLOWED

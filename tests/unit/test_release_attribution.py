@@ -81,6 +81,7 @@ async def test_reload_during_unwrap_does_not_reattribute_the_decision(tmp_path: 
         policy=policy,
         audit=audit,
         metrics=Metrics(),
+        mask_key=bytes(32),
     )
     runner_key = public_jwk(ec.generate_private_key(ec.SECP256R1()).public_key())
     body = {"key": "models/llama", "nonce": "n" * 43, "evidence": {}, "runner_key": runner_key}
