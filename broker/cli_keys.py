@@ -17,6 +17,7 @@ from typing import Any
 
 from broker.audit.log import DecisionLog
 from broker.config import load_settings
+from broker.keys import admin
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.service import KeyService
@@ -37,12 +38,12 @@ def add_commands(keys: Any) -> None:
 
     create = command("create", "create a key (AES-256 DEK; HPKE key pair for query)", _create)
     create.add_argument("name")
-    create.add_argument("--purpose", choices=[p.value for p in Purpose], required=True)
-    create.add_argument("--algorithm", choices=[a.value for a in Algorithm])
+    create.add_argument("--purpose", required=True, help=", ".join(p.value for p in Purpose))
+    create.add_argument("--algorithm", help=", ".join(a.value for a in Algorithm))
     imported = command("import", "create a key from 32 bytes of your own material", _import)
     imported.add_argument("name")
     imported.add_argument(
-        "--purpose", choices=[Purpose.MODEL_WEIGHTS.value, Purpose.GENERIC.value], required=True
+        "--purpose", required=True, help=f"{Purpose.MODEL_WEIGHTS.value}, {Purpose.GENERIC.value}"
     )
     imported.add_argument("--material-file", type=Path, required=True, help="32 raw bytes")
     command("list", "list keys and versions (never key material)", _list).add_argument(
@@ -57,7 +58,7 @@ def add_commands(keys: Any) -> None:
     ):
         parser = command(name, help_text, run)
         parser.add_argument("name")
-        parser.add_argument("--version", type=int, required=True)
+        parser.add_argument("--version", required=True)
         if name == "destroy":
             parser.add_argument("--yes", action="store_true", help="confirm: cannot be undone")
     rewrap = command("rewrap", "re-wrap every DEK under another KEK (resumable)", _rewrap)
@@ -116,12 +117,17 @@ def _print(value: object) -> int:
     return 0
 
 
+# Every command parses its arguments with broker.keys.admin, as the admin API does, and calls
+# the same KeyService method: one validation path, one message per refusal.
+
+
 def _create(args: argparse.Namespace) -> int:
-    algorithm = Algorithm(args.algorithm) if args.algorithm else None
+    name, purpose = admin.key_name(args.name), admin.purpose(args.purpose)
+    algorithm = admin.algorithm(args.algorithm)
     record = run_keys(
         args,
         lambda keys, now: keys.create(
-            args.name, Purpose(args.purpose), now=now, algorithm=algorithm
+            name, purpose, now=now, algorithm=algorithm, who=admin.cli_actor()
         ),
         create_missing_kek=True,
     )
@@ -129,10 +135,11 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
+    name, purpose = admin.key_name(args.name), admin.purpose(args.purpose)
     material = args.material_file.read_bytes()
     record = run_keys(
         args,
-        lambda keys, now: keys.import_key(args.name, Purpose(args.purpose), material, now=now),
+        lambda keys, now: keys.import_key(name, purpose, material, now=now, who=admin.cli_actor()),
         create_missing_kek=True,
     )
     return _print(record.describe())
@@ -149,13 +156,19 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _rotate(args: argparse.Namespace) -> int:
-    return _print(run_keys(args, lambda keys, now: keys.rotate(args.name, now=now)).describe())
+    name = admin.key_name(args.name)
+    record = run_keys(args, lambda keys, now: keys.rotate(name, now=now, who=admin.cli_actor()))
+    return _print(record.describe())
 
 
 def _switch(enabled: bool) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
+        name, version = admin.key_name(args.name), admin.version(args.version)
         record = run_keys(
-            args, lambda keys, now: keys.set_enabled(args.name, args.version, enabled, now=now)
+            args,
+            lambda keys, now: keys.set_enabled(
+                name, version, enabled, now=now, who=admin.cli_actor()
+            ),
         )
         return _print(record.describe())
 
@@ -166,10 +179,13 @@ _disable, _enable = _switch(False), _switch(True)
 
 
 def _destroy(args: argparse.Namespace) -> int:
+    name, version = admin.key_name(args.name), admin.version(args.version)
     if not args.yes:
         print("error: destroy cannot be undone; add --yes to confirm", file=sys.stderr)
         return EXIT_USAGE
-    record = run_keys(args, lambda keys, now: keys.destroy(args.name, args.version, now=now))
+    record = run_keys(
+        args, lambda keys, now: keys.destroy(name, version, now=now, who=admin.cli_actor())
+    )
     return _print(record.describe())
 
 
@@ -179,7 +195,9 @@ def _rewrap(args: argparse.Namespace) -> int:
             print(f"rewrapped {count}", file=sys.stderr, flush=True)
 
     report = run_keys(
-        args, lambda keys, now: keys.rewrap(now=now, on_progress=progress), kek_uri=args.to
+        args,
+        lambda keys, now: keys.rewrap(now=now, who=admin.cli_actor(), on_progress=progress),
+        kek_uri=args.to,
     )
     return _print(vars(report))
 

@@ -43,6 +43,7 @@ from broker.crypto.weights import (
     segment_nonce,
 )
 from broker.errors import InputError
+from broker.keys.admin import cli_actor
 from broker.keys.factory import open_key_service
 from broker.keys.wrap import key_id
 
@@ -185,6 +186,7 @@ def _encrypt(args: argparse.Namespace) -> int:
                     action="weights-encrypt",
                     detail=detail,
                     now=datetime.now(UTC),
+                    who=cli_actor(),
                 )
             finally:
                 await audit.close()
@@ -266,23 +268,35 @@ def _decrypt(args: argparse.Namespace) -> int:
             keys.attach_change_log(audit.append)
             try:
                 detail = {"files": len(jobs), "source": str(args.source)}
+                who = cli_actor()
                 _, material = await keys.owner_material(
                     name,
                     int(version),
                     action="weights-decrypt",
                     detail=detail,
                     now=datetime.now(UTC),
+                    who=who,
                 )
+                outcome: dict[str, Any] = {"key": name, "version": int(version), **detail}
+                try:
+                    results = await _decrypt_jobs(jobs, material, kid)
+                except (WeightsFormatError, OSError) as exc:
+                    outcome |= {"outcome": "failed", "problem": str(exc)[:512]}
+                    raise
+                else:
+                    outcome |= {
+                        "outcome": "ok",
+                        "bytes": sum(int(r["size"]) for r in results),
+                        "sha256": [r["sha256"] for r in results],
+                    }
+                finally:
+                    # the record of how it ended, whatever happened (the first record, written
+                    # before the key was used, says that it was)
+                    await keys.log_outcome(
+                        "weights-decrypt-result", outcome, now=datetime.now(UTC), who=who
+                    )
             finally:
                 await audit.close()
-        results = []
-        for source, target, expected in jobs:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            size = await decrypt_to(source, target, material, kid)
-            actual = await asyncio.to_thread(_sha256, target)
-            if expected is not None and actual != expected:
-                raise WeightsFormatError(f"{target}: SHA-256 differs from the manifest")
-            results.append({"path": str(target), "size": size, "sha256": actual})
         return results
 
     try:
@@ -291,6 +305,20 @@ def _decrypt(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NO
     return 0
+
+
+async def _decrypt_jobs(
+    jobs: list[tuple[Path, Path, str | None]], material: bytes, kid: str
+) -> list[dict[str, Any]]:
+    results = []
+    for source, target, expected in jobs:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        size = await decrypt_to(source, target, material, kid)
+        actual = await asyncio.to_thread(_sha256, target)
+        if expected is not None and actual != expected:
+            raise WeightsFormatError(f"{target}: SHA-256 differs from the manifest")
+        results.append({"path": str(target), "size": size, "sha256": actual})
+    return results
 
 
 def _sha256(path: Path) -> str:

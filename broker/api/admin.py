@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 from aiohttp import web
 
-from broker.api.body import optional_version, read_json_object, string_field
+from broker.api.body import read_json_object
 from broker.api.state import STATE, BrokerState
-from broker.errors import Conflict, ErrorCode, InputError, Unauthorized, UpstreamError
-from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
-from broker.keys.store.base import Algorithm, Purpose
+from broker.errors import Conflict, ErrorCode, Unauthorized, UpstreamError
+from broker.keys import admin
+from broker.keys.service import KeyService
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-E = TypeVar("E", Purpose, Algorithm)
 
 
 def require_role(handler: Handler, role: str) -> Handler:
@@ -81,21 +79,22 @@ async def create_key(request: web.Request) -> web.Response:
         required=("name", "purpose"),
         optional=("algorithm",),
     )
-    name = validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
-    purpose = _enum(Purpose, body["purpose"], "purpose")
-    algorithm = _enum(Algorithm, body["algorithm"], "algorithm") if "algorithm" in body else None
-    if purpose is Purpose.QUERY and state.statement_signer is None:
-        raise InputError(
-            "query keys need [keys] signing_key: their public halves are published signed"
-        )
-    record = await _keys(state).create(name, purpose, now=state.clock(), algorithm=algorithm)
+    record = await _keys(state).create(
+        admin.key_name(body["name"]),
+        admin.purpose(body["purpose"]),
+        algorithm=admin.algorithm(body.get("algorithm")),
+        now=state.clock(),
+        who=request[ADMIN_WHO],
+    )
     return web.json_response(record.describe(), status=201)
 
 
 async def rotate_key(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    name = await _name_only(request, state)
-    record = await _keys(state).rotate(name, now=state.clock())
+    body = await read_json_object(request, required=("name",))
+    record = await _keys(state).rotate(
+        admin.key_name(body["name"]), now=state.clock(), who=request[ADMIN_WHO]
+    )
     return web.json_response(record.describe(), status=201)
 
 
@@ -114,29 +113,13 @@ async def destroy_version(request: web.Request) -> web.Response:
 async def _version_action(request: web.Request, action: str) -> web.Response:
     state = request.app[STATE]
     body = await read_json_object(request, required=("name", "version"))
-    name = validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
-    version = optional_version(body)
-    if version is None:
-        raise InputError("version is required")
-    keys, now = _keys(state), state.clock()
+    name, version = admin.key_name(body["name"]), admin.version(body["version"])
+    keys, now, who = _keys(state), state.clock(), request[ADMIN_WHO]
     if action == "destroy":
-        record = await keys.destroy(name, version, now=now)
+        record = await keys.destroy(name, version, now=now, who=who)
     else:
-        record = await keys.set_enabled(name, version, action == "enable", now=now)
+        record = await keys.set_enabled(name, version, action == "enable", now=now, who=who)
     return web.json_response(record.describe())
-
-
-async def _name_only(request: web.Request, state: BrokerState) -> str:
-    body = await read_json_object(request, required=("name",))
-    return validate_key_name(string_field(body, "name", max_chars=MAX_KEY_NAME))
-
-
-def _enum(kind: type[E], value: object, field: str) -> E:
-    try:
-        return kind(str(value))
-    except ValueError as exc:
-        allowed = ", ".join(member.value for member in kind)
-        raise InputError(f"{field} must be one of {allowed}") from exc
 
 
 async def reload_policy(request: web.Request) -> web.Response:

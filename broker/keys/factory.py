@@ -95,7 +95,13 @@ async def open_key_service(
         metadata = MetadataCache(
             ttl_seconds=settings.metadata_cache_seconds, max_entries=settings.dek_cache_max
         )
-        yield KeyService(store, ring, cache=cache, metadata=metadata)
+        yield KeyService(
+            store,
+            ring,
+            cache=cache,
+            metadata=metadata,
+            query_keys_publishable=settings.signing_key is not None,
+        )
 
 
 async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProvider:

@@ -108,6 +108,9 @@ def dek_cache_key(record: KeyVersionRecord) -> tuple[str, int, str]:
 MetadataCache = TtlCache[tuple[str, int | None], KeyVersionRecord]
 
 
+SYSTEM_ACTOR = "broker"  # who, when the broker itself acts (demo set-up, tests)
+
+
 class KeyService:
     def __init__(
         self,
@@ -117,8 +120,10 @@ class KeyService:
         cache: DekCache | None = None,
         metadata: MetadataCache | None = None,
         change_log: ChangeLogger | None = None,
+        query_keys_publishable: bool = False,
     ) -> None:
         self._store = store
+        self._query_keys_publishable = query_keys_publishable  # [keys] signing_key is set
         self._keks = keks
         self._cache = cache if cache is not None else DekCache(ttl_seconds=0, max_entries=0)
         self._metadata = (
@@ -149,34 +154,49 @@ class KeyService:
         purpose: Purpose,
         *,
         now: datetime,
+        who: str = SYSTEM_ACTOR,
         material: bytes | None = None,
         algorithm: Algorithm | None = None,
     ) -> KeyVersionRecord:
         """Version 1 of a new key: a random AES-256 DEK, or an HPKE key pair for ``query``.
 
         Raises:
-            InputError: bad name or material; ``Conflict`` when the key exists.
+            InputError: bad name or material, or a query key where no statement signing key is
+                configured (its public half could not be published); ``Conflict`` when the
+                key exists.
             UpstreamError: when the KEK or the store cannot answer.
         """
         validate_key_name(name)
+        if purpose is Purpose.QUERY and not self._query_keys_publishable:
+            raise InputError(
+                "query keys need [keys] signing_key: their public halves are published signed"
+            )
         if await self._store.latest_version(name, enabled_only=False) is not None:
             raise Conflict(f"key {name!r} exists; rotate it to add a version")
         record = await self._new_version(
             name, 1, purpose, now=now, material=material, algorithm=algorithm
         )
         self._invalidate(name)
-        await self._log("create", record, now)
+        await self._log("create", record, now, who)
         return record
 
     async def import_key(
-        self, name: str, purpose: Purpose, material: bytes, *, now: datetime
+        self,
+        name: str,
+        purpose: Purpose,
+        material: bytes,
+        *,
+        now: datetime,
+        who: str = SYSTEM_ACTOR,
     ) -> KeyVersionRecord:
         """``create`` with caller-supplied material (32 bytes for AES-256 keys)."""
         if purpose is Purpose.QUERY or len(material) != DEK_BYTES:
             raise InputError("import takes exactly 32 bytes of AES-256 key material")
-        return await self.create(name, purpose, now=now, material=material)
+        return await self.create(name, purpose, now=now, who=who, material=material)
 
-    async def rotate(self, name: str, *, now: datetime) -> KeyVersionRecord:
+    async def rotate(
+        self, name: str, *, now: datetime, who: str = SYSTEM_ACTOR
+    ) -> KeyVersionRecord:
         """A new version with fresh material; earlier versions stay as they are."""
         latest = await self._require_latest(name)
         try:
@@ -188,11 +208,11 @@ class KeyService:
                 f"key {name!r} was rotated concurrently; retry", code=ErrorCode.CONFLICT
             ) from exc
         self._invalidate(name)
-        await self._log("rotate", record, now)
+        await self._log("rotate", record, now, who)
         return record
 
     async def set_enabled(
-        self, name: str, version: int, enabled: bool, *, now: datetime
+        self, name: str, version: int, enabled: bool, *, now: datetime, who: str = SYSTEM_ACTOR
     ) -> KeyVersionRecord:
         record = await self._require(name, version)
         if record.state is VersionState.DESTROYED:
@@ -201,16 +221,18 @@ class KeyService:
         updated = record.evolve(state=state, updated_at=now)
         await self._replace(updated, record)
         self._invalidate(name)
-        await self._log("enable" if enabled else "disable", updated, now)
+        await self._log("enable" if enabled else "disable", updated, now, who)
         return updated
 
-    async def destroy(self, name: str, version: int, *, now: datetime) -> KeyVersionRecord:
+    async def destroy(
+        self, name: str, version: int, *, now: datetime, who: str = SYSTEM_ACTOR
+    ) -> KeyVersionRecord:
         """Delete the wrapped material for good; metadata and history remain."""
         record = await self._require(name, version)
         updated = record.evolve(state=VersionState.DESTROYED, wrapped_dek=b"", updated_at=now)
         await self._replace(updated, record)
         self._invalidate(name)
-        await self._log("destroy", updated, now)
+        await self._log("destroy", updated, now, who)
         return updated
 
     async def list_versions(self, name: str | None = None) -> list[KeyVersionRecord]:
@@ -268,6 +290,7 @@ class KeyService:
         action: str,
         detail: Mapping[str, Any],
         now: datetime,
+        who: str = SYSTEM_ACTOR,
     ) -> tuple[KeyVersionRecord, bytes]:
         """The DEK of an enabled model-weights version for its owner's own use (``broker weights
         encrypt|decrypt``), logged as a ``key_admin`` record with ``action`` before it is
@@ -281,14 +304,25 @@ class KeyService:
             raise InputError(f"key {name!r} is a query key, not a data key")
         material = await self.unwrap(record)
         await self._log_event(
-            action, {"key": record.name, "version": record.version, **detail}, now
+            action, {"key": record.name, "version": record.version, **detail}, now, who
         )
         return record, material
+
+    async def log_outcome(
+        self, action: str, detail: Mapping[str, Any], *, now: datetime, who: str = SYSTEM_ACTOR
+    ) -> None:
+        """A ``key_admin`` record of how an owner's use of a key ended (``weights-decrypt``:
+        ``outcome`` ok or failed, and why), after the record ``owner_material`` wrote first."""
+        await self._log_event(action, detail, now, who)
 
     # --- KEK rotation ------------------------------------------------------------------------
 
     async def rewrap(
-        self, *, now: datetime, on_progress: Callable[[int], None] | None = None
+        self,
+        *,
+        now: datetime,
+        who: str = SYSTEM_ACTOR,
+        on_progress: Callable[[int], None] | None = None,
     ) -> RewrapReport:
         """Move every DEK under the primary KEK. Safe to kill and re-run at any point.
 
@@ -318,7 +352,9 @@ class KeyService:
                 if on_progress is not None:
                     on_progress(rewrapped)
         if rewrapped or current:
-            await self._log_event("rewrap", {"kek": target.reference, "rewrapped": rewrapped}, now)
+            await self._log_event(
+                "rewrap", {"kek": target.reference, "rewrapped": rewrapped}, now, who
+            )
         return RewrapReport(
             rewrapped=rewrapped, already_current=current, skipped_destroyed=destroyed
         )
@@ -383,7 +419,7 @@ class KeyService:
                 code=ErrorCode.CONFLICT,
             )
 
-    async def _log(self, action: str, record: KeyVersionRecord, now: datetime) -> None:
+    async def _log(self, action: str, record: KeyVersionRecord, now: datetime, who: str) -> None:
         await self._log_event(
             action,
             {
@@ -395,12 +431,21 @@ class KeyService:
                 "kek": record.kek_ref,
             },
             now,
+            who,
         )
 
-    async def _log_event(self, action: str, fields: Mapping[str, Any], now: datetime) -> None:
+    async def _log_event(
+        self, action: str, fields: Mapping[str, Any], now: datetime, who: str
+    ) -> None:
         if self._change_log is not None:
             await self._change_log(
-                {"type": "key_admin", "action": action, "time": now.isoformat(), **fields}
+                {
+                    "type": "key_admin",
+                    "action": action,
+                    "time": now.isoformat(),
+                    "who": who,
+                    **fields,
+                }
             )
 
 
