@@ -89,6 +89,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         )
         await audit.open()
         stack.push_async_callback(audit.close)
+        sink = None  # listening before anything is logged: the start-up record is streamed too
+        if settings.audit.sink is not None:
+            sink = AuditSink(settings.audit.sink, session, app[METRICS])
+            audit.add_listener(sink.offer)
+            stack.callback(sink.close)
         keys.attach_change_log(audit.append)
         policies = PolicyManager(settings.policy, app[METRICS], clock=state.clock)
         engine = await policies.open(audit.append, audit.append_policy_change)
@@ -133,10 +138,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             state.checkpoints = publisher
             background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
         state.checks["checkpoints"] = "signed" if state.checkpoints else "off (no signing_key)"
-        if settings.audit.sink is not None:
-            sink = AuditSink(settings.audit.sink, session, app[METRICS])
-            audit.add_listener(sink.offer)
-            stack.callback(sink.close)
+        if sink is not None:
             background.append(asyncio.create_task(sink.run(), name="audit-sink"))
         log.info("broker ready: %s", state.checks)
         try:

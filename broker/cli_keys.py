@@ -163,7 +163,7 @@ def _rotate(args: argparse.Namespace) -> int:
 
 def _switch(enabled: bool) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        name, version = admin.key_name(args.name), admin.version(args.version)
+        name, version = admin.key_name(args.name), admin.version_text(args.version)
         record = run_keys(
             args,
             lambda keys, now: keys.set_enabled(
@@ -179,7 +179,7 @@ _disable, _enable = _switch(False), _switch(True)
 
 
 def _destroy(args: argparse.Namespace) -> int:
-    name, version = admin.key_name(args.name), admin.version(args.version)
+    name, version = admin.key_name(args.name), admin.version_text(args.version)
     if not args.yes:
         print("error: destroy cannot be undone; add --yes to confirm", file=sys.stderr)
         return EXIT_USAGE

@@ -42,16 +42,24 @@ def algorithm(value: object | None) -> Algorithm | None:
 
 
 def version(value: object) -> int:
-    """A key version: an integer 1..2^31 (a decimal string from the command line).
+    """A key version: an integer 1..2^31 (a JSON number; a JSON string is refused).
 
     Raises:
         InputError: ``bad_request``.
     """
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_VERSION:
         raise InputError("version must be a positive integer")
     return value
+
+
+def version_text(text: str) -> int:
+    """``version`` from a command-line argument (ASCII decimal digits).
+
+    Raises:
+        InputError: ``bad_request``, with ``version``'s message.
+    """
+    digits = text.isascii() and text.isdigit() and len(text) <= len(str(MAX_VERSION))
+    return version(int(text) if digits else None)
 
 
 def _member(kind: type[E], value: object, field: str) -> E:

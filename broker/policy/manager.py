@@ -118,7 +118,14 @@ class PolicyManager:
             self.engine = engine
         else:
             compiled = await asyncio.to_thread(self._prepare)
-            await self._record_change(None, compiled, "startup", SYSTEM_WHO)
+            try:
+                await self._record_change(None, compiled, "startup", SYSTEM_WHO)
+            except UpstreamError:
+                # The log cannot write: it now refuses every record, so no decision is made
+                # (and nothing released) under a policy the log does not name.
+                log.critical(
+                    "policy %s could not be logged; nothing will be decided", compiled.digest
+                )
             self.engine = WasmPolicyEngine(compiled)
             self._watch_stamp = await asyncio.to_thread(self._stamp)
         self.metrics.policy_info(self.digest)

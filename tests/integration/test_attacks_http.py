@@ -198,12 +198,13 @@ async def test_every_attempt_is_logged_and_the_chain_verifies(broker: RunningBro
     await post(broker, "/v1/release", await fresh_request(broker))
     await post(broker, "/v1/release", await fresh_request(broker, audience="https://other"))
     records = broker.records()
-    assert [(r["result"], r["code"]) for r in records] == [
+    assert [r["type"] for r in records] == ["policy_change", "release", "release"]
+    assert [(r["result"], r["code"]) for r in records[1:]] == [
         ("allow", None),
         ("deny", "audience_mismatch"),
     ]
     report = await asyncio.to_thread(verify_file, broker.settings.audit.log)
-    assert report.head.size == 2
+    assert report.head.size == 3
 
 
 async def test_concurrent_nonce_replay_releases_exactly_once(broker: RunningBroker) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from broker.dev.issuer import DevIssuer
-from tests.integration.conftest import write_config
+from broker.keys.admin import cli_actor
+from tests.integration.conftest import write_config, write_statement_key
 from tests.unit.test_audit_log import write_log
 
 ROOT = Path(__file__).parents[2]
@@ -296,6 +297,7 @@ def test_verify_real_hopper_report_against_rims(rims: list[str], at: str, expect
 
 def test_key_lifecycle_commands_log_every_change(tmp_path: Path) -> None:
     config = configured(tmp_path)
+    signing = {"BROKER_KEYS_SIGNING_KEY": str(write_statement_key(tmp_path / "statement.pem"))}
     material = tmp_path / "dek.bin"
     material.write_bytes(bytes(range(32)))
     steps = [
@@ -315,7 +317,7 @@ def test_key_lifecycle_commands_log_every_change(tmp_path: Path) -> None:
         ("keys", "create", "models/q", "--purpose", "query", "--algorithm", "HPKE-X25519"),
     ]
     for step in steps:
-        result = run(*step, "--config", str(config))
+        result = run(*step, "--config", str(config), env=signing)
         assert result.returncode == 0, (step, result.stderr)
     refused = run("keys", "destroy", "models/byok", "--version", "2", "--config", str(config))
     assert refused.returncode == 2  # destroy needs --yes
@@ -324,8 +326,11 @@ def test_key_lifecycle_commands_log_every_change(tmp_path: Path) -> None:
     listed = json.loads(run("keys", "list", "--config", str(config)).stdout)
     assert {v["algorithm"] for v in listed} == {"AES-256", "HPKE-X25519"}
     log = tmp_path / "b" / "decisions.log"
-    actions = [json.loads(line)["action"] for line in log.read_text().splitlines()]
-    assert actions == ["create", "rotate", "disable", "enable", "destroy", "create"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["action"] for r in records] == [
+        "create", "rotate", "disable", "enable", "destroy", "create"
+    ]  # fmt: skip
+    assert {r["who"] for r in records} == {cli_actor()}  # user@host of whoever ran them
     assert run("audit", "verify", str(log)).returncode == 0
 
 

@@ -69,6 +69,27 @@ class Nras:
         return self.nras.result(gpu_nonce, **self.result)
 
 
+# A second device (same firmware, its own identity) whose root the GPU brokers also trust.
+SECOND_GPU = SimulatedGpu(datetime.now(UTC))
+
+
+class TwoGpus:
+    """Evidence of two distinct devices in one request, each with its own feature flag."""
+
+    evidence_kind = "nvidia"
+
+    def __init__(self, gpu: SimulatedGpu, flags: tuple[int, int]) -> None:
+        self.gpus, self.flags = (gpu, SECOND_GPU), flags
+
+    async def evidence(self, gpu_nonce: bytes) -> object:
+        first, second = (
+            g.evidence(gpu_nonce, feature_flags=(f,))
+            for g, f in zip(self.gpus, self.flags, strict=True)
+        )
+        first["evidence_list"] += second["evidence_list"]
+        return first
+
+
 class FixedNonceGpu(LocalGpu):
     async def evidence(self, gpu_nonce: bytes) -> object:
         return self.gpu.evidence(bytes(32))  # evidence made for someone else's nonce
@@ -97,7 +118,7 @@ async def start_gpu_broker(
 
     def setup(workdir: Path) -> None:
         (workdir / "gpu").mkdir()
-        (workdir / "gpu" / "device_root.pem").write_bytes(pem([gpu.root]))
+        (workdir / "gpu" / "device_root.pem").write_bytes(pem([gpu.root, SECOND_GPU.root]))
         (workdir / "gpu" / "rim_root.pem").write_bytes(pem([authority.root]))
         (workdir / "gpu" / "nras_intermediate.pem").write_bytes(pem([nras.intermediate]))
         (workdir / "gpu" / "nras_jwks.json").write_text(json.dumps(nras.jwks()))
@@ -314,8 +335,18 @@ async def refused(broker: RunningBroker, gpu_source: Any) -> BrokerClientError:
 async def test_gpus_in_mixed_modes_denied(
     gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
 ) -> None:
-    error = await refused(gpu_broker, LocalGpu(world[0], feature_flags=(0, 2)))  # SPT + PPCIe
+    error = await refused(gpu_broker, TwoGpus(world[0], (0, 2)))  # SPT + PPCIe
     assert "GPUs run in mixed modes (ppcie, spt); one mode is required" in error.details["reasons"]
+
+
+async def test_one_gpu_sent_twice_is_refused_and_recorded(
+    gpu_broker: RunningBroker, world: tuple[SimulatedGpu, RimAuthority, SimulatedNras]
+) -> None:
+    """Two reports of one device must not meet a policy's min_gpus: 2."""
+    error = await refused(gpu_broker, LocalGpu(world[0], feature_flags=(0, 0)))
+    assert error.code == "gpu_evidence_duplicate"
+    record = [r for r in gpu_broker.records() if r["type"] == "release"][-1]
+    assert (record["result"], record["code"]) == ("deny", "gpu_evidence_duplicate")
 
 
 @pytest.mark.parametrize("declared", [None, "HOPPER"])

@@ -33,7 +33,7 @@ from broker.keys.factory import open_key_service
 from broker.keys.kek.base import dek_aad
 from broker.keys.store.base import Purpose, VersionState
 from broker.keys.store.postgres import SCHEMA_VERSION, PostgresKeyStore, migrate
-from tests.integration.conftest import KEY, free_port, write_config
+from tests.integration.conftest import KEY, free_port, write_config, write_statement_key
 from tests.integration.test_shared_nonces import (
     ROOT,
     release_body,
@@ -104,7 +104,11 @@ async def test_migrate_creates_then_keeps_the_schema_and_refuses_a_newer_one(
 
 async def test_lifecycle_and_no_plaintext_in_the_database(database: str, tmp_path: Path) -> None:
     await migrate(database, timeout_seconds=5)
-    settings = KeySettings(store=database, kek=f"local:{tmp_path / 'kek.key'}")
+    settings = KeySettings(
+        store=database,
+        kek=f"local:{tmp_path / 'kek.key'}",
+        signing_key=write_statement_key(tmp_path / "statement.pem"),  # query keys are published
+    )
     async with open_key_service(settings, create_missing_kek=True) as keys:
         await keys.create("models/a", Purpose.MODEL_WEIGHTS, now=NOW)
         dek1 = await keys.unwrap(await keys.resolve("models/a", None))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 from datetime import UTC, datetime
@@ -16,7 +17,7 @@ from broker.client import BrokerClientError
 from broker.config import load_settings
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
-from tests.integration.conftest import KEY, RunningBroker
+from tests.integration.conftest import KEY, RunningBroker, write_statement_key
 
 
 async def get(broker: RunningBroker, path: str) -> tuple[int, str]:
@@ -46,10 +47,16 @@ async def test_metrics_count_requests_and_decisions(broker: RunningBroker) -> No
 
 
 async def test_release_fails_closed_when_the_decision_log_cannot_write(
-    start_broker: Any,
+    start_broker: Any, tmp_path: Path
 ) -> None:
-    # /dev/full: every write fails with ENOSPC, a real I/O error.
-    broker: RunningBroker = await start_broker(environ={"BROKER_AUDIT_LOG": "/dev/full"})
+    # /dev/full: every write fails with ENOSPC, a real I/O error (the start-up policy_change
+    # already fails: the broker serves, and refuses every release).
+    broker: RunningBroker = await start_broker(
+        environ={
+            "BROKER_AUDIT_LOG": "/dev/full",
+            "BROKER_AUDIT_MASK_KEY": str(tmp_path / "mask.key"),
+        }
+    )
     async with broker.client() as client:
         with pytest.raises(BrokerClientError) as caught:
             await client.release(KEY, broker.token_source())
@@ -90,8 +97,11 @@ async def test_readyz_reports_the_live_decision_log_size(broker: RunningBroker) 
 
 async def test_query_keys_without_a_statement_key_are_not_ready(start_broker: Any) -> None:
     async def add_query_key(workdir: Path) -> None:
+        """Another process, configured with a statement key, adds a query key to the store."""
         settings = await asyncio.to_thread(load_settings, workdir / "broker.toml", {})
-        async with open_key_service(settings.keys) as keys:
+        statement = await asyncio.to_thread(write_statement_key, workdir / "statement.pem")
+        other = dataclasses.replace(settings.keys, signing_key=statement)
+        async with open_key_service(other) as keys:
             await keys.create("models/q", Purpose.QUERY, now=datetime.now(UTC))
 
     broker: RunningBroker = await start_broker()

@@ -12,18 +12,20 @@ from typing import Any
 import pytest
 
 from broker.dev.issuer import DevIssuer
-from tests.integration.conftest import write_config
+from broker.keys.admin import cli_actor
+from tests.integration.conftest import write_config, write_statement_key
 
 ROOT = Path(__file__).parents[2]
 
 
-def broker(*args: str) -> subprocess.CompletedProcess[str]:
+def broker(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "broker.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -93,8 +95,13 @@ def test_owner_encrypts_a_snapshot_inspects_and_decrypts_it(owner: dict[str, Any
     records = [
         json.loads(line) for line in (config.parent / "decisions.log").read_text().splitlines()
     ]
-    uses = [r["action"] for r in records if r.get("type") == "key_admin"]
-    assert uses[-2:] == ["weights-encrypt", "weights-decrypt"]  # every use of the DEK logged
+    uses = [r for r in records if r.get("type") == "key_admin"]
+    assert [r["action"] for r in uses[-3:]] == [  # every use of the DEK logged, and its end
+        "weights-encrypt", "weights-decrypt", "weights-decrypt-result"
+    ]  # fmt: skip
+    assert uses[-1]["outcome"] == "ok"
+    assert uses[-1]["bytes"] > 0
+    assert {r["who"] for r in uses[-3:]} == {cli_actor()}
     assert broker("audit", "verify", str(config.parent / "decisions.log")).returncode == 0
 
 
@@ -128,12 +135,11 @@ def test_a_changed_file_is_refused_and_leaves_no_plaintext(owner: dict[str, Any]
 
 def test_disabled_or_query_keys_and_bad_input_are_refused(owner: dict[str, Any]) -> None:
     config, model, tmp = owner["config"], owner["model"], owner["tmp"]
-    assert (
-        broker(
-            "keys", "create", "queries/q", "--purpose", "query", "--config", str(config)
-        ).returncode
-        == 0
+    signing = {"BROKER_KEYS_SIGNING_KEY": str(write_statement_key(tmp / "statement.pem"))}
+    created = broker(
+        "keys", "create", "queries/q", "--purpose", "query", "--config", str(config), env=signing
     )
+    assert created.returncode == 0, created.stderr
     query = broker(
         "weights",
         "encrypt",
