@@ -506,6 +506,9 @@ def ocsf_event(record: dict[str, Any]) -> dict[str, Any]:
     except ValueError:
         epoch_ms = 0
     status_id = {"allow": 1, "deny": 2, "error": 2}.get(str(result), 0)
+    if kind == "policy_reload_failed":
+        status_id = 2
+    who = record.get("who")  # changes say who made them (admin token id, user@host, broker)
     return {
         "class_uid": OCSF_API_ACTIVITY,
         "category_uid": 6,
@@ -516,12 +519,19 @@ def ocsf_event(record: dict[str, Any]) -> dict[str, Any]:
         "status_id": status_id,
         "status": {1: "Success", 2: "Failure"}.get(status_id, "Unknown"),
         "status_code": record.get("code"),
-        "message": "; ".join(record.get("reasons") or []) or record.get("message"),
+        "message": "; ".join(record.get("reasons") or [])
+        or record.get("message")
+        or record.get("problem"),
         "api": {
             "operation": kind if kind != "release" else "release",
             "request": {"uid": record.get("request_id")},
         },
-        "actor": {"user": {"uid": identity.get("sub"), "name": identity.get("image_digest")}},
+        "actor": {
+            "user": {
+                "uid": identity.get("sub") or who,
+                "name": identity.get("image_digest") or who,
+            }
+        },
         "resources": [{"name": record.get("key"), "version": str(record.get("version"))}],
         "metadata": {
             "product": {"name": "sealed-runner key broker"},

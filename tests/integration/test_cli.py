@@ -169,8 +169,8 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "denied 403 policy_denied" in result.stdout
     assert (
-        "decision log verified: 6 records (create, weights-encrypt, allow, deny, policy_change, "
-        "deny)" in result.stdout
+        "decision log verified: 7 records (create, weights-encrypt, policy_change, allow, deny, "
+        "policy_change, deny)" in result.stdout
     )
     assert "the formerly allowed image is now denied" in result.stdout
     assert "`broker weights encrypt model/ bucket/` sealed model.safetensors" in result.stdout

@@ -144,3 +144,7 @@ async def test_two_workers_share_a_port_restart_and_stop_cleanly(tmp_path: Path)
     releases = [r for r in records if r.get("type") == "release"]
     assert sum(r["result"] == "allow" for r in releases) == 22
     assert len(releases) == 221  # every decision of both workers, in one chain
+    # Three workers started (two, then a replacement) with one policy: one start-up record,
+    # decided under the log's lock.
+    changes = [r for r in records if r.get("type") == "policy_change"]
+    assert [(c["trigger"], c["old_digest"]) for c in changes] == [("startup", None)]
