@@ -33,7 +33,7 @@ from broker.attestation.nvidia.sources import (
 )
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
-from broker.audit.log import DecisionLog
+from broker.audit.log import DecisionLog, LogCorrupt
 from broker.audit.mask import load_or_create_mask_key
 from broker.audit.publisher import CheckpointPublisher
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
@@ -134,6 +134,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                 witnesses=witnesses,
                 session=session,
             )
+            stack.callback(publisher.close)
             await publisher.publish()
             state.checkpoints = publisher
             background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
@@ -149,7 +150,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             if state.checkpoints is not None:
                 try:
                     await state.checkpoints.publish()  # the last records are covered too
-                except (OSError, UpstreamError):  # best effort: the records themselves are safe
+                except (OSError, UpstreamError, LogCorrupt):  # best effort: records are safe
                     log.exception("the final checkpoint could not be signed or written")
                 state.checkpoints = None
             state.release = None

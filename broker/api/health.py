@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from aiohttp import web
 
@@ -13,9 +14,13 @@ from broker.errors import ErrorCode, UpstreamError
 from broker.keys.store.base import Purpose
 
 
+# ``broker serve --workers N`` numbers its workers (supervisor.py); a single process is worker 0.
+WORKER_INDEX = int(os.environ.get("BROKER_WORKER_INDEX", "0") or 0)
+
+
 async def healthz(request: web.Request) -> web.Response:
-    """The process is up and serving HTTP."""
-    return web.json_response({"status": "ok"})
+    """The process is up and serving HTTP; ``worker`` says which worker answered."""
+    return web.json_response({"status": "ok", "worker": WORKER_INDEX})
 
 
 async def readyz(request: web.Request) -> web.Response:

@@ -1,7 +1,10 @@
 """Read-only audit API (role ``auditor``): the latest signed checkpoint, records, and proofs.
 
 Proofs are over the tree as committed (every record durably written); hashes are standard
-base64, as in checkpoints. A page of entries is at most ``MAX_PAGE`` records.
+base64, as in checkpoints. A page of entries is at most ``MAX_PAGE`` records. With
+``--workers N`` every answer first catches up with the records of every worker of this replica
+(``DecisionLog.refresh``) and serves the replica's newest checkpoint: whichever worker answers,
+the view is the same and never goes back.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from broker.errors import ErrorCode, InputError, NotFound, UpstreamError
 MAX_PAGE = 1000
 
 
-def _log(state: BrokerState) -> DecisionLog:
+async def _log(state: BrokerState) -> DecisionLog:
+    """This replica's log, caught up with every worker's records."""
     if state.release is None:
         raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
-    return state.release.audit
+    decisions = state.release.audit
+    await decisions.refresh()
+    return decisions
 
 
 def _int(request: web.Request, name: str, *, default: int | None = None) -> int:
@@ -42,14 +48,15 @@ def _b64(hashes: list[bytes]) -> list[str]:
 async def checkpoint(request: web.Request) -> web.Response:
     """``GET /v1/log/checkpoint``: the latest signed checkpoint (a C2SP signed note)."""
     publisher = request.app[STATE].checkpoints
-    if publisher is None or publisher.latest is None:
+    note = None if publisher is None else await publisher.current()
+    if note is None:
         raise NotFound("this broker signs no checkpoints ([audit] signing_key is not set)")
-    return web.Response(text=publisher.latest, content_type="text/plain")
+    return web.Response(text=note, content_type="text/plain")
 
 
 async def entries(request: web.Request) -> web.Response:
     """``GET /v1/log/entries?start=&end=``: records ``[start, end)`` as JSON lines."""
-    decisions = _log(request.app[STATE])
+    decisions = await _log(request.app[STATE])
     size = decisions.committed_size
     start = _int(request, "start", default=0)
     end = min(_int(request, "end", default=start + MAX_PAGE), start + MAX_PAGE, size)
@@ -62,7 +69,7 @@ async def entries(request: web.Request) -> web.Response:
 
 async def inclusion(request: web.Request) -> web.Response:
     """``GET /v1/log/proof/inclusion?index=I&tree_size=N``."""
-    decisions = _log(request.app[STATE])
+    decisions = await _log(request.app[STATE])
     index, size = _int(request, "index"), _int(request, "tree_size")
     if not 0 <= index < size <= decisions.committed_size:
         raise InputError(
@@ -74,7 +81,7 @@ async def inclusion(request: web.Request) -> web.Response:
 
 async def consistency(request: web.Request) -> web.Response:
     """``GET /v1/log/proof/consistency?first=M&second=N``."""
-    decisions = _log(request.app[STATE])
+    decisions = await _log(request.app[STATE])
     first, second = _int(request, "first"), _int(request, "second")
     if not 0 < first <= second <= decisions.committed_size:
         raise InputError(f"need 0 < first <= second <= {decisions.committed_size}")

@@ -195,7 +195,13 @@ SCHEMAS: dict[str, Any] = {
         },
         "additionalProperties": False,
     },
-    "Health": _object({"status": {"type": "string", "const": "ok"}}, ["status"]),
+    "Health": _object(
+        {
+            "status": {"type": "string", "const": "ok"},
+            "worker": {"type": "integer", "minimum": 0, "description": "which worker answered"},
+        },
+        ["status", "worker"],
+    ),
     "Ready": _object(
         {
             "status": {"type": "string", "const": "ready"},

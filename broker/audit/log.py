@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import stat
+import threading
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -303,6 +304,9 @@ class DecisionLog:
         self._committed = 0  # tree size readers may use (every level of it is complete)
         self._locations = Locations()  # each record's (file inode, byte offset)
         self._listeners: list[Callable[[list[bytes]], None]] = []
+        # The tree, the index and the consumed offsets change in worker threads (a batch
+        # write, a refresh): one at a time. (flock does not exclude threads sharing a file.)
+        self._mutex = threading.Lock()
 
     def add_listener(self, listener: Callable[[list[bytes]], None]) -> None:
         """Called on the event loop with the lines of every durable batch (never blocking)."""
@@ -351,6 +355,8 @@ class DecisionLog:
                 if digest is not None:
                     self._policy_digest = digest
                     break
+        if fresh:
+            self._known_head = None  # another writer moved the head: read it before writing
         if self.tree.size == 0 and fresh:
             self.tree = MerkleTree.from_lines(fresh)  # start-up: the whole log, in bulk
         else:
@@ -390,6 +396,22 @@ class DecisionLog:
                 lines.extend(handle.read(last - first).split(b"\n")[:-1][: stop - index])
             index = stop
         return lines
+
+    async def refresh(self) -> None:
+        """Catch up with records other processes of this replica appended (``--workers N``
+        share one log): after this, the tree, proofs and entries cover every record durably
+        written by any of them. Under a shared lock: no writer is mid-batch."""
+        await asyncio.to_thread(self._refresh)
+
+    def _refresh(self) -> None:
+        with self._mutex:
+            if self._lock_fd is None:
+                return
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+            try:
+                self._catch_up()
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     async def open(self) -> None:
         """Recover the chain head and open the file for appending.
@@ -504,6 +526,12 @@ class DecisionLog:
         """Under an exclusive lock: catch up with other writers, chain the batch to the head,
         write, fsync, and hash the new lines into the tree. A conditional ``policy_change``
         naming the policy the log already names last is skipped (``None``)."""
+        with self._mutex:
+            return self._seal_and_write_locked(entries)
+
+    def _seal_and_write_locked(
+        self, entries: list[tuple[dict[str, Any], bool]]
+    ) -> tuple[ChainHead, list[Appended | None]]:
         if self._fd is None or self._lock_fd is None:
             raise OSError("decision log is closed")
         # The lock is a file of its own: rotation replaces the active file under it.

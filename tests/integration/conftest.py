@@ -357,3 +357,24 @@ def postgresql_url() -> Iterator[str]:
         process.terminate()
         process.wait(timeout=20)
         shutil.rmtree(data.parent, ignore_errors=True)
+
+
+# --- Go's reference code for checkpoints and proofs (golang.org/x/mod/sumdb/{note,tlog}) --------
+
+
+@pytest.fixture(scope="session")
+def go_verifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/go_reference built once: reads a JSON case (verifier key, checkpoint, inclusion and
+    consistency proofs) on stdin, exits non-zero naming the first check that fails."""
+    go = shutil.which("go")
+    assert go, "Go is needed for the reference verifier (the machine image has it)"
+    binary = tmp_path_factory.mktemp("goref") / "goref"
+    subprocess.run(
+        [go, "build", "-o", str(binary), "."],
+        cwd=Path(__file__).resolve().parents[1] / "go_reference",
+        check=True,
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "GOFLAGS": "-mod=mod"},
+    )
+    return binary

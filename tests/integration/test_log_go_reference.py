@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,25 +21,8 @@ from broker.audit.merkle import MerkleTree, leaf_hash, verify_consistency, verif
 from broker.audit.publisher import checkpoint_paths
 
 ROOT = Path(__file__).resolve().parents[2]
-GO_SOURCE = ROOT / "tests" / "go_reference"
 RECORDS = 10_000
 ORIGIN = "broker.test.invalid/decisions"
-
-
-@pytest.fixture(scope="module")
-def go_verifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    go = shutil.which("go")
-    assert go, "Go is needed for the reference verifier (the machine image has it)"
-    binary = tmp_path_factory.mktemp("goref") / "goref"
-    subprocess.run(
-        [go, "build", "-o", str(binary), "."],
-        cwd=GO_SOURCE,
-        check=True,
-        capture_output=True,
-        timeout=600,
-        env={**os.environ, "GOFLAGS": "-mod=mod"},
-    )
-    return binary
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ async def get(broker: RunningBroker, path: str) -> tuple[int, str]:
 
 
 async def test_health_and_readiness(broker: RunningBroker) -> None:
-    assert await get(broker, "/healthz") == (200, '{"status": "ok"}')
+    assert await get(broker, "/healthz") == (200, '{"status": "ok", "worker": 0}')
     status, body = await get(broker, "/readyz")
     assert status == 200
     assert '"kek": "local (DEVELOPMENT ONLY)"' in body
