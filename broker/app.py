@@ -45,6 +45,7 @@ from broker.keys.factory import open_key_service
 from broker.metrics import Metrics
 from broker.nonce_stores import open_nonce_store
 from broker.policy.manager import PolicyManager
+from broker.policy.workers import WorkerGroup
 from broker.release import ReleaseService
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,11 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-def create_app(settings: Settings, *, clock: Clock = utc_now) -> web.Application:
-    """Build the broker application for ``settings``."""
+def create_app(
+    settings: Settings, *, clock: Clock = utc_now, workers: WorkerGroup | None = None
+) -> web.Application:
+    """Build the broker application for ``settings``; ``workers``: this process's place among
+    the workers of ``broker serve --workers N`` (default: a single process)."""
     app = web.Application(
         middlewares=[request_context], client_max_size=settings.server.max_body_bytes
     )
@@ -69,6 +73,7 @@ def create_app(settings: Settings, *, clock: Clock = utc_now) -> web.Application
             capacity=settings.server.max_outstanding_nonces,
             timeout=settings.nonces.timeout_seconds,
         ),
+        workers=workers or WorkerGroup.for_log(settings.audit.log, {}),
     )
     app.cleanup_ctx.append(_resources)
     register(app)
@@ -95,7 +100,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             audit.add_listener(sink.offer)
             stack.callback(sink.close)
         keys.attach_change_log(audit.append)
-        policies = PolicyManager(settings.policy, app[METRICS], clock=state.clock)
+        policies = PolicyManager(
+            settings.policy, app[METRICS], clock=state.clock, workers=state.workers
+        )
         engine = await policies.open(audit.append, audit.append_policy_change)
         stack.push_async_callback(policies.close)
         state.policies = policies

@@ -25,6 +25,7 @@ from broker.api.state import STATE
 from broker.app import create_app, server_ssl_context
 from broker.config import Settings, load_settings
 from broker.errors import BrokerError, ConfigError, InputError
+from broker.policy.workers import WorkerGroup
 from broker.supervisor import WORKER_FLAG, Supervisor
 
 T = TypeVar("T")
@@ -121,8 +122,11 @@ def run_loop(main: Coroutine[object, object, T], event_loop: str) -> T:
 
 async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False) -> None:
     """Serve until SIGTERM or SIGINT, then shut down cleanly (connections drained)."""
+    workers = WorkerGroup.for_log(settings.audit.log, os.environ)  # from the supervisor
     runner = BrokerRunner(
-        create_app(settings), settings.server, access_log=logging.getLogger("broker.access")
+        create_app(settings, workers=workers),
+        settings.server,
+        access_log=logging.getLogger("broker.access"),
     )
     await runner.setup()
     try:
@@ -147,9 +151,7 @@ async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False
         def reload_policy() -> None:  # SIGHUP: check, test and swap the policy
             state = runner.app[STATE]
             if state.policies is not None:
-                task = asyncio.create_task(
-                    state.policies.reload(trigger="sighup", who="signal:SIGHUP")
-                )
+                task = asyncio.create_task(state.policies.on_signal())
                 reloads.add(task)
                 task.add_done_callback(reloads.discard)
 

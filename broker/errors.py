@@ -76,6 +76,8 @@ class ErrorCode(StrEnum):
     # policy
     POLICY_DENIED = "policy_denied"
     POLICY_INVALID = "policy_invalid"  # a reload refused: the last good policy keeps serving
+    # a reload that not every worker confirmed in time, or after which workers disagree
+    POLICY_RELOAD_INCOMPLETE = "policy_reload_incomplete"
     # upstreams (nothing released)
     NONCE_STORE_FULL = "nonce_store_full"
     NONCE_STORE_UNAVAILABLE = "nonce_store_unavailable"

@@ -10,7 +10,8 @@ connections over the workers' listening sockets. The supervisor:
   (``BROKER_SERVER_LISTEN``, ``BROKER_NONCES_STORE``; a worker never picks a per-process store);
 * restarts a worker that exits, with a back-off that grows while it keeps dying young
   (1 s, 2 s, … at most 30 s) and resets once it has run for a minute;
-* forwards SIGHUP (policy reload) to every worker;
+* forwards SIGHUP (policy reload) to every worker; a worker that receives an admin reload sends
+  SIGHUP here and waits until every worker reports the new policy (``policy/workers.py``);
 * on SIGTERM or SIGINT stops restarting, sends SIGTERM to every worker (each drains its
   connections and closes its stores), waits ``STOP_GRACE_SECONDS``, then SIGKILLs stragglers.
 
@@ -97,6 +98,7 @@ class Supervisor:
             "BROKER_SERVER_WORKERS": "1",
             "BROKER_NONCES_STORE": nonce_store_setting(self._settings.nonces.store),
             "BROKER_WORKER_INDEX": str(worker.index),
+            "BROKER_WORKER_COUNT": str(len(self._workers)),  # a reload waits for every worker
         }
         worker.process = await asyncio.create_subprocess_exec(
             sys.executable,

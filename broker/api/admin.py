@@ -130,12 +130,23 @@ async def reload_policy(request: web.Request) -> web.Response:
         raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
     if request.can_read_body:
         await read_json_object(request, required=())
-    outcome = await state.policies.reload(trigger="admin", who=request[ADMIN_WHO])
-    if not outcome.ok:
+    reloaded = await state.policies.reload_everywhere(trigger="admin", who=request[ADMIN_WHO])
+    workers = [r.describe() for r in reloaded.reports]
+    if reloaded.refused or not reloaded.outcome.ok:
+        problems = [r.problem for r in reloaded.refused if r.problem]
         raise Conflict(
             "the new policy was refused; the last good policy keeps serving",
             code=ErrorCode.POLICY_INVALID,
-            problem=outcome.problem,
-            active_digest=outcome.digest,
+            problem=reloaded.outcome.problem or (problems[0] if problems else None),
+            active_digest=reloaded.outcome.digest,
+            workers=workers,
         )
-    return web.json_response(outcome.describe())
+    if not reloaded.agreed:
+        raise UpstreamError(
+            "not every worker confirmed the same policy; reload again (SIGHUP or this endpoint)",
+            code=ErrorCode.POLICY_RELOAD_INCOMPLETE,
+            active_digest=reloaded.outcome.digest,
+            workers=workers,
+            silent_workers=list(reloaded.silent),
+        )
+    return web.json_response(reloaded.describe())

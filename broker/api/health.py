@@ -13,7 +13,6 @@ from broker.api.state import STATE
 from broker.errors import ErrorCode, UpstreamError
 from broker.keys.store.base import Purpose
 
-
 # ``broker serve --workers N`` numbers its workers (supervisor.py); a single process is worker 0.
 WORKER_INDEX = int(os.environ.get("BROKER_WORKER_INDEX", "0") or 0)
 

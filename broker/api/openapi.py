@@ -50,6 +50,18 @@ def _body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
     return {"required": required, "content": {JSON: {"schema": schema}}}
 
 
+WORKER_REPORT: dict[str, Any] = {
+    "type": "object",
+    "required": ["worker", "digest", "ok"],
+    "properties": {
+        "worker": {"type": "integer", "minimum": 0},
+        "digest": {"type": "string"},
+        "ok": {"type": "boolean"},
+        "problem": {"type": "string"},
+    },
+}  # one worker's policy after a reload
+
+
 def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
     return {
         "type": "object",
@@ -78,6 +90,8 @@ SCHEMAS: dict[str, Any] = {
                     "problem": {"type": ["string", "null"]},
                     "active_digest": {"type": "string"},
                     "log_index": {"type": "integer", "minimum": 0},
+                    "workers": {"type": "array", "items": WORKER_REPORT},
+                    "silent_workers": {"type": "array", "items": {"type": "integer"}},
                 },
             }
         },
@@ -180,8 +194,18 @@ SCHEMAS: dict[str, Any] = {
             "previous_digest": {"type": ["string", "null"]},
             "changed": {"type": "boolean"},
             "problem": {"type": ["string", "null"]},
+            "workers": {"type": "array", "items": WORKER_REPORT},
         },
-        ["ok", "trigger", "time", "active_digest", "previous_digest", "changed", "problem"],
+        [
+            "ok",
+            "trigger",
+            "time",
+            "active_digest",
+            "previous_digest",
+            "changed",
+            "problem",
+            "workers",
+        ],
     ),
     "Proof": {
         "type": "object",
@@ -339,7 +363,12 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/admin/policy/reload": {
                 "post": {
-                    **_admin("check, test and swap the policy", None, (200, "PolicyReload"), 409),
+                    **_admin(
+                        "swap the policy in every worker; answered once all serve it",
+                        None,
+                        (200, "PolicyReload"),
+                        409,
+                    ),
                     "tags": ["admin"],
                     "security": [{"bearer": []}],
                     "requestBody": _body(_object({}, []), required=False),

@@ -13,6 +13,7 @@ from broker.audit.publisher import CheckpointPublisher
 from broker.config import Settings
 from broker.nonces import NonceStore
 from broker.policy.manager import PolicyManager
+from broker.policy.workers import WorkerGroup
 from broker.release import ReleaseService
 
 Clock = Callable[[], datetime]
@@ -30,6 +31,7 @@ class BrokerState:
     statement_signer: ec.EllipticCurvePrivateKey | None = None
     policies: PolicyManager | None = None
     checkpoints: CheckpointPublisher | None = None
+    workers: WorkerGroup | None = None  # the workers that serve one policy together
 
     @property
     def ready(self) -> bool:

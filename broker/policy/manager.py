@@ -39,6 +39,7 @@ from broker.policy.engine import PolicyEngine
 from broker.policy.opa_server import OpaServerEngine
 from broker.policy.testing import find_opa
 from broker.policy.wasm import CompiledPolicy, WasmPolicyEngine, WasmPolicyInstance
+from broker.policy.workers import WorkerGroup, WorkerReport
 
 log = logging.getLogger(__name__)
 ChangeLog = Callable[[Mapping[str, Any]], Awaitable[object]]
@@ -75,17 +76,48 @@ class ReloadOutcome:
         }
 
 
+@dataclass(frozen=True)
+class BrokerReload:
+    """A reload as the whole broker (every worker) took it."""
+
+    outcome: ReloadOutcome  # this worker's
+    reports: tuple[WorkerReport, ...]  # every worker that confirmed
+    silent: tuple[int, ...]  # workers that did not confirm in time
+
+    @property
+    def digests(self) -> set[str]:
+        return {r.digest for r in self.reports}
+
+    @property
+    def refused(self) -> list[WorkerReport]:
+        return [r for r in self.reports if not r.ok]
+
+    @property
+    def agreed(self) -> bool:
+        """Every worker confirmed, none refused, and all serve one digest."""
+        return not self.silent and not self.refused and len(self.digests) == 1
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **self.outcome.describe(),
+            "workers": [r.describe() for r in self.reports],
+            **({"silent_workers": list(self.silent)} if self.silent else {}),
+        }
+
+
 @dataclass
 class PolicyManager:
     settings: PolicySettings
     metrics: Metrics
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    workers: WorkerGroup | None = None  # with --workers N: the group to keep on one policy
     engine: PolicyEngine | None = None
     last_reload: ReloadOutcome | None = None
     _change_log: ChangeLog | None = None
     _policy_log: ChangeLog | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _watch_stamp: str | None = None
+    _handled_generation: int = 0
 
     @property
     def digest(self) -> str:
@@ -129,6 +161,10 @@ class PolicyManager:
             self.engine = WasmPolicyEngine(compiled)
             self._watch_stamp = await asyncio.to_thread(self._stamp)
         self.metrics.policy_info(self.digest)
+        if self.workers is not None:
+            request = await asyncio.to_thread(self.workers.read_request)
+            self._handled_generation = request.generation
+            await self._report(request.generation, ok=True, problem=None)
         return self.engine
 
     async def close(self) -> None:
@@ -167,7 +203,67 @@ class PolicyManager:
                     await self._record_failure(outcome, who)
             self.last_reload = outcome
             self.metrics.policy_reloaded(outcome.ok, self.digest)
+            await self._report(self._handled_generation, ok=outcome.ok, problem=outcome.problem)
             return outcome
+
+    async def reload_everywhere(self, *, trigger: str, who: str) -> BrokerReload:
+        """Reload in every worker of this broker and wait for each to confirm (admin API).
+
+        A single process reloads itself. Under a supervisor: record the request, SIGHUP the
+        supervisor (every worker, this one included, reloads through ``on_signal``), and wait
+        until every worker reports this request's generation.
+        """
+        group = self.workers
+        if group is None or group.count == 1 or group.supervisor_pid is None:
+            outcome = await self.reload(trigger=trigger, who=who)
+            report = WorkerReport(
+                0, 0, self._handled_generation, self.digest, outcome.ok, outcome.problem
+            )
+            return BrokerReload(outcome, (report,), ())
+        previous = self.digest
+        generation = await asyncio.to_thread(group.request, trigger, who)
+        group.signal_all()
+        reports, silent = await group.confirmed(generation)
+        mine = self.last_reload
+        if mine is None or self._handled_generation < generation:  # this worker never answered
+            mine = ReloadOutcome(
+                ok=False, trigger=trigger, time=self._now(), digest=self.digest, previous=previous
+            )
+        outcome = ReloadOutcome(
+            ok=mine.ok,
+            trigger=trigger,
+            time=mine.time,
+            digest=self.digest,
+            previous=previous,
+            changed=self.digest != previous,
+            problem=mine.problem,
+        )
+        return BrokerReload(outcome, tuple(reports), tuple(silent))
+
+    async def on_signal(self) -> ReloadOutcome:
+        """SIGHUP: a reload requested through the admin API (the request file names its trigger
+        and who) or a plain ``kill -HUP`` / ``systemctl reload``."""
+        trigger, who = "sighup", "signal:SIGHUP"
+        if self.workers is not None:
+            request = await asyncio.to_thread(self.workers.read_request)
+            if request.generation > self._handled_generation:
+                trigger, who = request.trigger, request.who
+            self._handled_generation = max(self._handled_generation, request.generation)
+        return await self.reload(trigger=trigger, who=who)
+
+    async def _report(self, generation: int, *, ok: bool, problem: str | None) -> None:
+        if self.workers is None:
+            return
+        try:
+            await asyncio.to_thread(
+                self.workers.report,
+                generation=generation,
+                digest=self.digest,
+                ok=ok,
+                problem=problem,
+            )
+        except OSError:
+            log.exception("could not report the policy in force to the other workers")
 
     async def watch(self) -> None:
         """Poll the policy source every ``reload_seconds``; reload when it changed."""
@@ -263,6 +359,7 @@ class PolicyManager:
                     "problem": (outcome.problem or "")[:MAX_PROBLEM_CHARS],
                     "active_digest": outcome.digest,
                     "source": str(self.settings.bundle or self.settings.dir),
+                    "worker": 0 if self.workers is None else self.workers.index,
                 }
             )
         except UpstreamError:
