@@ -1,10 +1,23 @@
-"""Prometheus metrics, one registry per app (so several apps can live in one test process)."""
+"""Prometheus metrics, one registry per app (so several apps can live in one test process).
+
+With ``broker serve --workers N`` the supervisor points every worker at one directory
+(``PROMETHEUS_MULTIPROC_DIR``, prometheus-client's multiprocess mode): each worker writes its
+values there and any worker's ``/metrics`` answers with the sum over all of them, so one scrape
+sees the whole broker and counters never go down between scrapes. Gauges aggregate as
+documented per gauge (``multiprocess_mode``): ``broker_policy_info`` is 1 for each digest some
+live worker serves (two digests show during a reload), the reload timestamp is the latest of
+any live worker. Without the variable (one process) nothing changes.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -41,9 +54,10 @@ class Metrics:
 
         self.policy = Gauge(
             "broker_policy_info",
-            "The policy in force (1 for its digest)",
+            "The policy in force (1 for each digest a live worker serves)",
             ["digest"],
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.policy_reloads = Counter(
             "broker_policy_reloads",
@@ -53,10 +67,12 @@ class Metrics:
         )
         self.policy_last_reload = Gauge(
             "broker_policy_last_reload_timestamp_seconds",
-            "When the last policy reload attempt finished",
+            "When the last policy reload attempt finished (the latest of any live worker)",
             ["result"],
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
+        self._digest: str | None = None
 
         self.sink_sent = Counter(
             "broker_audit_sink_sent", "Records delivered to the audit sink", registry=self.registry
@@ -68,7 +84,10 @@ class Metrics:
         )
 
     def policy_info(self, digest: str) -> None:
-        self.policy.clear()
+        if self._digest is not None and self._digest != digest:
+            # 0, not removed: in multiprocess mode the value lives in this worker's file
+            self.policy.labels(self._digest).set(0)
+        self._digest = digest
         self.policy.labels(digest).set(1)
 
     def policy_reloaded(self, ok: bool, digest: str) -> None:
@@ -78,4 +97,10 @@ class Metrics:
         self.policy_info(digest)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition: this registry, or with workers the sum over every worker's files."""
+        directory = os.environ.get(MULTIPROCESS_ENV)
+        if not directory:
+            return generate_latest(self.registry)
+        combined = CollectorRegistry()
+        MultiProcessCollector(combined, path=directory)  # type: ignore[no-untyped-call]
+        return generate_latest(combined)

@@ -32,7 +32,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client.multiprocess import mark_process_dead
+
 from broker.config import Settings, nonce_store_setting, split_listen
+from broker.metrics import MULTIPROCESS_ENV
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 30.0
@@ -67,8 +70,11 @@ class Supervisor:
         self._workers = [Worker(index) for index in range(settings.server.workers)]
         self._stopping = asyncio.Event()
         self._listen = ""
+        log_path = settings.audit.log
+        self._metrics_dir = log_path.with_name(log_path.name + ".metrics")
 
     async def run(self) -> int:
+        self._prepare_metrics_directory()
         host, port = split_listen(self._settings.server.listen)
         reserved = reserve_port(host, port)
         try:
@@ -99,6 +105,7 @@ class Supervisor:
             "BROKER_NONCES_STORE": nonce_store_setting(self._settings.nonces.store),
             "BROKER_WORKER_INDEX": str(worker.index),
             "BROKER_WORKER_COUNT": str(len(self._workers)),  # a reload waits for every worker
+            MULTIPROCESS_ENV: str(self._metrics_dir),  # one /metrics for all workers
         }
         worker.process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -138,10 +145,18 @@ class Supervisor:
             delay,
         )
         worker.waiter = None
+        if worker.process is not None:  # its live gauges stop counting; counters stay summed
+            mark_process_dead(worker.process.pid, str(self._metrics_dir))  # type: ignore[no-untyped-call]
         try:
             await asyncio.wait_for(self._stopping.wait(), timeout=delay)
         except TimeoutError:
             await self._start(worker)
+
+    def _prepare_metrics_directory(self) -> None:
+        """An empty ``<log>.metrics/``: values of an earlier run must not add to this one's."""
+        self._metrics_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self._metrics_dir.glob("*.db"):
+            stale.unlink()
 
     def _forward(self, signum: int) -> None:
         for worker in self._workers:

@@ -1,5 +1,6 @@
 """One replica, two workers, one view of its log: checkpoints that only grow, proofs from any
-worker, all checked by Go's reference code (golang.org/x/mod/sumdb/note and .../tlog).
+worker, all checked by Go's reference code (golang.org/x/mod/sumdb/note and .../tlog); and one
+set of metrics (each scrape sums both workers; counters never decrease).
 
 Releases go through ``broker serve --workers 2`` while an auditor polls the checkpoint and asks
 for inclusion and consistency proofs on fresh connections (the kernel spreads them over both
@@ -73,6 +74,7 @@ async def test_checkpoints_only_grow_and_every_proof_verifies_through_two_worker
     workers: set[int] = set()
     problems: list[str] = []
     inclusion: dict[str, list[dict[str, Any]]] = {}
+    allowed_counts: list[float] = []  # broker_release_decisions_total{allow}, scrape by scrape
     try:
         await asyncio.to_thread(wait_ready, port, tls)
         fresh = aiohttp.TCPConnector(force_close=True, limit=16)
@@ -91,6 +93,7 @@ async def test_checkpoints_only_grow_and_every_proof_verifies_through_two_worker
             async def audit(until: asyncio.Event) -> None:
                 while not until.is_set():
                     workers.add(json.loads((await get("/healthz"))[1])["worker"])
+                    allowed_counts.append(allowed(await get("/metrics")))
                     status, note = await get("/v1/log/checkpoint")
                     assert status == 200, note
                     seen.append(note)
@@ -120,6 +123,9 @@ async def test_checkpoints_only_grow_and_every_proof_verifies_through_two_worker
             await asyncio.sleep(0.5)  # one more checkpoint after the last release
             done.set()
             await auditor
+            allowed_counts.append(allowed(await get("/metrics")))
+            assert allowed_counts == sorted(allowed_counts), allowed_counts  # never decreases
+            assert allowed_counts[-1] == RELEASES  # one scrape: the sum over both workers
             sizes = [body_of(note)[0] for note in seen]
             assert sizes == sorted(sizes), f"a checkpoint went backwards: {sizes}"
             assert sizes[-1] >= RELEASES
@@ -172,6 +178,14 @@ async def test_checkpoints_only_grow_and_every_proof_verifies_through_two_worker
         pairs += len(consistency)
     assert len(cases) >= 3, len(cases)
     assert pairs >= 3, pairs
+
+
+def allowed(scrape: tuple[int, str]) -> float:
+    status, text = scrape
+    assert status == 200, text
+    line = 'broker_release_decisions_total{code="ok",outcome="allow"}'
+    values = [float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)]
+    return values[0] if values else 0.0
 
 
 def audit_key(config: Path) -> str:
