@@ -72,11 +72,12 @@ def create_app(
             ttl=timedelta(seconds=settings.server.nonce_ttl_seconds),
             capacity=settings.server.max_outstanding_nonces,
             timeout=settings.nonces.timeout_seconds,
+            key_path=settings.nonces.challenge_key or settings.audit.log.parent / "challenge.key",
         ),
         workers=workers or WorkerGroup.for_log(settings.audit.log, {}),
     )
     app.cleanup_ctx.append(_resources)
-    register(app)
+    register(app, settings.server)
     return app
 
 
@@ -86,6 +87,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     async with AsyncExitStack() as stack:
         session = await stack.enter_async_context(aiohttp.ClientSession())
         stack.push_async_callback(state.nonces.close)
+        await state.nonces.open()  # the challenge key: before the first challenge
         keys = await stack.enter_async_context(open_key_service(settings.keys))
         audit = DecisionLog(
             settings.audit.log,
@@ -125,26 +127,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             "nonces": _store_kind(settings.nonces.store),
         }
         background = [asyncio.create_task(policies.watch(), name="policy-watch")]
-        signer = await open_checkpoint_signer(settings)
-        if signer is not None:
-            stack.push_async_callback(close_checkpoint_signer, signer)
-            witnesses = [
-                Witness(url, WitnessKey.parse(key))
-                for url, key in zip(
-                    settings.audit.witnesses, settings.audit.witness_keys, strict=True
-                )
-            ]
-            publisher = CheckpointPublisher(
-                audit,
-                signer,
-                interval=settings.audit.checkpoint_seconds,
-                witnesses=witnesses,
-                session=session,
-            )
-            stack.callback(publisher.close)
-            await publisher.publish()
-            state.checkpoints = publisher
-            background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
+        state.checkpoints = await _checkpoints(settings, audit, session, stack)
+        if state.checkpoints is not None:
+            background.append(asyncio.create_task(state.checkpoints.run(), name="checkpoints"))
         state.checks["checkpoints"] = "signed" if state.checkpoints else "off (no signing_key)"
         if sink is not None:
             background.append(asyncio.create_task(sink.run(), name="audit-sink"))
@@ -162,6 +147,30 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                 state.checkpoints = None
             state.release = None
             state.policies = None
+
+
+async def _checkpoints(
+    settings: Settings, audit: DecisionLog, session: aiohttp.ClientSession, stack: AsyncExitStack
+) -> CheckpointPublisher | None:
+    """The checkpoint publisher (none without ``[audit] signing_key``), having published once."""
+    signer = await open_checkpoint_signer(settings)
+    if signer is None:
+        return None
+    stack.push_async_callback(close_checkpoint_signer, signer)
+    witnesses = [
+        Witness(url, WitnessKey.parse(key))
+        for url, key in zip(settings.audit.witnesses, settings.audit.witness_keys, strict=True)
+    ]
+    publisher = CheckpointPublisher(
+        audit,
+        signer,
+        interval=settings.audit.checkpoint_seconds,
+        witnesses=witnesses,
+        session=session,
+    )
+    stack.callback(publisher.close)
+    await publisher.publish()
+    return publisher
 
 
 async def _evidence_verifier(

@@ -63,7 +63,7 @@ class ServerSettings:
     insecure_http: bool = False
     max_body_bytes: int = 256 * 1024
     nonce_ttl_seconds: int = 120
-    max_outstanding_nonces: int = 100_000
+    max_outstanding_nonces: int = 100_000  # spent nonces within one TTL (memory, SQLite stores)
     clock_leeway_seconds: int = 30
     # Slow-client limits (docs/configuration.md): a connection that has not sent a complete
     # request head in header_timeout_seconds is closed; an idle keep-alive connection is closed
@@ -72,6 +72,10 @@ class ServerSettings:
     keepalive_timeout_seconds: float = 15.0
     body_timeout_seconds: float = 30.0
     max_connections_per_ip: int = 256  # further connections from that address are closed
+    # /v1/challenge and /v1/release, each: requests per second per client address, per worker
+    # (429 rate_limited with Retry-After past it); 0: off. Bursts of rate_limit_burst.
+    rate_limit_per_ip: float = 100.0
+    rate_limit_burst: int = 200
     event_loop: str = "uvloop"  # or "asyncio" (the standard library's loop)
     # Names this replica in every decision record and in the default log file name
     # ("{replica}" in [audit] log); default: the host name (a pod's name on Kubernetes).
@@ -195,17 +199,22 @@ NONCE_STORE_FORMS = (
 
 @dataclass(frozen=True)
 class NonceSettings:
-    """``[nonces]``: where challenge nonces live (TTL and cap stay in ``[server]``).
+    """``[nonces]``: how challenges are made and where spent nonces live (TTL and the spent-nonce
+    bound stay in ``[server]``).
 
-    ``memory`` serves one process; ``sqlite:///PATH`` processes on one host; ``redis://…`` or
-    ``postgresql://…`` replicas. Every use of a nonce, in any process or replica, goes through
-    this one store.
+    Challenges are stateless (MAC'd with ``challenge_key``); the store keeps spent nonces until
+    they expire. ``memory`` serves one process; ``sqlite:///PATH`` processes on one host;
+    ``redis://…`` or ``postgresql://…`` replicas. Every use of a nonce, in any process or
+    replica, goes through this one store.
     """
 
     # Empty: "memory" with one worker; with [server] workers > 1,
     # sqlite:///<audit log directory>/nonces.db.
     store: str = ""
     timeout_seconds: float = 2.0  # per store call; no answer is 503 nonce_store_unavailable
+    # 32 random bytes keying the challenges' MAC (created 0600 if absent). Default: beside the
+    # log (the workers of a host share it); replicas behind one load balancer need one file.
+    challenge_key: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -312,6 +321,8 @@ def settings_from_mapping(
         audit = replace(audit, signing_key=str(resolve_path(base_dir, audit.signing_key)))
     nvidia = config_table(NvidiaSettings, "nvidia", raw, env, base_dir)
     nonces = config_table(NonceSettings, "nonces", raw, env, base_dir)
+    if nonces.challenge_key is None:
+        nonces = replace(nonces, challenge_key=audit.log.parent / "challenge.key")
     if not nonces.store:
         shared = f"sqlite:///{audit.log.parent / 'nonces.db'}"
         nonces = replace(nonces, store="memory" if server.workers == 1 else shared)

@@ -32,6 +32,7 @@ class ErrorCode(StrEnum):
     MALFORMED_JSON = "malformed_json"
     BODY_TOO_LARGE = "body_too_large"
     NOT_FOUND = "not_found"
+    RATE_LIMITED = "rate_limited"  # too many requests from one address (Retry-After)
     METHOD_NOT_ALLOWED = "method_not_allowed"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     RUNNER_KEY_INVALID = "runner_key_invalid"

@@ -1,15 +1,19 @@
-"""Shared nonce stores: SQLite (processes on one host), Redis and PostgreSQL (replicas).
+"""Where spent nonces live across processes and replicas: SQLite (one host), Redis and
+PostgreSQL (replicas).
 
-Both keep the memory store's contract (``broker.nonces.NonceStore``): a nonce is spent by one
-atomic step in the store itself, so of any number of concurrent uses across processes and
-replicas exactly one succeeds; the others see ``nonce_reused``. Any failure to get an answer
-(store down, locked past the timeout, disk error) is ``503 nonce_store_unavailable`` — never a
-nonce treated as valid.
+Each keeps ``broker.nonces.SpentNonces``' contract: a nonce is spent by one atomic
+insert-if-absent in the store itself and remembered until it would have expired, so of any
+number of concurrent uses across processes and replicas exactly one succeeds; the others see
+``nonce_reused``. Nothing is stored when a challenge is handed out. Any failure to get an answer
+(store down, locked past the timeout, disk error, authentication refused) is ``503
+nonce_store_unavailable`` — never a nonce treated as valid — and the operator's log keeps the
+cause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
@@ -23,75 +27,79 @@ from redis.exceptions import RedisError
 from broker.config import NONCE_STORE_FORMS
 from broker.errors import ConfigError
 from broker.nonces import (
-    MAX_NONCE_CHARS,
-    Challenge,
-    MemoryNonceStore,
+    MemorySpentNonces,
     NonceStore,
-    new_nonce,
+    SpentNonces,
+    StatelessNonceStore,
     reused_nonce,
     store_full,
     store_unavailable,
-    unknown_nonce,
 )
 
+log = logging.getLogger(__name__)
 
-def open_nonce_store(uri: str, *, ttl: timedelta, capacity: int, timeout: float) -> NonceStore:
-    """The store ``[nonces] store`` names (validated by the config loader)."""
+
+def open_nonce_store(
+    uri: str, *, ttl: timedelta, capacity: int, timeout: float, key_path: Path
+) -> NonceStore:
+    """Challenges MAC'd with the key in ``key_path``; spent nonces where ``[nonces] store``
+    names (validated by the config loader)."""
+    return StatelessNonceStore(
+        open_spent_store(uri, capacity=capacity, timeout=timeout), key_path=key_path, ttl=ttl
+    )
+
+
+def open_spent_store(uri: str, *, capacity: int, timeout: float) -> SpentNonces:
     if uri == "memory":
-        return MemoryNonceStore(ttl=ttl, capacity=capacity)
+        return MemorySpentNonces(capacity=capacity)
     if uri.startswith("sqlite:///"):
-        return SqliteNonceStore(
-            Path(uri.removeprefix("sqlite://")), ttl=ttl, capacity=capacity, timeout=timeout
+        return SqliteSpentNonces(
+            Path(uri.removeprefix("sqlite://")), capacity=capacity, timeout=timeout
         )
     if uri.startswith(("redis://", "rediss://")):
-        return RedisNonceStore(uri, ttl=ttl, timeout=timeout)
+        return RedisSpentNonces(uri, timeout=timeout)
     if uri.startswith(("postgresql://", "postgres://")):
-        return PostgresNonceStore(uri, ttl=ttl, capacity=capacity, timeout=timeout)
+        return PostgresSpentNonces(uri, timeout=timeout)
     raise ConfigError("nonces.store", NONCE_STORE_FORMS)
 
 
+def unavailable(kind: str, exc: BaseException) -> Exception:
+    """503 for the client; the cause (never a secret: no URL, no password) for the operator."""
+    log.warning("%s nonce store: %s: %s", kind, type(exc).__name__, str(exc)[:300])
+    return store_unavailable()
+
+
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS nonces (
+CREATE TABLE IF NOT EXISTS spent_nonces (
     nonce TEXT PRIMARY KEY,
-    expires_at REAL NOT NULL,
-    consumed INTEGER NOT NULL DEFAULT 0
+    expires_at REAL NOT NULL
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS nonces_expiry ON nonces (expires_at);
+CREATE INDEX IF NOT EXISTS spent_nonces_expiry ON spent_nonces (expires_at);
 """
 
 
-class SqliteNonceStore:
+class SqliteSpentNonces:
     """Processes on one host share a SQLite file (WAL, ``synchronous=FULL``).
 
-    Single use comes from one ``UPDATE … WHERE consumed = 0`` under SQLite's database write
-    lock. ``synchronous=FULL``: a spent mark survives a power loss, so a replay after a crash
-    finds the nonce spent. Calls run on one dedicated thread with its own connection.
+    A nonce is spent by one ``INSERT OR IGNORE`` under SQLite's database write lock (expired rows
+    are deleted in the same transaction). ``synchronous=FULL``: a spent mark survives a power
+    loss, so a replay after a crash finds the nonce spent. Calls run on one dedicated thread with
+    its own connection.
     """
 
-    def __init__(self, path: Path, *, ttl: timedelta, capacity: int, timeout: float) -> None:
+    def __init__(self, path: Path, *, capacity: int, timeout: float) -> None:
         self._path = path
-        self._ttl = ttl
         self._capacity = capacity
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nonce-sqlite")
         self._connection: sqlite3.Connection | None = None
 
-    async def issue(self, now: datetime) -> Challenge:
-        nonce = new_nonce()
-        expires_at = now + self._ttl
-        inserted = await self._run(self._issue, nonce, now.timestamp(), expires_at.timestamp())
-        if not inserted:
-            raise store_full()
-        return Challenge(nonce=nonce, expires_at=expires_at)
-
-    async def consume(self, nonce: str, now: datetime) -> None:
-        if len(nonce) > MAX_NONCE_CHARS:
-            raise unknown_nonce()
-        outcome = await self._run(self._consume, nonce, now.timestamp())
+    async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
+        outcome = await self._run(self._spend, nonce, expires_at.timestamp(), now.timestamp())
         if outcome == "reused":
             raise reused_nonce()
-        if outcome == "unknown":
-            raise unknown_nonce()
+        if outcome == "full":
+            raise store_full()
 
     async def check(self) -> None:
         await self._run(lambda db: db.execute("SELECT 1").fetchone())
@@ -112,7 +120,7 @@ class SqliteNonceStore:
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except (sqlite3.Error, OSError) as exc:  # OSError: its directory cannot be created
-            raise store_unavailable() from exc
+            raise unavailable("sqlite", exc) from exc
 
     def _db(self) -> sqlite3.Connection:
         if self._connection is None:
@@ -124,52 +132,29 @@ class SqliteNonceStore:
             self._connection = db
         return self._connection
 
-    def _issue(self, db: sqlite3.Connection, nonce: str, now: float, expires_at: float) -> bool:
+    def _spend(self, db: sqlite3.Connection, nonce: str, expires_at: float, now: float) -> str:
         db.execute("BEGIN IMMEDIATE")
         with db:  # commits the transaction, or rolls it back on an exception
-            db.execute("DELETE FROM nonces WHERE expires_at <= ?", (now,))
-            (count,) = db.execute("SELECT count(*) FROM nonces").fetchone()
+            db.execute("DELETE FROM spent_nonces WHERE expires_at <= ?", (now,))
+            if db.execute("SELECT 1 FROM spent_nonces WHERE nonce = ?", (nonce,)).fetchone():
+                return "reused"
+            (count,) = db.execute("SELECT count(*) FROM spent_nonces").fetchone()
             if count >= self._capacity:
-                return False
-            db.execute("INSERT INTO nonces (nonce, expires_at) VALUES (?, ?)", (nonce, expires_at))
-            return True
-
-    def _consume(self, db: sqlite3.Connection, nonce: str, now: float) -> str:
-        spent = db.execute(
-            "UPDATE nonces SET consumed = 1 WHERE nonce = ? AND consumed = 0 AND expires_at > ?",
-            (nonce, now),
-        ).rowcount
-        if spent == 1:
+                return "full"
+            db.execute(
+                "INSERT INTO spent_nonces (nonce, expires_at) VALUES (?, ?)", (nonce, expires_at)
+            )
             return "ok"
-        row = db.execute(
-            "SELECT consumed FROM nonces WHERE nonce = ? AND expires_at > ?", (nonce, now)
-        ).fetchone()
-        return "reused" if row is not None and row[0] else "unknown"
 
 
-# Spend a nonce in one step: absent → 0 (unknown or expired), spent → 2, fresh → 1 and spent.
-# The key keeps its TTL (KEEPTTL), so the tombstone expires when the nonce would have.
-_CONSUME = """
-local value = redis.call('GET', KEYS[1])
-if not value then return 0 end
-if value == '1' then return 2 end
-redis.call('SET', KEYS[1], '1', 'KEEPTTL')
-return 1
-"""
+class RedisSpentNonces:
+    """Replicas share a Redis database: ``SET broker:spent:<nonce> 1 NX EXAT <expiry>``, one
+    atomic command; Redis forgets the key when the nonce would have expired (memory bounded by
+    the release rate times the TTL)."""
 
+    PREFIX = "broker:spent:"
 
-class RedisNonceStore:
-    """Replicas share a Redis database; keys ``broker:nonce:<nonce>`` expire by Redis TTL.
-
-    There is no outstanding-challenge cap here: Redis bounds memory (``maxmemory``, with the
-    ``noeviction`` policy so live nonces are never evicted; an out-of-memory Redis refuses new
-    challenges, which surfaces as 503 ``nonce_store_unavailable``).
-    """
-
-    PREFIX = "broker:nonce:"
-
-    def __init__(self, url: str, *, ttl: timedelta, timeout: float) -> None:
-        self._ttl = ttl
+    def __init__(self, url: str, *, timeout: float) -> None:
         self._client = aioredis.Redis.from_url(
             url,
             socket_timeout=timeout,
@@ -180,114 +165,69 @@ class RedisNonceStore:
             # at each new connection.
             driver_info=None,
         )
-        self._consume_script = self._client.register_script(_CONSUME)
 
-    async def issue(self, now: datetime) -> Challenge:
-        nonce = new_nonce()
-        ttl_ms = int(self._ttl.total_seconds() * 1000)
+    async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
         try:
-            created = await self._client.set(self.PREFIX + nonce, b"0", nx=True, px=ttl_ms)
+            created = await self._client.set(
+                self.PREFIX + nonce, b"1", nx=True, exat=int(expires_at.timestamp())
+            )
         except (RedisError, OSError) as exc:
-            raise store_unavailable() from exc
-        if not created:  # 256 random bits collided: never in practice; refuse rather than reuse
-            raise store_unavailable()
-        return Challenge(nonce=nonce, expires_at=now + self._ttl)
-
-    async def consume(self, nonce: str, now: datetime) -> None:
-        if len(nonce) > MAX_NONCE_CHARS:
-            raise unknown_nonce()
-        try:
-            # redis-py's Script sends EVALSHA and falls back to EVAL after a script-cache flush.
-            outcome = await self._consume_script(keys=[self.PREFIX + nonce])
-        except (RedisError, OSError) as exc:
-            raise store_unavailable() from exc
-        if outcome == 2:
+            raise unavailable("redis", exc) from exc
+        if not created:
             raise reused_nonce()
-        if outcome != 1:
-            raise unknown_nonce()
 
     async def check(self) -> None:
         try:
             await self._client.ping()  # type: ignore[misc]
         except (RedisError, OSError) as exc:
-            raise store_unavailable() from exc
+            raise unavailable("redis", exc) from exc
 
     async def close(self) -> None:
         await self._client.aclose()
 
 
 _PG_SCHEMA = """
-CREATE TABLE IF NOT EXISTS broker_nonces (
+CREATE TABLE IF NOT EXISTS broker_spent_nonces (
     nonce text PRIMARY KEY,
-    expires_at timestamptz NOT NULL,
-    consumed boolean NOT NULL DEFAULT false
+    expires_at timestamptz NOT NULL
 );
-CREATE INDEX IF NOT EXISTS broker_nonces_expiry ON broker_nonces (expires_at);
+CREATE INDEX IF NOT EXISTS broker_spent_nonces_expiry ON broker_spent_nonces (expires_at);
 """
 _PG_SCHEMA_LOCK = 0x6E6F6E6365  # pg_advisory_xact_lock key: replicas create the table one at a time
+PG_PURGE_EVERY = 256  # delete expired rows on one spend in this many (each replica)
 
 
-class PostgresNonceStore:
-    """Replicas share a PostgreSQL table ``broker_nonces`` (created on first use).
+class PostgresSpentNonces:
+    """Replicas share a PostgreSQL table ``broker_spent_nonces`` (created on first use).
 
-    A nonce is spent by one ``UPDATE … WHERE NOT consumed`` — the row lock serialises concurrent
-    spenders and READ COMMITTED re-checks the condition, so exactly one sees a row. Expiry uses the
-    broker's clock (as the SQLite store); the outstanding cap is checked in the insert itself.
+    A nonce is spent by one ``INSERT … ON CONFLICT DO NOTHING``: the unique index lets exactly one
+    of any concurrent inserts through. Expired rows are deleted now and then, by any replica.
     """
 
-    def __init__(self, dsn: str, *, ttl: timedelta, capacity: int, timeout: float) -> None:
+    def __init__(self, dsn: str, *, timeout: float) -> None:
         self._dsn = dsn
-        self._ttl = ttl
-        self._capacity = capacity
         self._timeout = timeout
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()
+        self._spends = 0
 
-    async def issue(self, now: datetime) -> Challenge:
-        nonce = new_nonce()
-        expires_at = now + self._ttl
+    async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
+        self._spends += 1
+        purge = self._spends % PG_PURGE_EVERY == 1
 
         async def insert(db: asyncpg.Connection) -> str:
-            await db.execute("DELETE FROM broker_nonces WHERE expires_at <= $1", now)
+            if purge:
+                await db.execute("DELETE FROM broker_spent_nonces WHERE expires_at <= $1", now)
             status: str = await db.execute(
-                "INSERT INTO broker_nonces (nonce, expires_at) SELECT $1, $2 "
-                "WHERE (SELECT count(*) FROM broker_nonces WHERE expires_at > $3) < $4",
+                "INSERT INTO broker_spent_nonces (nonce, expires_at) VALUES ($1, $2) "
+                "ON CONFLICT (nonce) DO NOTHING",
                 nonce,
                 expires_at,
-                now,
-                self._capacity,
             )
             return status
 
         if await self._run(insert) != "INSERT 0 1":
-            raise store_full()
-        return Challenge(nonce=nonce, expires_at=expires_at)
-
-    async def consume(self, nonce: str, now: datetime) -> None:
-        if len(nonce) > MAX_NONCE_CHARS:
-            raise unknown_nonce()
-
-        async def spend(db: asyncpg.Connection) -> str:
-            spent = await db.fetchval(
-                "UPDATE broker_nonces SET consumed = true "
-                "WHERE nonce = $1 AND NOT consumed AND expires_at > $2 RETURNING 1",
-                nonce,
-                now,
-            )
-            if spent is not None:
-                return "ok"
-            consumed = await db.fetchval(
-                "SELECT consumed FROM broker_nonces WHERE nonce = $1 AND expires_at > $2",
-                nonce,
-                now,
-            )
-            return "reused" if consumed else "unknown"
-
-        outcome = await self._run(spend)
-        if outcome == "reused":
             raise reused_nonce()
-        if outcome == "unknown":
-            raise unknown_nonce()
 
     async def check(self) -> None:
         async def ping(db: asyncpg.Connection) -> Any:
@@ -307,7 +247,7 @@ class PostgresNonceStore:
                 async with pool.acquire() as db:
                     return await operation(db)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            raise store_unavailable() from exc
+            raise unavailable("postgresql", exc) from exc
 
     async def _open(self) -> asyncpg.Pool:
         async with self._opening:

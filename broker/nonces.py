@@ -1,45 +1,70 @@
-"""Challenge nonces: 32 random bytes, single use, short-lived, in a bounded store.
+"""Challenge nonces that cost nothing to hand out: stateless, MAC'd, single use.
 
-A consumed nonce stays in the store as a tombstone until it would have expired, so a second use
-is reported as ``nonce_reused`` rather than ``nonce_unknown``. Both outstanding nonces and
-tombstones count toward the bound; when it is reached, new challenges are refused (503
-``nonce_store_full``) instead of evicting live nonces an attacker could otherwise flush out.
+A challenge is 32 bytes, base64url (43 characters, inside Confidential Space's nonce limits):
 
-Where the store lives is chosen by ``[nonces] store`` (docs/configuration.md):
+    key id (1) ‖ random (15) ‖ expiry, unix seconds (4, big-endian) ‖ HMAC-SHA-256 (12)
+
+The MAC is keyed from configuration (``[nonces] challenge_key``: 32 random bytes in a file the
+workers of a host share, created if absent; replicas behind one load balancer must share it) and
+covers the other 20 bytes. Handing one out touches no store, so an unauthenticated flood of
+``POST /v1/challenge`` cannot fill anything or lock anyone out.
+
+Using one: the MAC (constant-time), the key id and the expiry are checked first (``nonce_unknown``
+when any fails — forged, from another key, expired, malformed); then the nonce is *spent* in the
+configured store, one atomic insert-if-absent, and kept there only until it would have expired, so
+of any number of concurrent uses across processes and replicas exactly one succeeds and the others
+see ``nonce_reused``. Where spent nonces live is chosen by ``[nonces] store``:
 
 * ``memory`` — one process (the default);
-* ``sqlite:///PATH`` — several processes on one host, single use by SQLite's write lock;
-* ``redis://HOST:PORT/DB`` — several replicas, single use by an atomic script, expiry by Redis;
-* ``postgresql://USER@HOST/DB`` — several replicas without Redis, single use by a row update.
+* ``sqlite:///PATH`` — several processes on one host;
+* ``redis://HOST:PORT/DB`` — replicas (``SET NX EXAT``);
+* ``postgresql://USER@HOST/DB`` — replicas without Redis (``INSERT … ON CONFLICT DO NOTHING``).
 
 A store that cannot answer raises ``503 nonce_store_unavailable``: a nonce is never accepted
-without the store having marked it spent.
+without the store having recorded it spent. The memory and SQLite stores are bounded
+(``[server] max_outstanding_nonces`` spent nonces within one TTL, 503 ``nonce_store_full``
+past it); only a release request can add to them, and those are rate-limited per client.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import math
 import secrets
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Protocol
 
-from broker.attestation.jose import b64url_encode
+from broker.attestation.jose import b64url_decode, b64url_encode
 from broker.errors import AttestationError, ErrorCode, UpstreamError
+from broker.secrets_files import load_or_create_secret
 
 NONCE_BYTES = 32
 MAX_NONCE_CHARS = 128
+RANDOM_BYTES = 15
+MAC_BYTES = 12
+MAC_CONTEXT = b"sealed-broker challenge v1\0"
 
 
 @dataclass(frozen=True)
 class Challenge:
-    nonce: str  # base64url of NONCE_BYTES random bytes
+    nonce: str  # base64url of NONCE_BYTES
     expires_at: datetime
 
 
 class NonceStore(Protocol):
+    """What the service uses: hand out a challenge, spend one."""
+
+    async def open(self) -> None:
+        """Load what the store needs (keys, connections) before the first request."""
+        ...
+
     async def issue(self, now: datetime) -> Challenge:
-        """Create and remember a fresh nonce."""
+        """A fresh challenge (no store is touched)."""
         ...
 
     async def consume(self, nonce: str, now: datetime) -> None:
@@ -53,8 +78,92 @@ class NonceStore(Protocol):
     async def close(self) -> None: ...
 
 
-def new_nonce() -> str:
-    return b64url_encode(secrets.token_bytes(NONCE_BYTES))
+class SpentNonces(Protocol):
+    """Where spent nonces are remembered until they expire."""
+
+    async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
+        """Record ``nonce`` spent until ``expires_at``; raise ``nonce_reused`` if it already was
+        (one atomic insert-if-absent)."""
+        ...
+
+    async def check(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class ChallengeCodec:
+    """Makes and checks challenges under one 32-byte key (pure: ``now`` is passed in)."""
+
+    def __init__(self, key: bytes, ttl: timedelta) -> None:
+        self._key = key
+        self._key_id = hashlib.sha256(b"key id\0" + key).digest()[:1]
+        self._ttl = ttl
+
+    def issue(self, now: datetime) -> Challenge:
+        expires = math.ceil((now + self._ttl).timestamp())
+        body = self._key_id + secrets.token_bytes(RANDOM_BYTES) + struct.pack(">I", expires)
+        return Challenge(
+            nonce=b64url_encode(body + self._mac(body)),
+            expires_at=datetime.fromtimestamp(expires, UTC),
+        )
+
+    def verify(self, nonce: str, now: datetime) -> datetime:
+        """The challenge's expiry, if this key made it and it has not expired.
+
+        Raises:
+            AttestationError: ``nonce_unknown``.
+        """
+        try:
+            raw = b64url_decode(nonce) if len(nonce) <= MAX_NONCE_CHARS else b""
+        except ValueError:
+            raw = b""
+        if len(raw) != NONCE_BYTES or raw[:1] != self._key_id:
+            raise unknown_nonce()
+        body, mac = raw[:-MAC_BYTES], raw[-MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(body)):
+            raise unknown_nonce()
+        (expires,) = struct.unpack(">I", body[-4:])
+        expires_at = datetime.fromtimestamp(expires, UTC)
+        if expires_at <= now:
+            raise unknown_nonce()
+        return expires_at
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self._key, MAC_CONTEXT + body, hashlib.sha256).digest()[:MAC_BYTES]
+
+
+class StatelessNonceStore:
+    """``NonceStore``: challenges from a ``ChallengeCodec``, spent nonces in ``spent``."""
+
+    def __init__(self, spent: SpentNonces, *, key_path: Path, ttl: timedelta) -> None:
+        self._spent = spent
+        self._key_path = key_path
+        self._ttl = ttl
+        self._codec: ChallengeCodec | None = None
+
+    async def open(self) -> None:
+        import asyncio  # noqa: PLC0415
+
+        key = await asyncio.to_thread(load_or_create_secret, self._key_path, "nonces.challenge_key")
+        self._codec = ChallengeCodec(key, self._ttl)
+
+    async def issue(self, now: datetime) -> Challenge:
+        return self._ready().issue(now)
+
+    async def consume(self, nonce: str, now: datetime) -> None:
+        expires_at = self._ready().verify(nonce, now)
+        await self._spent.spend(nonce, expires_at, now)
+
+    async def check(self) -> None:
+        await self._spent.check()
+
+    async def close(self) -> None:
+        await self._spent.close()
+
+    def _ready(self) -> ChallengeCodec:
+        if self._codec is None:
+            raise store_unavailable()
+        return self._codec
 
 
 def unknown_nonce() -> AttestationError:
@@ -69,7 +178,8 @@ def reused_nonce() -> AttestationError:
 
 def store_full() -> UpstreamError:
     return UpstreamError(
-        "too many outstanding challenges; retry shortly", code=ErrorCode.NONCE_STORE_FULL
+        "too many nonces spent within their lifetime; retry shortly",
+        code=ErrorCode.NONCE_STORE_FULL,
     )
 
 
@@ -77,46 +187,31 @@ def store_unavailable() -> UpstreamError:
     return UpstreamError("the nonce store did not answer", code=ErrorCode.NONCE_STORE_UNAVAILABLE)
 
 
-class MemoryNonceStore:
-    """Single-process nonce store. Operations are atomic: no ``await`` inside them."""
+class MemorySpentNonces:
+    """Spent nonces of one process. Operations are atomic: no ``await`` inside them."""
 
-    def __init__(self, *, ttl: timedelta, capacity: int) -> None:
-        self._ttl = ttl
+    def __init__(self, *, capacity: int) -> None:
         self._capacity = capacity
-        # nonce -> (expires_at, consumed); insertion order == expiry order (constant TTL)
-        self._entries: OrderedDict[str, tuple[datetime, bool]] = OrderedDict()
+        # nonce -> expires_at; insertion order is expiry order (one TTL for all)
+        self._entries: OrderedDict[str, datetime] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def issue(self, now: datetime) -> Challenge:
-        self._purge(now)
+    async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
+        while self._entries:
+            oldest, expiry = next(iter(self._entries.items()))
+            if expiry > now:
+                break
+            del self._entries[oldest]
+        if nonce in self._entries:
+            raise reused_nonce()
         if len(self._entries) >= self._capacity:
             raise store_full()
-        nonce = new_nonce()
-        expires_at = now + self._ttl
-        self._entries[nonce] = (expires_at, False)
-        return Challenge(nonce=nonce, expires_at=expires_at)
-
-    async def consume(self, nonce: str, now: datetime) -> None:
-        self._purge(now)
-        entry = self._entries.get(nonce) if len(nonce) <= MAX_NONCE_CHARS else None
-        if entry is None:
-            raise unknown_nonce()
-        expires_at, consumed = entry
-        if consumed:
-            raise reused_nonce()
-        self._entries[nonce] = (expires_at, True)
+        self._entries[nonce] = expires_at
 
     async def check(self) -> None:
         return None
 
     async def close(self) -> None:
         return None
-
-    def _purge(self, now: datetime) -> None:
-        while self._entries:
-            nonce, (expires_at, _) = next(iter(self._entries.items()))
-            if expires_at > now:
-                break
-            del self._entries[nonce]

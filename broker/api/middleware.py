@@ -28,6 +28,7 @@ HTTP_CODES: dict[int, ErrorCode] = {
     405: ErrorCode.METHOD_NOT_ALLOWED,
     413: ErrorCode.BODY_TOO_LARGE,
     415: ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+    429: ErrorCode.RATE_LIMITED,
 }
 
 
@@ -78,7 +79,10 @@ async def _render_errors(
         if exc.status < 400:
             raise
         code = HTTP_CODES.get(exc.status, ErrorCode.BAD_REQUEST)
-        return error_response(exc.status, code, exc.reason, request_id)
+        rendered = error_response(exc.status, code, exc.reason, request_id)
+        if "Retry-After" in exc.headers:
+            rendered.headers["Retry-After"] = exc.headers["Retry-After"]
+        return rendered
     except Exception:
         log.exception("request %s: unhandled error", request_id)
         return error_response(500, ErrorCode.INTERNAL, "internal error", request_id)

@@ -17,6 +17,8 @@ from enum import StrEnum
 from aiohttp import web
 
 from broker.api import admin, health, log, query, runner
+from broker.api.limits import rate_limited
+from broker.config import ServerSettings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -38,6 +40,7 @@ class Route:
     path: str
     handler: Handler
     permission: Permission
+    rate_limited: bool = False  # per client address ([server] rate_limit_per_ip)
 
 
 ROUTES: tuple[Route, ...] = (
@@ -45,8 +48,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/readyz", health.readyz, Permission.PUBLIC),
     Route("GET", "/metrics", health.metrics, Permission.PUBLIC),
     Route("GET", "/openapi.json", health.openapi, Permission.PUBLIC),
-    Route("POST", "/v1/challenge", runner.challenge, Permission.RUNNER),
-    Route("POST", "/v1/release", runner.release, Permission.RUNNER),
+    Route("POST", "/v1/challenge", runner.challenge, Permission.RUNNER, rate_limited=True),
+    Route("POST", "/v1/release", runner.release, Permission.RUNNER, rate_limited=True),
     Route(
         "GET", "/v1/keys/{name:[a-z0-9][a-z0-9._/-]*}/public", query.public_key, Permission.PUBLIC
     ),
@@ -65,11 +68,13 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
-def register(app: web.Application) -> None:
+def register(app: web.Application, settings: ServerSettings) -> None:
     for route in ROUTES:
         if not isinstance(route.permission, Permission):
             raise TypeError(f"route {route.path} declares no permission")
         handler = route.handler
         if route.permission in ADMIN_PERMISSIONS:
             handler = admin.require_role(handler, route.permission.value)
+        if route.rate_limited:
+            handler = rate_limited(handler, settings.rate_limit_per_ip, settings.rate_limit_burst)
         app.router.add_route(route.method, route.path, handler)

@@ -14,46 +14,25 @@ nothing is ignored. Tokens, keys and secrets are never in the input to begin wit
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from broker.audit.log import canonical
-from broker.errors import ConfigError
+from broker.secrets_files import load_or_create_secret
 
-MASK_KEY_BYTES = 32
 PREFIX = "hmac-sha256:"
 
 
 def load_or_create_mask_key(path: Path) -> bytes:
-    """The mask key in ``path``; created (32 random bytes, mode 0600) if absent. Several
-    processes starting together create it once (``O_EXCL``) and all read the same key.
+    """The mask key in ``path``; created (32 random bytes, mode 0600) if absent.
 
     Raises:
         ConfigError: ``audit.mask_key`` when the file cannot be read or is not 32 bytes.
     """
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        if exc.errno != errno.EEXIST:
-            raise ConfigError("audit.mask_key", f"cannot create {path}: {exc.strerror}") from exc
-    else:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(os.urandom(MASK_KEY_BYTES))
-            handle.flush()
-            os.fsync(handle.fileno())
-    try:
-        key = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError("audit.mask_key", f"cannot read {path}: {exc.strerror}") from exc
-    if len(key) != MASK_KEY_BYTES:
-        raise ConfigError("audit.mask_key", f"{path} must hold {MASK_KEY_BYTES} bytes")
-    return key
+    return load_or_create_secret(path, "audit.mask_key")
 
 
 def mask_value(value: Any, key: bytes) -> str:
