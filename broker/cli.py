@@ -142,6 +142,8 @@ async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False
             f"{a[0]}:{a[1]}" for a in runner.addresses
         )  # the port, if listen ends in :0
         print(f"broker serving on {bound}", file=sys.stderr, flush=True)
+        if workers.supervisor_pid is not None:
+            await asyncio.to_thread(workers.mark_serving)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

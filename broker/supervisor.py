@@ -36,11 +36,13 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from broker.config import Settings, nonce_store_setting, split_listen
 from broker.metrics import MULTIPROCESS_ENV
+from broker.policy.workers import WorkerGroup
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 30.0
 MAX_BACKOFF_SECONDS = 30.0
 HEALTHY_AFTER_SECONDS = 60.0
+SERVING_TIMEOUT_SECONDS = 120.0  # start-up compiles the policy and opens every store
 WORKER_FLAG = "--worker"  # hidden: ``broker serve --worker`` binds with SO_REUSEPORT
 
 
@@ -72,6 +74,7 @@ class Supervisor:
         self._listen = ""
         log_path = settings.audit.log
         self._metrics_dir = log_path.with_name(log_path.name + ".metrics")
+        self._group = WorkerGroup.for_log(log_path, {})
 
     async def run(self) -> int:
         self._prepare_metrics_directory()
@@ -84,18 +87,54 @@ class Supervisor:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self._stopping.set)
             loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+            await asyncio.to_thread(self._group.clear_serving)
             for worker in self._workers:
                 await self._start(worker)
-            print(
-                f"broker supervisor: {len(self._workers)} workers serving on {self._listen}",
-                file=sys.stderr,
-                flush=True,
-            )
-            await self._watch()
+            announcer = asyncio.create_task(self._until_serving())
+            try:
+                await self._watch()
+            finally:
+                announcer.cancel()
         finally:
             await self._stop_all()
             reserved.close()
         return 0
+
+    async def _until_serving(self) -> None:
+        """Say "serving" only once every worker accepts connections (each marks itself after
+        its socket listens); name a worker that exits first, with its exit code (its own error
+        is on this stderr just above)."""
+        deadline = time.monotonic() + SERVING_TIMEOUT_SECONDS
+        reported: set[int] = set()  # processes whose early exit was named
+        warned = False
+        while not self._stopping.is_set():
+            waiting = []
+            for worker in self._workers:
+                pid = worker.process.pid if worker.process is not None else None
+                waiter = worker.waiter
+                if waiter is not None and waiter.done() and pid is not None and pid not in reported:
+                    reported.add(pid)  # _watch restarts it, with back-off
+                    print(
+                        f"broker supervisor: worker {worker.index} exited with "
+                        f"{waiter.result()} before serving (its error is above)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                if await asyncio.to_thread(self._group.serving_pid, worker.index) != pid:
+                    waiting.append(worker.index)
+            if not waiting:
+                print(
+                    f"broker supervisor: {len(self._workers)} workers serving on {self._listen}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
+            if time.monotonic() > deadline and not warned:
+                warned = True  # keep waiting: a restarted worker may still come up
+                log.warning(
+                    "workers %s are not serving after %.0f s", waiting, SERVING_TIMEOUT_SECONDS
+                )
+            await asyncio.sleep(0.05)
 
     async def _start(self, worker: Worker) -> None:
         env = {

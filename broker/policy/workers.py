@@ -111,6 +111,21 @@ class WorkerGroup:
         if self.supervisor_pid is not None:
             os.kill(self.supervisor_pid, signal.SIGHUP)
 
+    # --- serving -------------------------------------------------------------------------------
+
+    def mark_serving(self) -> None:
+        """This worker accepts connections now (the supervisor says "serving" once all do)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _write_json(self.directory / f"serving-{self.index}.json", {"pid": os.getpid()})
+
+    def clear_serving(self) -> None:
+        for marker in self.directory.glob("serving-*.json"):
+            marker.unlink(missing_ok=True)
+
+    def serving_pid(self, index: int) -> int | None:
+        value = _read_json(self.directory / f"serving-{index}.json")
+        return None if value is None else int(value.get("pid", 0))
+
     # --- reports -------------------------------------------------------------------------------
 
     def report(self, *, generation: int, digest: str, ok: bool, problem: str | None = None) -> None:

@@ -28,7 +28,7 @@ import pytest
 
 from broker.config import ConfigError, KeySettings
 from broker.dev.issuer import DevIssuer
-from broker.errors import KeyUnavailable
+from broker.errors import KeyUnavailable, UpstreamError
 from broker.keys.factory import open_key_service
 from broker.keys.kek.base import dek_aad
 from broker.keys.store.base import Purpose, VersionState
@@ -262,3 +262,19 @@ async def test_two_replicas_share_keys_and_a_disable_reaches_both(
     twice = await asyncio.to_thread(cli, "audit", "verify", str(logs[0]), str(copied))
     assert twice.returncode == 1
     assert "same replica" in twice.stdout
+
+
+async def test_store_errors_say_why_authentication_or_unreachable(
+    postgresql_url: str, tmp_path: Path
+) -> None:
+    """A refused login used to read only "key store is unavailable", even with -v."""
+    stranger = postgresql_url.replace("broker@", "nobody@")
+    down = f"postgresql://broker@127.0.0.1:{free_port()}/postgres"
+    for url, why in ((stranger, "refused the credentials"), (down, "is unreachable")):
+        settings = KeySettings(store=url, kek=f"local:{tmp_path / 'kek.key'}")
+        with pytest.raises(UpstreamError) as caught:
+            async with open_key_service(settings, create_missing_kek=True):
+                pass
+        assert caught.value.code.value == "key_store_unavailable"
+        assert why in caught.value.message, caught.value.message
+        assert "nobody@" not in caught.value.message  # never the URL

@@ -148,3 +148,63 @@ async def test_two_workers_share_a_port_restart_and_stop_cleanly(tmp_path: Path)
     # decided under the log's lock.
     changes = [r for r in records if r.get("type") == "policy_change"]
     assert [(c["trigger"], c["old_digest"]) for c in changes] == [("startup", None)]
+
+
+async def test_supervisor_says_serving_only_when_every_worker_accepts(tmp_path: Path) -> None:
+    """It used to print "N workers serving" 10-15 s before any worker took a connection."""
+    config = await asyncio.to_thread(write_config, tmp_path / "b", DevIssuer(dev_mode=True))
+    await asyncio.to_thread(create_key_with_cli, config)
+    tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
+    port = free_port()
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "serve", "--config", str(config), "--workers", "2"],
+        cwd=ROOT,
+        env={**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert supervisor.stderr is not None
+        while "workers serving" not in (
+            line := await asyncio.to_thread(supervisor.stderr.readline)
+        ):
+            assert line, "the supervisor ended without saying it serves"
+        workers = set()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            for _ in range(20):  # at once, and from every worker
+                async with s.get(f"https://127.0.0.1:{port}/healthz", ssl=tls) as response:
+                    workers.add((await response.json())["worker"])
+        assert workers == {0, 1}
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(supervisor.communicate, timeout=60)
+    assert supervisor.returncode == 0
+
+
+async def test_a_worker_that_cannot_start_is_named_with_its_error(tmp_path: Path) -> None:
+    config = await asyncio.to_thread(write_config, tmp_path / "b", DevIssuer(dev_mode=True))
+    await asyncio.to_thread(create_key_with_cli, config)
+    (tmp_path / "b" / "policies" / "broker" / "release.rego").write_text(
+        "package broker.release\nallow if {\n"
+    )
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "serve", "--config", str(config), "--workers", "2"],
+        cwd=ROOT,
+        env={**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{free_port()}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        assert supervisor.stderr is not None
+        while "before serving" not in (line := await asyncio.to_thread(supervisor.stderr.readline)):
+            assert line, "".join(lines)
+            lines.append(line)
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(supervisor.communicate, timeout=60)
+    assert "exited with 2 before serving" in line
+    assert any("rego_parse_error" in earlier for earlier in lines)  # the worker's own error
+    assert not any("workers serving" in earlier for earlier in lines)

@@ -14,6 +14,7 @@ refused at start-up with what to run.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -51,8 +52,33 @@ COLUMNS = (
 SELECT = f"SELECT {COLUMNS} FROM broker_key_versions"  # noqa: S608 - constant column list
 
 
-def _unavailable(message: str = "key store is unavailable") -> UpstreamError:
+log = logging.getLogger(__name__)
+
+
+def _unavailable(
+    message: str = "key store is unavailable", cause: BaseException | None = None
+) -> UpstreamError:
+    """503 ``key_store_unavailable``, saying why (authentication refused, unreachable, slow):
+    the operator must tell a wrong password from a down server. Never the URL or password."""
+    if cause is not None:
+        message = f"{message}: {_cause(cause)}"
+        log.warning("%s (%s: %s)", message, type(cause).__name__, str(cause)[:300])
     return UpstreamError(message, code=ErrorCode.KEY_STORE_UNAVAILABLE)
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(
+        exc,
+        asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError,
+    ):
+        return "PostgreSQL refused the credentials"
+    if isinstance(exc, TimeoutError):
+        return "PostgreSQL did not answer in time"
+    if isinstance(exc, OSError):
+        return f"PostgreSQL is unreachable ({exc.strerror or type(exc).__name__})"
+    if isinstance(exc, asyncpg.InvalidCatalogNameError):
+        return "the database does not exist"
+    return f"PostgreSQL error {type(exc).__name__}"
 
 
 async def schema_version(db: asyncpg.Connection) -> int:
@@ -99,7 +125,7 @@ async def migrate(dsn: str, *, timeout_seconds: float) -> tuple[int, int]:
         finally:
             await db.close()
     except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-        raise _unavailable(f"cannot migrate the key store: {type(exc).__name__}") from exc
+        raise _unavailable("cannot migrate the key store", exc) from exc
     return before, current
 
 
@@ -130,7 +156,7 @@ class PostgresKeyStore:
                     self._dsn, min_size=2, max_size=4, max_inactive_connection_lifetime=0
                 )
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            raise _unavailable() from exc
+            raise _unavailable(cause=exc) from exc
         self._pool = pool
         version = await self._run(schema_version)
         if version == SCHEMA_VERSION:
@@ -217,7 +243,7 @@ class PostgresKeyStore:
             async with asyncio.timeout(self._timeout), self._pool.acquire() as db:
                 return await work(db)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            raise _unavailable() from exc
+            raise _unavailable(cause=exc) from exc
 
 
 def _row(record: KeyVersionRecord) -> tuple[object, ...]:
