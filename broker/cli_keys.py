@@ -15,8 +15,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from broker import cli_keys_transfer as transfer
 from broker.audit.log import DecisionLog
 from broker.config import load_settings
+from broker.errors import ConfigError
 from broker.keys import admin
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
@@ -63,7 +65,15 @@ def add_commands(keys: Any) -> None:
             parser.add_argument("--yes", action="store_true", help="confirm: cannot be undone")
     rewrap = command("rewrap", "re-wrap every DEK under another KEK (resumable)", _rewrap)
     rewrap.add_argument("--to", required=True, metavar="KEK_URI")
-    command("migrate", "create or upgrade the key store's schema (PostgreSQL)", _migrate)
+    migrate = command(
+        "migrate",
+        "create or upgrade the key store's schema (PostgreSQL); with --from/--to, copy every "
+        "wrapped key between stores (idempotent, verified)",
+        _migrate,
+    )
+    migrate.add_argument("--from", dest="source", metavar="STORE", help="e.g. sqlite:///…")
+    migrate.add_argument("--to", metavar="STORE", help="e.g. postgresql://…")
+    transfer.add_commands(command)
     kek = keys.add_parser("kek-create", help="generate a PKCS#11 KEK (non-extractable AES-256)")
     kek.add_argument("uri", metavar="PKCS11_URI")
     kek.set_defaults(run=_kek_create)
@@ -100,6 +110,10 @@ def run_keys(
 def _migrate(args: argparse.Namespace) -> int:
     """PostgreSQL: create or upgrade the schema (idempotent). SQLite and Secret Manager need no
     migration (the store creates what it needs); say so."""
+    if (args.source is None) != (args.to is None):
+        raise ConfigError("--from", "--from and --to go together")
+    if args.source is not None:
+        return _print(transfer.migrate_stores(args))
     settings = load_settings(args.config)
     store = settings.keys.store
     if not store.startswith(("postgresql://", "postgres://")):

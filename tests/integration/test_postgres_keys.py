@@ -12,6 +12,7 @@ other within ``metadata_cache_seconds``, and ``broker audit verify`` checks both
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -20,19 +21,21 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
 import pytest
 
-from broker.config import ConfigError, KeySettings
+from broker.config import ConfigError, KeySettings, load_settings
 from broker.dev.issuer import DevIssuer
 from broker.errors import KeyUnavailable, UpstreamError
 from broker.keys.factory import open_key_service
 from broker.keys.kek.base import dek_aad
 from broker.keys.store.base import Purpose, VersionState
 from broker.keys.store.postgres import SCHEMA_VERSION, PostgresKeyStore, migrate
+from broker.keys.transfer import record_from_json, versions_digest
 from tests.integration.conftest import KEY, free_port, write_config, write_statement_key
 from tests.integration.test_shared_nonces import (
     ROOT,
@@ -278,3 +281,86 @@ async def test_store_errors_say_why_authentication_or_unreachable(
         assert caught.value.code.value == "key_store_unavailable"
         assert why in caught.value.message, caught.value.message
         assert "nobody@" not in caught.value.message  # never the URL
+
+
+def keys_cli(*args: str, config: Path) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "keys", *args[:1], "--config", str(config), *args[1:]],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, (args, done.stderr)
+    return json.loads(done.stdout)
+
+
+async def test_keys_move_from_sqlite_to_postgresql_and_through_a_backup(
+    postgresql_url: str, tmp_path: Path
+) -> None:
+    """`keys migrate` used to create the schema only: after the switch `keys list` was empty."""
+    config = await asyncio.to_thread(write_config, tmp_path / "b", DevIssuer(dev_mode=True))
+    for name in ("models/a", "models/b"):
+        await asyncio.to_thread(
+            keys_cli, "create", name, "--purpose", "model-weights", config=config
+        )
+    await asyncio.to_thread(keys_cli, "rotate", "models/a", config=config)
+    await asyncio.to_thread(keys_cli, "disable", "models/b", "--version", "1", config=config)
+    settings = await asyncio.to_thread(load_settings, config)
+    sqlite_uri = settings.keys.store
+    moved = await asyncio.to_thread(
+        keys_cli, "migrate", "--from", sqlite_uri, "--to", postgresql_url, config=config
+    )
+    assert (moved["versions"], moved["copied"], moved["already_present"]) == (3, 3, 0)
+    again = await asyncio.to_thread(
+        keys_cli, "migrate", "--from", sqlite_uri, "--to", postgresql_url, config=config
+    )
+    assert (again["copied"], again["already_present"]) == (0, 3)  # idempotent, resumable
+    assert again["verified_digest"] == moved["verified_digest"]
+    assert "broker@" not in again["to"]  # no credentials in what is printed or logged
+    on_postgres = dataclasses.replace(settings.keys, store=postgresql_url)
+    async with (
+        open_key_service(settings.keys) as before,
+        open_key_service(on_postgres) as after,
+    ):
+        old, new = await before.list_versions(), await after.list_versions()
+        assert [r.describe() for r in old] == [r.describe() for r in new]
+        for record in old:  # the same KEK unwraps the same DEKs: nothing was re-wrapped
+            assert await before.unwrap(record) == await after.unwrap(record)
+
+    backup = tmp_path / "keys.backup.json"
+    made = await asyncio.to_thread(keys_cli, "backup", "-o", str(backup), config=config)
+    assert made["versions"] == 3
+    assert oct((await asyncio.to_thread(backup.stat)).st_mode & 0o777) == "0o600"
+    restored = await asyncio.to_thread(keys_cli, "restore", str(backup), config=config)
+    assert (restored["copied"], restored["already_present"]) == (0, 3)
+    log_text = await asyncio.to_thread(settings.audit.log.read_text)
+    records = [json.loads(line) for line in log_text.splitlines()]
+    actions = [r["action"] for r in records if r.get("type") == "key_admin"]
+    assert actions[-4:] == ["migrate-store", "migrate-store", "backup", "restore"]
+
+    # A fresh broker restores the file only with the digest its operator trusts ...
+    fresh = await asyncio.to_thread(write_config, tmp_path / "c", DevIssuer(dev_mode=True))
+    refused = await asyncio.to_thread(run_cli, "restore", str(backup), config=fresh)
+    assert refused.returncode == 1
+    assert "not one this broker logged" in refused.stderr
+    done = await asyncio.to_thread(
+        keys_cli, "restore", str(backup), "--digest", made["digest"], config=fresh
+    )
+    assert done["copied"] == 3
+    # ... and a file changed after the backup is refused, re-digested or not.
+    document = json.loads(await asyncio.to_thread(backup.read_text))
+    document["versions"][2]["state"] = "enabled"  # re-enable a disabled version
+    await asyncio.to_thread(backup.write_text, json.dumps(document))
+    tampered = await asyncio.to_thread(run_cli, "restore", str(backup), config=config)
+    assert tampered.returncode == 1
+    assert "does not match its digest" in tampered.stderr
+    document["digest"] = versions_digest([record_from_json(v) for v in document["versions"]])
+    await asyncio.to_thread(backup.write_text, json.dumps(document))
+    redigested = await asyncio.to_thread(run_cli, "restore", str(backup), config=config)
+    assert redigested.returncode == 1
+    assert "not one this broker logged" in redigested.stderr
+
+
+def run_cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", "keys", *args[:1], "--config", str(config), *args[1:]],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
