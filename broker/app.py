@@ -105,7 +105,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         policies = PolicyManager(
             settings.policy, app[METRICS], clock=state.clock, workers=state.workers
         )
-        engine = await policies.open(audit.append, audit.append_policy_change)
+        engine = await policies.open(audit.append, audit.append_policy_change, session=session)
         stack.push_async_callback(policies.close)
         state.policies = policies
         verifier = await _evidence_verifier(settings, session)

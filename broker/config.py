@@ -147,6 +147,9 @@ class PolicySettings:
     engine: str = "wasm"  # "wasm": OPA-compiled Wasm in process | "opa": an OPA server
     dir: Path = Path("policies")  # Rego + data.json, compiled at load and reload (wasm)
     bundle: Path | None = None  # or a pre-built bundle from `broker policy build` (wasm)
+    # or a bundle server: https://… (http:// on loopback) or gs://BUCKET/OBJECT, polled every
+    # reload_seconds (ETag / generation); replicas converge within one interval
+    bundle_url: str | None = None
     bundle_verification_key: Path | None = None  # require a bundle signed with this key
     bundle_verification_scope: str = ""  # the signature's scope must equal this (as OPA's --scope)
     opa_url: str | None = None  # engine = "opa"
@@ -423,14 +426,25 @@ def _validate_policy(policy: PolicySettings) -> None:
         if policy.opa_url is None or not _url_allowed(policy.opa_url):
             raise ConfigError("policy.opa_url", "engine opa needs an https URL (http on loopback)")
         return
-    if policy.bundle is not None:
+    if policy.bundle_url is not None:
+        if policy.bundle is not None:
+            raise ConfigError("policy.bundle_url", "set bundle_url or bundle, not both")
+        gcs = policy.bundle_url.startswith("gs://") and "/" in policy.bundle_url[5:]
+        if not (gcs or _url_allowed(policy.bundle_url)):
+            raise ConfigError(
+                "policy.bundle_url", "https://… (http:// only on loopback) or gs://BUCKET/OBJECT"
+            )
+    elif policy.bundle is not None:
         if not policy.bundle.is_file():
             raise ConfigError("policy.bundle", f"no such file: {policy.bundle}")
     elif not policy.dir.is_dir():
         raise ConfigError("policy.dir", f"not a directory: {policy.dir}")
     key = policy.bundle_verification_key
-    if key is not None and (policy.bundle is None or not key.is_file()):
-        raise ConfigError("policy.bundle_verification_key", "needs policy.bundle and a PEM file")
+    bundled = policy.bundle is not None or policy.bundle_url is not None
+    if key is not None and (not bundled or not key.is_file()):
+        raise ConfigError(
+            "policy.bundle_verification_key", "needs policy.bundle or bundle_url, and a PEM file"
+        )
 
 
 def _validate_audit(audit: AuditSettings) -> None:

@@ -284,6 +284,22 @@ def load_bundle(
     Raises:
         PolicyLoadError: unreadable, unsigned, badly signed, malformed, or not a broker bundle.
     """
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_BUNDLE_BYTES + 1)
+    except OSError as exc:
+        raise PolicyLoadError(f"cannot read the bundle {path}") from exc
+    return load_bundle_bytes(raw, source=str(path), verification_key=verification_key, scope=scope)
+
+
+def load_bundle_bytes(
+    raw: bytes, *, source: str, verification_key: Path | None = None, scope: str = ""
+) -> CompiledPolicy:
+    """``load_bundle`` for bytes already read once (a file, a bundle server's answer).
+
+    Raises:
+        PolicyLoadError: as ``load_bundle``.
+    """
     verification = None
     if verification_key is not None:
         try:
@@ -291,13 +307,8 @@ def load_bundle(
         except OSError as exc:
             raise PolicyLoadError(f"cannot read the verification key {verification_key}") from exc
         verification = opa_bundle.BundleVerification(opa_bundle.load_public_key(pem), scope)
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_BUNDLE_BYTES + 1)
-    except OSError as exc:
-        raise PolicyLoadError(f"cannot read the bundle {path}") from exc
-    verified = opa_bundle.read_bundle(raw, source=str(path), verification=verification)
-    return _from_verified(verified, str(path))
+    verified = opa_bundle.read_bundle(raw, source=source, verification=verification)
+    return _from_verified(verified, source)
 
 
 def compile_entrypoints(

@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from broker.config import PolicySettings
 from broker.errors import ConfigError, UpstreamError
 from broker.metrics import Metrics
 from broker.policy import opa_bundle
-from broker.policy.build import compile_policy_dir, load_bundle
+from broker.policy.build import compile_policy_dir, load_bundle, load_bundle_bytes
 from broker.policy.bundle import load_policy_dir
+from broker.policy.bundle_source import BundleSource, open_bundle_source
 from broker.policy.engine import PolicyEngine
 from broker.policy.opa_server import OpaServerEngine
 from broker.policy.testing import find_opa
@@ -118,13 +122,18 @@ class PolicyManager:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _watch_stamp: str | None = None
     _handled_generation: int = 0
+    _source: BundleSource | None = None
 
     @property
     def digest(self) -> str:
         return self.engine.digest if self.engine is not None else "none"
 
     async def open(
-        self, change_log: ChangeLog, policy_log: ChangeLog | None = None
+        self,
+        change_log: ChangeLog,
+        policy_log: ChangeLog | None = None,
+        *,
+        session: aiohttp.ClientSession | None = None,
     ) -> PolicyEngine:
         """Load the configured policy (start-up: a policy that does not load stops the broker),
         and log it as a ``policy_change`` when the log names another one last.
@@ -133,12 +142,17 @@ class PolicyManager:
             change_log: appends a record (failed reloads).
             policy_log: appends a ``policy_change`` record unless the log's last one names the
                 same digest (``DecisionLog.append_policy_change``); default ``change_log``.
+            session: fetches ``bundle_url`` (an HTTPS bundle server).
 
         Raises:
             ConfigError / PolicyLoadError: with OPA's message.
         """
         self._change_log = change_log
         self._policy_log = policy_log or change_log
+        if self.settings.bundle_url is not None:
+            if session is None:
+                raise ConfigError("policy.bundle_url", "needs an HTTP session")
+            self._source = open_bundle_source(self.settings.bundle_url, session)
         if self.settings.engine == "opa":
             digest = await asyncio.to_thread(self._dir_digest_or_url)
             engine = OpaServerEngine(
@@ -149,7 +163,7 @@ class PolicyManager:
             await engine.open()
             self.engine = engine
         else:
-            compiled = await asyncio.to_thread(self._prepare)
+            compiled = await self._load()
             try:
                 await self._record_change(None, compiled, "startup", SYSTEM_WHO)
             except UpstreamError:
@@ -171,8 +185,11 @@ class PolicyManager:
         if isinstance(self.engine, OpaServerEngine):
             await self.engine.close()
 
-    async def reload(self, *, trigger: str, who: str = SYSTEM_WHO) -> ReloadOutcome:
-        """Check, test and swap; on any failure the last good policy keeps serving."""
+    async def reload(
+        self, *, trigger: str, who: str = SYSTEM_WHO, fetched: bytes | None = None
+    ) -> ReloadOutcome:
+        """Check, test and swap; on any failure the last good policy keeps serving.
+        ``fetched``: the bundle server's new bytes, already fetched by the poll."""
         async with self._lock:
             previous = self.digest
             outcome = ReloadOutcome(ok=True, trigger=trigger, time=self._now(), digest=previous)
@@ -181,7 +198,7 @@ class PolicyManager:
                 outcome.ok = False
             else:
                 try:
-                    compiled = await asyncio.to_thread(self._prepare)
+                    compiled = await self._load(fetched)
                     stamp = await asyncio.to_thread(self._stamp)
                     if compiled.digest != previous:
                         # The record first: a change that cannot be logged does not go live.
@@ -271,7 +288,10 @@ class PolicyManager:
         if interval <= 0 or self.settings.engine != "wasm":
             return
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval * random.uniform(0.8, 1.2))  # noqa: S311 - jitter
+            if self._source is not None:
+                await self._poll_source()
+                continue
             try:
                 stamp = await asyncio.to_thread(self._stamp)
             except (ConfigError, OSError) as exc:
@@ -281,6 +301,25 @@ class PolicyManager:
                 outcome = await self.reload(trigger="poll")
                 if not outcome.ok:
                     self._watch_stamp = stamp  # do not retry the same broken files in a loop
+
+    async def _poll_source(self) -> None:
+        """One conditional request to the bundle server; a reload with the bytes it returned."""
+        assert self._source is not None  # noqa: S101 - only called with a source
+        try:
+            fetched = await self._source.changed()
+        except UpstreamError as exc:
+            log.warning("policy watch: %s (the last good policy keeps serving)", exc.message)
+            return
+        if fetched is not None:
+            await self.reload(trigger="poll", fetched=fetched)
+
+    async def _load(self, fetched: bytes | None = None) -> CompiledPolicy:
+        """The policy to serve: from the bundle server (these bytes, or fetched now), or from
+        the configured file or directory."""
+        if self._source is None:
+            return await asyncio.to_thread(self._prepare)
+        raw = fetched if fetched is not None else await self._source.fetch()
+        return await asyncio.to_thread(self._from_bytes, raw, self._source.name)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -304,13 +343,21 @@ class PolicyManager:
         else:
             opa = find_opa(str(self.settings.opa_binary) if self.settings.opa_binary else None)
             compiled = compile_policy_dir(self.settings.dir, opa=opa, run_tests=True)
-        smoke = WasmPolicyInstance(compiled)  # a fresh instance: the live one is untouched
-        result = smoke.evaluate(SMOKE_INPUT)
-        if result is None or not isinstance(result, dict) or "allow" not in result:
-            raise ConfigError("policy", "smoke evaluation produced no allow decision")
-        return compiled
+        return _smoke_tested(compiled)
+
+    def _from_bytes(self, raw: bytes, source: str) -> CompiledPolicy:
+        return _smoke_tested(
+            load_bundle_bytes(
+                raw,
+                source=source,
+                verification_key=self.settings.bundle_verification_key,
+                scope=self.settings.bundle_verification_scope,
+            )
+        )
 
     def _stamp(self) -> str:
+        if self._source is not None:
+            return self._source.name  # the source's own ETag / generation says what changed
         if self.settings.bundle is not None:
             stat = Path(self.settings.bundle).stat()
             return f"{stat.st_mtime_ns}:{stat.st_size}"
@@ -364,3 +411,15 @@ class PolicyManager:
             )
         except UpstreamError:
             log.exception("the failed reload could not be logged")
+
+
+def _smoke_tested(compiled: CompiledPolicy) -> CompiledPolicy:
+    """``compiled``, once a fresh instance of it (the live one untouched) decided a fixed input.
+
+    Raises:
+        ConfigError: when it produces no ``allow`` decision.
+    """
+    result = WasmPolicyInstance(compiled).evaluate(SMOKE_INPUT)
+    if result is None or not isinstance(result, dict) or "allow" not in result:
+        raise ConfigError("policy", "smoke evaluation produced no allow decision")
+    return compiled
