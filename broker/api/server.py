@@ -161,6 +161,11 @@ class BrokerRunner(web.AppRunner):
     def __init__(self, app: web.Application, server: ServerSettings, **kwargs: Any) -> None:
         kwargs.setdefault("keepalive_timeout", server.keepalive_timeout_seconds)
         kwargs.setdefault("access_log", None)
+        # Bodies are identity-encoded only (body.py refuses the rest with 415): the parser must
+        # not decompress them first. It used to, and with uvloop a bad deflate body closed the
+        # connection before the handler could answer (found running the hostile suite against
+        # `broker serve --workers 2`); it is also a decompression bomb nobody needs.
+        kwargs.setdefault("auto_decompress", False)
         super().__init__(app, **kwargs)
         self._limits = ConnectionLimits.from_settings(server)
 

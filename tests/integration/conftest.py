@@ -6,11 +6,14 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -137,8 +140,17 @@ StartBroker = Callable[..., "AsyncIterator[RunningBroker]"]
 
 
 @pytest.fixture
-async def start_broker(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
+def deployment(request: pytest.FixtureRequest) -> str:
+    """How ``start_broker`` runs the broker: ``process`` (in this test process, the default) or
+    ``workers`` (``broker serve --workers 2``, as deployed). A module runs in both shapes with
+    ``pytest.mark.parametrize("deployment", ["process", "workers"], indirect=True)``."""
+    return str(getattr(request, "param", "process"))
+
+
+@pytest.fixture
+async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callable[..., object]]:
     runners: list[web.AppRunner] = []
+    processes: list[subprocess.Popen[bytes]] = []
 
     async def start(
         environ: dict[str, str] | None = None,
@@ -150,8 +162,9 @@ async def start_broker(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
         **server: object,
     ) -> RunningBroker:
         """Start a broker; ``reuse`` serves an existing config (and its issuer) as it is."""
+        started = len(runners) + len(processes)
         if reuse is None:
-            workdir = tmp_path / f"broker{len(runners)}"
+            workdir = tmp_path / f"broker{started}"
             issuer = DevIssuer(dev_mode=True)
             config = await asyncio.to_thread(
                 write_config,
@@ -167,28 +180,63 @@ async def start_broker(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
             workdir = config.parent
         if workdir_setup is not None:
             await asyncio.to_thread(workdir_setup, workdir)
-        settings = await asyncio.to_thread(load_settings, config, environ or {})
+        environ = dict(environ or {})
+        if deployment == "workers":
+            environ["BROKER_SERVER_WORKERS"] = "2"
+        settings = await asyncio.to_thread(load_settings, config, environ)
         if reuse is None:
             async with open_key_service(settings.keys, create_missing_kek=True) as keys:
                 await keys.create(KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
                 await keys.create(GPU_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
-        runner = BrokerRunner(create_app(settings), settings.server)
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl_context(settings))
-        await site.start()
-        port = runner.addresses[0][1]
+        client_tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
+        if deployment == "workers":
+            port = free_port()
+            command = [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)]
+            processes.append(
+                await asyncio.to_thread(
+                    subprocess.Popen,
+                    command,
+                    env={**os.environ, **environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}"},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            await asyncio.to_thread(wait_ready, port, client_tls)
+        else:
+            runner = BrokerRunner(create_app(settings), settings.server)
+            await runner.setup()
+            runners.append(runner)
+            site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl_context(settings))
+            await site.start()
+            port = runner.addresses[0][1]
         return RunningBroker(
             url=f"https://127.0.0.1:{port}",
             settings=settings,
             issuer=issuer,
-            client_tls=ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem")),
+            client_tls=client_tls,
             workdir=workdir,
         )
 
     yield start
     for runner in runners:
         await runner.cleanup()
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(process.wait, 60)
+
+
+def wait_ready(port: int, tls: ssl.SSLContext) -> None:
+    """Until ``/readyz`` on ``port`` answers 200 (a broker started in another process)."""
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(
+                f"https://127.0.0.1:{port}/readyz", context=tls, timeout=2
+            ) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail(f"the broker on port {port} did not become ready")
 
 
 @pytest.fixture

@@ -24,6 +24,14 @@ from tests.integration.hostile import ADMIN_TOKEN, NO_BODY, Case, Ctx, all_cases
 from tests.integration.test_gpu_release import start_gpu_broker, world  # noqa: F401
 from tests.vectors.gpu import RimAuthority, SimulatedGpu, SimulatedNras
 
+
+@pytest.fixture(params=["process", "workers"])
+def deployment(request: pytest.FixtureRequest) -> str:
+    """As deployed: every broker of this module in one process, and behind
+    ``broker serve --workers 2`` (conftest ``start_broker``)."""
+    return str(request.param)
+
+
 MIN_CASES = 300
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,7 +124,11 @@ async def test_hostile_inputs_get_exact_answers_and_every_decision_is_logged(
             challenge=challenge,
         )
         for case in cases:
-            status, body, text = await send(session, broker, case, ctx)
+            try:
+                status, body, text = await send(session, broker, case, ctx)
+            except aiohttp.ServerDisconnectedError:
+                failures.append(f"{case.name}: the server closed the connection")
+                continue
             got_code = (body or {}).get("error", {}).get("code") if isinstance(body, dict) else None
             if status >= 500:
                 failures.append(f"{case.name}: 5xx {status} {text[:200]}")

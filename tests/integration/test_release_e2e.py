@@ -10,6 +10,13 @@ from broker.crypto.jwk import public_jwk, thumbprint
 from tests.integration.conftest import DENIED, KEY, RunningBroker
 
 
+@pytest.fixture(params=["process", "workers"])
+def deployment(request: pytest.FixtureRequest) -> str:
+    """As deployed: every broker of this module in one process, and behind
+    ``broker serve --workers 2`` (conftest ``start_broker``)."""
+    return str(request.param)
+
+
 @pytest.mark.parametrize("key_type", ["EC-P256", "EC-P384", "X25519", "RSA-3072"])
 async def test_attested_runner_gets_the_key(broker: RunningBroker, key_type: str) -> None:
     async with broker.client() as client:

@@ -15,8 +15,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -32,7 +30,14 @@ from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from broker.errors import AttestationError, ErrorCode, UpstreamError
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
-from tests.integration.conftest import ALLOWED, KEY, RunningBroker, free_port, write_config
+from tests.integration.conftest import (
+    ALLOWED,
+    KEY,
+    RunningBroker,
+    free_port,
+    wait_ready,
+    write_config,
+)
 
 ROOT = Path(__file__).parents[2]
 TTL = timedelta(seconds=120)
@@ -253,19 +258,6 @@ async def stop_replicas(replicas: list[subprocess.Popen[str]]) -> None:
     for process in replicas:
         _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
         assert process.returncode == 0, stderr[-2000:]
-
-
-def wait_ready(port: int, tls: ssl.SSLContext) -> None:
-    for _ in range(200):
-        try:
-            with urllib.request.urlopen(
-                f"https://127.0.0.1:{port}/readyz", context=tls, timeout=2
-            ) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    pytest.fail(f"replica on port {port} did not become ready")
 
 
 @pytest.mark.timeout(180)
