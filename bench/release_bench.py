@@ -8,7 +8,8 @@ durable (fsync'd, group-committed) log append.
 
 Printed: one process's releases/s and its ratio to the echo's req/s (the issue's target is
 >= 0.25), p50/p99 at the run's concurrency and p99 at 64 connections; then the same for
-``--workers 2`` (SQLite nonce store, the default with workers > 1) and its ratio to one worker.
+``--workers 2`` (SQLite nonce store, the default with workers > 1) and its ratio to one worker;
+then, for 1 and 2 workers, a runner's success rate while two other addresses flood challenges.
 Also the *floor* (``floor_server.py``): the same load against a server that makes only the
 library calls a release cannot avoid (parse, RS256, X25519 + AES-GCM, one Wasm evaluation, a
 record hashed and written) and checks nothing, so the figures show how much of the gap is the
@@ -138,9 +139,9 @@ async def prepare_releases(url: str, issuer: DevIssuer, count: int) -> list[dict
 class Broker:
     """``broker serve`` in a subprocess (``workers`` processes on one port)."""
 
-    def __init__(self, config: Path, workers: int) -> None:
+    def __init__(self, config: Path, workers: int, environ: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        env = {**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{self.port}"}
+        env = {**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{self.port}", **(environ or {})}
         command = [*CLI, "serve", "--config", str(config), "--workers", str(workers)]
         self.process = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -172,6 +173,52 @@ async def measure(
         if run.ok != requests:
             raise SystemExit(f"only {run.ok}/{requests} releases succeeded")
     return main, wide
+
+
+FLOOD_SECONDS = 5.0
+FLOOD_LIMIT = {"BROKER_SERVER_RATE_LIMIT_PER_IP": "50", "BROKER_SERVER_RATE_LIMIT_BURST": "50"}
+
+
+async def measure_flood(config: Path, issuer: DevIssuer, workers: int) -> dict[str, float]:
+    """A runner releasing one key at a time from 127.0.0.1 while challenge floods come from
+    127.0.0.2 and 127.0.0.3 (32 connections each, as fast as they can): the runner's success
+    rate, and what the flood sent and was refused (per-address limits of 50/s per worker)."""
+    broker = Broker(config, workers, FLOOD_LIMIT)
+    statuses: dict[int, int] = {}
+    try:
+        await wait_ready(broker.url + "/readyz")
+        deadline = time.monotonic() + FLOOD_SECONDS
+
+        async def flood(address: str) -> None:
+            connector = aiohttp.TCPConnector(local_addr=(address, 0), limit=32)
+            async with aiohttp.ClientSession(connector=connector) as session:
+
+                async def one() -> None:
+                    while time.monotonic() < deadline:
+                        async with session.post(broker.url + "/v1/challenge", json={}) as reply:
+                            statuses[reply.status] = statuses.get(reply.status, 0) + 1
+                            await reply.read()
+
+                await asyncio.gather(*(one() for _ in range(32)))
+
+        flooding = asyncio.gather(flood("127.0.0.2"), flood("127.0.0.3"))
+        ok = tried = 0
+        async with aiohttp.ClientSession() as runner:
+            while time.monotonic() < deadline - 0.5:
+                body = (await prepare_releases(broker.url, issuer, 1))[0]
+                async with runner.post(broker.url + "/v1/release", json=body) as reply:
+                    tried += 1
+                    ok += reply.status == 200
+        await flooding
+    finally:
+        broker.stop()
+    sent = sum(statuses.values())
+    return {
+        "runner_success_rate": round(ok / max(tried, 1), 4),
+        "runner_releases": tried,
+        "flood_requests_per_s": round(sent / FLOOD_SECONDS, 1),
+        "flood_refused_429_share": round(statuses.get(429, 0) / max(sent, 1), 3),
+    }
 
 
 async def measure_floor(workdir: Path, issuer: DevIssuer, requests: int, concurrency: int) -> Run:
@@ -232,6 +279,8 @@ async def main(requests: int, concurrency: int) -> None:
         floor_run = await measure_floor(workdir, issuer, requests, concurrency)
         one, one_wide = await measure(config, issuer, 1, requests, concurrency)
         two, two_wide = await measure(config, issuer, 2, requests, concurrency)
+        flood_one = await measure_flood(config, issuer, 1)
+        flood_two = await measure_flood(config, issuer, 2)
         log_lines = (workdir / "decisions.log").read_text().count("\n")
     print(
         json.dumps(
@@ -252,6 +301,8 @@ async def main(requests: int, concurrency: int) -> None:
                 "two_workers_release_per_s": round(two.rate, 1),
                 "two_workers_vs_one": round(two.rate / one.rate, 2),
                 "two_workers_p99_ms_at_64_connections": round(two_wide.percentile(0.99), 2),
+                "under_challenge_flood_1_worker": flood_one,
+                "under_challenge_flood_2_workers": flood_two,
                 "decisions_logged": log_lines,
             },
             indent=2,
