@@ -173,6 +173,13 @@ def test_the_shipped_config_is_a_valid_broker_config(tmp_path: Path) -> None:
     assert settings.keys.store.startswith("postgresql://")
     assert settings.nonces.store.startswith("postgresql://")
     assert settings.audit.log == Path("/var/lib/broker/decisions-broker-1.log")
+    # replicas share the challenge key (a Secret), so any of them honours another's challenge
+    assert settings.nonces.challenge_key == Path("/etc/broker/challenge/challenge.key")
+    pod = one("overlays/production", "StatefulSet")["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    secrets = {v["name"]: v.get("secret", {}).get("secretName") for v in pod["volumes"]}
+    assert mounts["challenge-key"] == "/etc/broker/challenge"
+    assert secrets["challenge-key"] == "broker-challenge-key"
     policies = one("overlays/production", "ConfigMap", name=_generated("broker-policies"))
     assert set(policies["data"]) == {"release.rego", "data.json"}
 

@@ -320,7 +320,9 @@ async def test_keys_move_from_sqlite_to_postgresql_and_through_a_backup(
         open_key_service(settings.keys) as before,
         open_key_service(on_postgres) as after,
     ):
-        old, new = await before.list_versions(), await after.list_versions()
+        old = await before.list_versions()
+        names = {r.name for r in old}  # the database is shared with other tests
+        new = [r for r in await after.list_versions() if r.name in names]
         assert [r.describe() for r in old] == [r.describe() for r in new]
         for record in old:  # the same KEK unwraps the same DEKs: nothing was re-wrapped
             assert await before.unwrap(record) == await after.unwrap(record)
