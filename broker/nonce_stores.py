@@ -81,11 +81,15 @@ CREATE INDEX IF NOT EXISTS spent_nonces_expiry ON spent_nonces (expires_at);
 class SqliteSpentNonces:
     """Processes on one host share a SQLite file (WAL, ``synchronous=FULL``).
 
-    A nonce is spent by one ``INSERT OR IGNORE`` under SQLite's database write lock (expired rows
-    are deleted in the same transaction). ``synchronous=FULL``: a spent mark survives a power
-    loss, so a replay after a crash finds the nonce spent. Calls run on one dedicated thread with
-    its own connection.
+    A nonce is spent by one ``INSERT OR IGNORE`` (one statement, the write lock held as briefly
+    as SQLite allows: several workers contend for it). Every ``capacity // 8`` spends (at most
+    256) a process deletes expired rows and counts the rest; past ``capacity`` it refuses spends
+    (``nonce_store_full``) until a purge finds room, so the bound holds within an eighth. ``synchronous=FULL``: a spent mark survives
+    a power loss, so a replay after a crash finds the nonce spent. Calls run on one dedicated
+    thread with its own connection.
     """
+
+    MAX_PURGE_EVERY = 256
 
     def __init__(self, path: Path, *, capacity: int, timeout: float) -> None:
         self._path = path
@@ -93,9 +97,16 @@ class SqliteSpentNonces:
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nonce-sqlite")
         self._connection: sqlite3.Connection | None = None
+        self._spends = 0
+        self._full = False
+        self._purge_every = max(1, min(self.MAX_PURGE_EVERY, capacity // 8))
 
     async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
-        outcome = await self._run(self._spend, nonce, expires_at.timestamp(), now.timestamp())
+        self._spends += 1
+        purge = self._spends % self._purge_every == 1 % self._purge_every
+        outcome = await self._run(
+            self._spend, nonce, expires_at.timestamp(), now.timestamp(), purge
+        )
         if outcome == "reused":
             raise reused_nonce()
         if outcome == "full":
@@ -132,19 +143,20 @@ class SqliteSpentNonces:
             self._connection = db
         return self._connection
 
-    def _spend(self, db: sqlite3.Connection, nonce: str, expires_at: float, now: float) -> str:
-        db.execute("BEGIN IMMEDIATE")
-        with db:  # commits the transaction, or rolls it back on an exception
+    def _spend(
+        self, db: sqlite3.Connection, nonce: str, expires_at: float, now: float, purge: bool
+    ) -> str:
+        if purge:
             db.execute("DELETE FROM spent_nonces WHERE expires_at <= ?", (now,))
-            if db.execute("SELECT 1 FROM spent_nonces WHERE nonce = ?", (nonce,)).fetchone():
-                return "reused"
             (count,) = db.execute("SELECT count(*) FROM spent_nonces").fetchone()
-            if count >= self._capacity:
-                return "full"
-            db.execute(
-                "INSERT INTO spent_nonces (nonce, expires_at) VALUES (?, ?)", (nonce, expires_at)
-            )
-            return "ok"
+            self._full = count >= self._capacity
+        if self._full:
+            return "full"
+        inserted = db.execute(
+            "INSERT OR IGNORE INTO spent_nonces (nonce, expires_at) VALUES (?, ?)",
+            (nonce, expires_at),
+        ).rowcount
+        return "ok" if inserted == 1 else "reused"
 
 
 class RedisSpentNonces:
