@@ -84,9 +84,9 @@ class SqliteSpentNonces:
     A nonce is spent by one ``INSERT OR IGNORE`` (one statement, the write lock held as briefly
     as SQLite allows: several workers contend for it). Every ``capacity // 8`` spends (at most
     256) a process deletes expired rows and counts the rest; past ``capacity`` it refuses spends
-    (``nonce_store_full``) until a purge finds room, so the bound holds within an eighth. ``synchronous=FULL``: a spent mark survives
-    a power loss, so a replay after a crash finds the nonce spent. Calls run on one dedicated
-    thread with its own connection.
+    (``nonce_store_full``) until a purge finds room, so the bound holds within an eighth.
+    ``synchronous=FULL``: a spent mark survives a power loss, so a replay after a crash finds the
+    nonce spent. Calls run on one dedicated thread with its own connection.
     """
 
     MAX_PURGE_EVERY = 256
