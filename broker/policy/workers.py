@@ -129,6 +129,9 @@ class WorkerGroup:
     # --- reports -------------------------------------------------------------------------------
 
     def report(self, *, generation: int, digest: str, ok: bool, problem: str | None = None) -> None:
+        """Publish this worker's policy to the others (nothing to do for a single process)."""
+        if self.supervisor_pid is None:
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         _write_json(
             self.directory / f"worker-{self.index}.json",
