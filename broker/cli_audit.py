@@ -89,14 +89,19 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     check.set_defaults(run=_check_proof)
     query = audit.add_parser("query", help="the common questions, as JSON lines or a table")
     query.add_argument("logs", type=Path, nargs="+", metavar="LOG")
-    for name in ("key", "result", "since", "until", "image", "project", "code"):
+    for name in ("key", "image", "project", "code", "replica"):
         query.add_argument(f"--{name}")
+    query.add_argument("--decision", help="a decision id")
+    query.add_argument("--result", choices=RESULTS)
+    query.add_argument("--since", type=instant, help="RFC 3339 with a zone: at or after")
+    query.add_argument("--until", type=instant, help="RFC 3339 with a zone: at or before")
     query.add_argument("--table", action="store_true")
     query.set_defaults(run=_query)
     export = audit.add_parser("export", help="records for a SIEM: OCSF events or JSON lines")
     export.add_argument("log", type=Path)
     export.add_argument("--format", choices=["ocsf", "jsonl"], default="ocsf")
-    export.add_argument("--since")
+    export.add_argument("--since", type=instant, help="RFC 3339 with a zone: at or after")
+    export.add_argument("--until", type=instant, help="RFC 3339 with a zone: at or before")
     export.set_defaults(run=_export)
 
 
@@ -457,6 +462,34 @@ def _records(paths: list[Path]) -> Iterator[dict[str, Any]]:
                 yield record
 
 
+RESULTS = ("allow", "deny", "error")
+
+
+def instant(text: str) -> datetime:
+    """An RFC 3339 time with a zone (``2026-11-23T00:00:00Z``, ``…+01:00``), compared as an
+    instant: the same moment in two zones selects the same records. Anything else is refused
+    (argparse exits 2 naming it): an unparsable ``--since`` used to select nothing, which read
+    like "no records".
+    """
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an RFC 3339 time: {text!r}") from exc
+    if parsed.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r} has no zone (add Z or +HH:MM)")
+    return parsed
+
+
+def _within(record: dict[str, Any], since: datetime | None, until: datetime | None) -> bool:
+    if since is None and until is None:
+        return True
+    try:
+        when = instant(str(record.get("time", "")))
+    except argparse.ArgumentTypeError:
+        return False  # a record without a readable time is in no interval
+    return not ((since is not None and when < since) or (until is not None and when > until))
+
+
 def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
     identity = record.get("identity") or {}
     checks = [
@@ -465,11 +498,12 @@ def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
         (args.code, record.get("code")),
         (args.image, identity.get("image_digest")),
         (args.project, identity.get("project_id")),
+        (args.decision, record.get("decision_id")),
+        (args.replica, record.get("replica")),
     ]
     if any(wanted is not None and wanted != found for wanted, found in checks):
         return False
-    when = str(record.get("time", ""))
-    return not ((args.since and when < args.since) or (args.until and when > args.until))
+    return _within(record, args.since, args.until)
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -489,7 +523,7 @@ def _query(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     for record in _records([args.log]):
-        if args.since and str(record.get("time", "")) < args.since:
+        if not _within(record, args.since, args.until):
             continue
         print(json.dumps(ocsf_event(record) if args.format == "ocsf" else record))
     return 0
