@@ -163,6 +163,7 @@ class PolicyManager:
             await engine.open()
             self.engine = engine
         else:
+            before = await asyncio.to_thread(self._stamp_before_load)
             compiled = await self._load()
             try:
                 await self._record_change(None, compiled, "startup", SYSTEM_WHO)
@@ -173,7 +174,7 @@ class PolicyManager:
                     "policy %s could not be logged; nothing will be decided", compiled.digest
                 )
             self.engine = WasmPolicyEngine(compiled)
-            self._watch_stamp = await asyncio.to_thread(self._stamp)
+            self._watch_stamp = _stamp_of(compiled, before)
         self.metrics.policy_info(self.digest)
         if self.workers is not None:
             request = await asyncio.to_thread(self.workers.read_request)
@@ -198,8 +199,9 @@ class PolicyManager:
                 outcome.ok = False
             else:
                 try:
+                    before = await asyncio.to_thread(self._stamp_before_load)
                     compiled = await self._load(fetched)
-                    stamp = await asyncio.to_thread(self._stamp)
+                    stamp = _stamp_of(compiled, before)
                     if compiled.digest != previous:
                         # The record first: a change that cannot be logged does not go live.
                         await self._record_change(previous, compiled, trigger, who)
@@ -355,6 +357,11 @@ class PolicyManager:
             )
         )
 
+    def _stamp_before_load(self) -> str | None:
+        """A bundle file's stamp, taken before it is read (a file replaced after this is seen by
+        the next poll); a directory's comes from the bytes compiled (``_stamp_of``)."""
+        return self._stamp() if self.settings.bundle is not None or self._source else None
+
     def _stamp(self) -> str:
         if self._source is not None:
             return self._source.name  # the source's own ETag / generation says what changed
@@ -411,6 +418,14 @@ class PolicyManager:
             )
         except UpstreamError:
             log.exception("the failed reload could not be logged")
+
+
+def _stamp_of(compiled: CompiledPolicy, before: str | None) -> str:
+    """What the watcher compares with: for a directory, the digest of the very bytes compiled
+    (re-reading the directory after the compile would mark a change made meanwhile as seen)."""
+    if before is not None:
+        return before
+    return compiled.source_digest or compiled.digest
 
 
 def _smoke_tested(compiled: CompiledPolicy) -> CompiledPolicy:
