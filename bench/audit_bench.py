@@ -24,9 +24,10 @@ sys.path.insert(0, str(ROOT))
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from broker.audit.checkpoint import Checkpoint, NoteSigner
-from broker.audit.log import GENESIS, canonical, record_hash
+from broker.audit.log import GENESIS, record_hash
 from broker.audit.merkle import MerkleTree
 from broker.cli_audit import verify_log
+from broker.core.encoding import canonical
 
 REASON = "image sha256:00 is not allowed for key models/llama"
 

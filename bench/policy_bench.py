@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from broker.attestation import claims
 from broker.attestation.gca import VerifiedGcaToken
-from broker.attestation.jose import b64url_decode
+from broker.core.encoding import b64url_decode
+from broker.core.errors import UpstreamError
 from broker.dev.issuer import DevIssuer, Workload
-from broker.errors import UpstreamError
 from broker.policy.build import compile_policy_dir
 from broker.policy.opa_server import OpaServerEngine
 from broker.policy.testing import find_opa

@@ -24,12 +24,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from broker.api.middleware import METRICS, request_context
 from broker.api.routes import register
 from broker.api.state import STATE, BrokerState, Clock
-from broker.attestation.jwks import FileJwksSource, JwksError, JwksSource, UrlJwksSource
+from broker.attestation.jwks import JwksError
+from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
 from broker.attestation.nvidia.sources import (
     CachingRimSource,
-    HttpOcspChecker,
+    HttpOcspSource,
     NoOcsp,
-    OcspChecker,
+    OcspSource,
 )
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
@@ -40,9 +41,9 @@ from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.sink import AuditSink
 from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
-from broker.errors import ConfigError, UpstreamError
+from broker.core.errors import ConfigError, UpstreamError
+from broker.core.metrics import Metrics
 from broker.keys.factory import open_key_service
-from broker.metrics import Metrics
 from broker.nonce_stores import open_nonce_store
 from broker.policy.manager import PolicyManager
 from broker.policy.workers import WorkerGroup
@@ -217,8 +218,8 @@ def _gpu_sources(settings: Settings, session: aiohttp.ClientSession) -> GpuSourc
         cache_seconds=nvidia.rim_cache_seconds,
         timeout_seconds=nvidia.upstream_timeout_seconds,
     )
-    ocsp: OcspChecker = (
-        HttpOcspChecker(
+    ocsp: OcspSource = (
+        HttpOcspSource(
             nvidia.ocsp_url,
             session,
             timeout_seconds=nvidia.upstream_timeout_seconds,

@@ -24,7 +24,7 @@ from broker.api.server import BrokerRunner
 from broker.api.state import STATE
 from broker.app import create_app, server_ssl_context
 from broker.config import Settings, load_settings
-from broker.errors import BrokerError, ConfigError, InputError
+from broker.core.errors import BrokerError, ConfigError, InputError
 from broker.policy.workers import WorkerGroup
 from broker.supervisor import WORKER_FLAG, Supervisor
 

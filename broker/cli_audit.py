@@ -28,8 +28,8 @@ from broker.audit.publisher import checkpoint_paths
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.witness import WitnessKey
 from broker.config import load_settings
-from broker.errors import ConfigError
-from broker.jsonsafe import loads_bounded
+from broker.core.errors import ConfigError
+from broker.core.jsonsafe import loads_bounded
 
 EXIT_NO = 1
 EXIT_USAGE = 2

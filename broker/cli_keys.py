@@ -18,12 +18,13 @@ from typing import Any
 from broker import cli_keys_transfer as transfer
 from broker.audit.log import DecisionLog
 from broker.config import load_settings
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
+from broker.core.protocol import Algorithm
 from broker.keys import admin
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.service import KeyService
-from broker.keys.store.base import Algorithm, Purpose
+from broker.keys.store.base import Purpose
 
 EXIT_USAGE = 2
 Work = Callable[[KeyService, datetime], Awaitable[Any]]

@@ -17,8 +17,8 @@ from typing import Any
 
 from broker.audit.log import DecisionLog, iter_records
 from broker.config import Settings, load_settings
-from broker.errors import ConfigError, InputError
-from broker.jsonsafe import loads_bounded
+from broker.core.errors import ConfigError, InputError
+from broker.core.jsonsafe import loads_bounded
 from broker.keys.admin import cli_actor
 from broker.keys.factory import open_store
 from broker.keys.store.base import KeyStore

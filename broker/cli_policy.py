@@ -17,8 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from broker.errors import ConfigError
-from broker.jsonsafe import loads_bounded
+from broker.core.errors import ConfigError
+from broker.core.jsonsafe import loads_bounded
 from broker.policy.build import (
     build_bundle,
     check_policy_dir,

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from broker.audit.log import DecisionLog
 from broker.client.weights import decrypt_to, open_source, read_sealed
 from broker.config import load_settings
+from broker.core.errors import InputError
 from broker.crypto.weights import (
     DEFAULT_SEGMENT,
     MAX_SEGMENT,
@@ -42,10 +43,9 @@ from broker.crypto.weights import (
     file_key,
     segment_nonce,
 )
-from broker.errors import InputError
+from broker.crypto.wrap import key_id
 from broker.keys.admin import cli_actor
 from broker.keys.factory import open_key_service
-from broker.keys.wrap import key_id
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 SEALED_SUFFIX = ".brkw"

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from broker.attestation.issuers import DEFAULT_ALGORITHMS, IssuerSettings
 from broker.config_tables import config_table, convert_value, resolve_path
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 
 ISSUER_KINDS = frozenset({"gca", "ita", "nras"})
 # Signature algorithms each kind of issuer uses when the entry does not list its own.
@@ -47,7 +48,6 @@ def default_replica_id() -> str:
     return label if REPLICA_ID.fullmatch(label) else "broker"
 
 
-DEFAULT_ALGORITHMS = {"gca": ("RS256",), "ita": ("PS384", "RS256"), "nras": ("ES384",)}
 TOKEN_TYPES = frozenset({"oidc", "pki"})
 # Algorithms an issuer entry may allow. Asymmetric only: HMAC with a public key is a classic
 # confusion attack, and `none` is never a signature.
@@ -90,31 +90,6 @@ class ServerSettings:
     @property
     def port(self) -> int:
         return split_listen(self.listen)[1]
-
-
-@dataclass(frozen=True)
-class IssuerSettings:
-    kind: str
-    issuer: str
-    jwks_file: Path | None = None
-    jwks_url: str | None = None
-    algorithms: tuple[str, ...] = ()  # empty: DEFAULT_ALGORITHMS[kind]
-    token_types: tuple[str, ...] = ("oidc",)  # gca only: "oidc" (JWKS) and/or "pki" (x5c)
-    root_cert: Path | None = None  # gca pki: CS root; ita: Intel root; nras: pinned intermediate
-    tolerated_jku: tuple[str, ...] = ()  # a jku header equal to one of these is ignored
-    jwks_refresh_min_seconds: int = 30
-    jwks_cache_seconds: int = 3600
-    # Longest accepted exp - iat. Google's, NVIDIA's: 3600 s; Intel's: 300 s. A longer-lived
-    # token is refused (token_claim_invalid): a stolen one would stay useful for longer.
-    max_token_lifetime_seconds: int = 3600
-
-    @property
-    def effective_algorithms(self) -> tuple[str, ...]:
-        return self.algorithms or DEFAULT_ALGORITHMS[self.kind]
-
-    @property
-    def uses_jwks(self) -> bool:
-        return self.kind != "gca" or "oidc" in self.token_types
 
 
 @dataclass(frozen=True)

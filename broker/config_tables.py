@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 
 ENV_PREFIX = "BROKER_"
 

@@ -48,11 +48,11 @@ from broker.audit.signers import open_checkpoint_signer
 from broker.client import BrokerClient, BrokerClientError
 from broker.client.weights import decrypt_to, open_encrypted, open_source
 from broker.config import Settings, load_settings
+from broker.crypto.wrap import key_id
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from broker.dev.workspace import write_dev_workspace
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
-from broker.keys.wrap import key_id
 
 DEMO_KEY = "models/demo-llama"
 AUDIENCE = "https://broker.demo.invalid"

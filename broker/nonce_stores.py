@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from broker.config import NONCE_STORE_FORMS
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 from broker.nonces import (
     MemorySpentNonces,
     NonceStore,

@@ -39,9 +39,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
-from broker.attestation.jose import b64url_decode, b64url_encode
-from broker.errors import AttestationError, ErrorCode, UpstreamError
-from broker.secrets_files import load_or_create_secret
+from broker.core.encoding import b64url_decode, b64url_encode
+from broker.core.errors import AttestationError, ErrorCode, UpstreamError
+from broker.core.secrets_files import load_or_create_secret
 
 NONCE_BYTES = 32
 MAX_NONCE_CHARS = 128

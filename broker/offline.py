@@ -16,13 +16,14 @@ from typing import Any
 
 from cryptography import x509
 
-from broker.attestation import jose, pipeline
+from broker.attestation import pipeline
+from broker.attestation.issuers import DEFAULT_ALGORITHMS, IssuerSettings
 from broker.attestation.jwks import JwksError, TrustedKeySet, parse_jwks
 from broker.attestation.nvidia import local
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
-from broker.config import DEFAULT_ALGORITHMS, IssuerSettings
-from broker.errors import AttestationError, ConfigError
-from broker.jsonsafe import loads_bounded
+from broker.core.errors import AttestationError, ConfigError
+from broker.core.jsonsafe import loads_bounded
+from broker.crypto import jose
 
 CERTS = Path(__file__).resolve().parent.parent / "certs"
 DEFAULT_ROOTS = {

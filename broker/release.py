@@ -34,15 +34,16 @@ from typing import Any
 
 from broker.attestation.claims import RequestFacts, build_input
 from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evidence_digests
-from broker.audit.log import DecisionLog, canonical
+from broker.audit.log import DecisionLog
 from broker.audit.mask import masked
+from broker.core.encoding import canonical
+from broker.core.errors import BrokerError, ErrorCode, InputError, PolicyDenied
+from broker.core.fields import optional_version, string_field
+from broker.core.metrics import Metrics
 from broker.crypto.jwk import RunnerKey, parse_runner_key
-from broker.errors import BrokerError, ErrorCode, InputError, PolicyDenied
-from broker.fields import optional_version, string_field
+from broker.crypto.wrap import WRAP_MODES, check_wrap_mode, key_id, wrap_to_runner
 from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
 from broker.keys.store.base import KeyVersionRecord
-from broker.keys.wrap import WRAP_MODES, check_wrap_mode, key_id, wrap_to_runner
-from broker.metrics import Metrics
 from broker.nonces import MAX_NONCE_CHARS, NonceStore
 from broker.policy.engine import Decision, PolicyEngine
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from prometheus_client.multiprocess import mark_process_dead
 
 from broker.config import Settings, nonce_store_setting, split_listen
-from broker.metrics import MULTIPROCESS_ENV
+from broker.core.metrics import MULTIPROCESS_ENV
 from broker.policy.workers import WorkerGroup
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from broker.api.body import read_json_object
 from broker.api.state import STATE, BrokerState
-from broker.errors import Conflict, ErrorCode, Unauthorized, UpstreamError
+from broker.core.errors import Conflict, ErrorCode, Unauthorized, UpstreamError
 from broker.keys import admin
 from broker.keys.service import KeyService
 

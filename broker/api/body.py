@@ -14,15 +14,15 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from broker.api.state import STATE
-from broker.errors import (
+from broker.core.errors import (
     BodyTooLarge,
     ErrorCode,
     InputError,
     RequestTimeout,
     UnsupportedMediaType,
 )
-from broker.fields import optional_version, string_field
-from broker.jsonsafe import loads_bounded
+from broker.core.fields import optional_version, string_field
+from broker.core.jsonsafe import loads_bounded
 
 __all__ = ["optional_version", "read_body", "read_json_object", "string_field"]
 

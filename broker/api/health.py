@@ -10,7 +10,7 @@ from aiohttp import web
 from broker.api.middleware import METRICS
 from broker.api.openapi import openapi_document
 from broker.api.state import STATE
-from broker.errors import ErrorCode, UpstreamError
+from broker.core.errors import ErrorCode, UpstreamError
 from broker.keys.store.base import Purpose
 
 # ``broker serve --workers N`` numbers its workers (supervisor.py); a single process is worker 0.

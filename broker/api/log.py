@@ -16,7 +16,7 @@ from aiohttp import web
 
 from broker.api.state import STATE, BrokerState
 from broker.audit.log import DecisionLog
-from broker.errors import ErrorCode, InputError, NotFound, UpstreamError
+from broker.core.errors import ErrorCode, InputError, NotFound, UpstreamError
 
 MAX_PAGE = 1000
 

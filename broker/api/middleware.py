@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from broker.errors import BrokerError, ErrorCode
-from broker.metrics import Metrics
+from broker.core.errors import BrokerError, ErrorCode
+from broker.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

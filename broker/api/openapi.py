@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.errors import ErrorCode
-from broker.fields import MAX_VERSION
+from broker.core.errors import ErrorCode
+from broker.core.fields import MAX_VERSION
+from broker.core.protocol import Algorithm
+from broker.crypto.wrap import WRAP_MODES
 from broker.keys.service import KEY_NAME, MAX_KEY_NAME
-from broker.keys.store.base import Algorithm, Purpose, VersionState
-from broker.keys.wrap import WRAP_MODES
+from broker.keys.store.base import Purpose, VersionState
 from broker.nonces import MAX_NONCE_CHARS
 
 JSON = "application/json"

@@ -5,9 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from broker.api.state import STATE
+from broker.core.errors import ErrorCode, NotFound, UpstreamError
+from broker.core.fields import version_query
 from broker.crypto.query import sign_statement, statement_jwks
-from broker.errors import ErrorCode, NotFound, UpstreamError
-from broker.fields import version_query
 from broker.keys.service import validate_key_name
 from broker.keys.store.base import Purpose
 

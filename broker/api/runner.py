@@ -7,7 +7,7 @@ from aiohttp import web
 from broker.api.body import read_json_object
 from broker.api.middleware import REQUEST_ID
 from broker.api.state import STATE
-from broker.errors import ErrorCode, UpstreamError
+from broker.core.errors import ErrorCode, UpstreamError
 from broker.release import RELEASE_FIELDS, RELEASE_OPTIONAL, ReleaseService
 
 

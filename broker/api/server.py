@@ -32,7 +32,7 @@ from aiohttp.web_request import BaseRequest
 
 from broker.api.middleware import HTTP_CODES, REQUEST_ID_HEADER
 from broker.config import ServerSettings
-from broker.errors import ErrorCode
+from broker.core.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 PROTOCOL_MESSAGES = {

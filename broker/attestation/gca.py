@@ -28,11 +28,11 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from broker.attestation import jose
 from broker.attestation.jwks import MAX_X5C, TrustedKey, TrustedKeySet
 from broker.attestation.x509chain import load_b64_der, verify_chain
+from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto import jose
 from broker.crypto.jwk import public_jwk, thumbprint
-from broker.errors import AttestationError, ErrorCode
 
 REQUIRED_CLAIMS = ("iss", "aud", "exp", "iat")
 TOKEN_TYPES = frozenset({"oidc", "pki"})

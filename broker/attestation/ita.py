@@ -32,12 +32,13 @@ from typing import Any
 
 from cryptography import x509
 
-from broker.attestation import binding, jose
 from broker.attestation.gca import check_issuer_and_audience, select_key
 from broker.attestation.jwks import TrustedKey, TrustedKeySet
 from broker.attestation.x509chain import load_der, verify_chain
+from broker.core import binding
+from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto import jose
 from broker.crypto.jwk import public_jwk
-from broker.errors import AttestationError, ErrorCode
 
 ITA_ALGORITHMS = ("PS384", "RS256")
 INTEL_CERTS_URL = "https://portal.trustauthority.intel.com/certs"

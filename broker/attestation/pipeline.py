@@ -32,12 +32,14 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
-from broker.attestation import binding, claims, gca, ita, jose
+from broker.attestation import claims, gca, ita
+from broker.attestation.issuers import IssuerSettings
 from broker.attestation.jwks import TrustedKeySet
 from broker.attestation.nvidia import local, nras, rim
-from broker.attestation.nvidia.sources import combine_ocsp
-from broker.config import IssuerSettings
-from broker.errors import AttestationError, ErrorCode, InputError
+from broker.attestation.nvidia.ocsp import CertKey, chain_status, combine_ocsp
+from broker.core import binding
+from broker.core.errors import AttestationError, ErrorCode, InputError
+from broker.crypto import jose
 
 CPU_KINDS = ("gca", "ita")
 GPU_KINDS = ("nras", "nvidia")
@@ -108,7 +110,7 @@ class Material:
     key_sets: Mapping[str, TrustedKeySet] = field(default_factory=dict)
     rims: Mapping[str, bytes] = field(default_factory=dict)
     rim_problems: Mapping[str, str] = field(default_factory=dict)
-    ocsp: Mapping[bytes, str] = field(default_factory=dict)  # chain_id(chain) -> status
+    ocsp: Mapping[CertKey, bytes] = field(default_factory=dict)  # DER responses, judged here
 
 
 @dataclass(frozen=True)
@@ -439,8 +441,10 @@ def _verify_local(
             )
         leaves.add(leaf)
         measurements, problems, rim_chains = judge_measurements(report, trust, material, now)
-        statuses = [material.ocsp.get(chain_id(report.chain), "unknown")]
-        statuses += [material.ocsp.get(chain_id(chain), "unknown") for chain in rim_chains]
+        statuses = [chain_status(report.chain, material.ocsp, now, include_leaf=False)]
+        statuses += [
+            chain_status(chain, material.ocsp, now, include_leaf=True) for chain in rim_chains
+        ]
         entries.append(
             claims.local_gpu_entry(
                 index,

@@ -18,10 +18,13 @@ from datetime import datetime
 from typing import Any
 
 from broker.attestation import pipeline
-from broker.attestation.jwks import JwksSource, TrustedKeySet
-from broker.attestation.nvidia.sources import OcspChecker, RimSource, RimUnavailable
+from broker.attestation.jwks import TrustedKeySet
+from broker.attestation.jwks_sources import JwksSource
+from broker.attestation.nvidia.ocsp import CertKey
+from broker.attestation.nvidia.sources import OcspSource, RimSource, RimUnavailable
 from broker.attestation.pipeline import Binding, Material, Trust, VerifiedEvidence
-from broker.audit.log import canonical
+from broker.core.encoding import canonical
+from broker.core.errors import BrokerError
 
 log = logging.getLogger(__name__)
 __all__ = ["EvidenceVerifier", "GpuSources", "VerifiedEvidence", "evidence_digests"]
@@ -32,7 +35,7 @@ class GpuSources:
     """Where local GPU verification fetches RIMs and OCSP answers."""
 
     rims: RimSource
-    ocsp: OcspChecker
+    ocsp: OcspSource
 
 
 def evidence_digests(unverified_evidence: Any) -> dict[str, str]:
@@ -69,6 +72,8 @@ class EvidenceVerifier:
         key_sources: Mapping[str, JwksSource],
         gpu: GpuSources | None = None,
     ) -> None:
+        if trust.audience is None:
+            raise ValueError("the service verifies audiences: Trust.audience is required")
         self._trust = trust
         self._key_sources = dict(key_sources)
         self._gpu = gpu
@@ -92,18 +97,20 @@ class EvidenceVerifier:
         material = await self._gather(needs, now)
         bound_to = Binding(nonce=nonce, thumbprint=thumbprint)
         if not needs.rim_ids:
-            return pipeline.verify_evidence(
+            verified = pipeline.verify_evidence(
                 unverified_evidence, self._trust, material, bound_to=bound_to, now=now
             )
-        # Raw GPU evidence: chains, XMLDSig and ECDSA are CPU work, kept off the event loop.
-        return await asyncio.to_thread(
-            pipeline.verify_evidence,
-            unverified_evidence,
-            self._trust,
-            material,
-            bound_to=bound_to,
-            now=now,
-        )
+        else:
+            # Raw GPU evidence: chains, XMLDSig and ECDSA are CPU work, kept off the event loop.
+            verified = await asyncio.to_thread(
+                pipeline.verify_evidence,
+                unverified_evidence,
+                self._trust,
+                material,
+                bound_to=bound_to,
+                now=now,
+            )
+        return require_complete(verified)
 
     async def _gather(self, needs: pipeline.Requirements, now: datetime) -> Material:
         key_sets: dict[str, TrustedKeySet] = {}
@@ -127,14 +134,22 @@ class EvidenceVerifier:
                 log.warning("RIM %s unavailable: %s", rim_id, exc)
                 problems[rim_id] = str(exc)
         partial = Material(key_sets=key_sets, rims=rims, rim_problems=problems)
-        ocsp: dict[bytes, str] = {}
+        ocsp: dict[CertKey, bytes] = {}
         for chain, include_leaf in needs.ocsp_chains:
-            ocsp[pipeline.chain_id(chain)] = await self._gpu.ocsp.status(
-                chain, now, include_leaf=include_leaf
-            )
+            ocsp.update(await self._gpu.ocsp.responses(chain, now, include_leaf=include_leaf))
         rim_chains = await asyncio.to_thread(pipeline.rim_ocsp_chains, partial, self._trust, now)
         for chain in rim_chains:
-            ocsp[pipeline.chain_id(chain)] = await self._gpu.ocsp.status(
-                chain, now, include_leaf=True
-            )
+            ocsp.update(await self._gpu.ocsp.responses(chain, now, include_leaf=True))
         return Material(key_sets=key_sets, rims=rims, rim_problems=problems, ocsp=ocsp)
+
+
+def require_complete(verified: VerifiedEvidence) -> VerifiedEvidence:
+    """The service's evidence is verified in full: a check the pipeline reports as skipped
+    (possible only for the offline CLI's partial inputs) fails the request closed.
+
+    Raises:
+        BrokerError: ``internal_error`` (500, generic to the client) naming the skipped checks.
+    """
+    if verified.skipped:
+        raise BrokerError(f"verification skipped checks: {', '.join(verified.skipped)}")
+    return verified

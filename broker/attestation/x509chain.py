@@ -35,7 +35,7 @@ from cryptography.x509.verification import (
     VerificationError,
 )
 
-from broker.errors import AttestationError, ErrorCode
+from broker.core.errors import AttestationError, ErrorCode
 
 MAX_CHAIN_DEPTH = 8
 

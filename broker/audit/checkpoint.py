@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 
 ALG_ED25519 = b"\x01"
 SIGNATURE_PREFIX = "\u2014 "  # em dash and a space

@@ -16,8 +16,8 @@ from google.cloud.kms_v1.services.key_management_service.transports.grpc_asyncio
 )
 
 from broker.audit.checkpoint import _check_name, note_with_signature, verifier_key_text
-from broker.errors import ConfigError, ErrorCode, UpstreamError
-from broker.keys.google_api import call, close_client, crc32c, grpc_transport
+from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
+from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 
 PREFIX = "cloudkms:"
 

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from broker.audit.merkle import MerkleTree
-from broker.errors import ErrorCode, UpstreamError
+from broker.core.encoding import canonical
+from broker.core.errors import ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
 GENESIS = "0" * 64
@@ -53,18 +54,6 @@ class LogCorrupt(Exception):
         super().__init__(f"record {line}: {problem}")
         self.line = line
         self.problem = problem
-
-
-def canonical(record: Any) -> bytes:
-    """Canonical JSON: sorted keys, no spaces, UTF-8.
-
-    A lone surrogate (JSON allows ``"\\ud800"``; Python keeps it in the str) cannot be UTF-8;
-    ``backslashreplace`` writes it back as the same JSON escape, so the line stays valid UTF-8,
-    parses to the same value, and re-canonicalises to the same bytes.
-    """
-    return json.dumps(
-        record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8", "backslashreplace")
 
 
 def record_hash(record: Mapping[str, Any]) -> str:

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from broker.audit.log import canonical
-from broker.secrets_files import load_or_create_secret
+from broker.core.encoding import canonical
+from broker.core.secrets_files import load_or_create_secret
 
 PREFIX = "hmac-sha256:"
 

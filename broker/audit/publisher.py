@@ -30,7 +30,7 @@ import aiohttp
 from broker.audit.checkpoint import Checkpoint, CheckpointSigner, NoteError, parse_checkpoint
 from broker.audit.log import DecisionLog, LogCorrupt
 from broker.audit.witness import Witness, request_cosignature
-from broker.errors import UpstreamError
+from broker.core.errors import UpstreamError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from broker.metrics import Metrics
+from broker.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
 QUEUE_RECORDS = 10_000

@@ -35,6 +35,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from broker.core.protocol import Algorithm
 from broker.crypto import hpke
 from broker.crypto.hpke import HpkeError
 from broker.crypto.hpke_context import (
@@ -47,7 +48,6 @@ from broker.crypto.hpke_context import (
     setup_sender,
 )
 from broker.crypto.query import KEM_OF_ALGORITHM, QueryPublicKey, StatementError, verify_statement
-from broker.keys.store.base import Algorithm
 
 REQUEST_LABEL = b"broker query request"
 RESPONSE_LABEL = b"broker query response"

@@ -11,12 +11,12 @@ from typing import Any
 import aiohttp
 from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
 
-from broker.attestation.binding import binding_digest
-from broker.attestation.jose import b64url_decode
 from broker.client.tokens import GpuEvidenceSource, TokenSource
+from broker.core.binding import binding_digest
+from broker.core.encoding import b64url_decode
 from broker.crypto import hpke, jwe
 from broker.crypto.jwk import hybrid_jwk, public_jwk, thumbprint
-from broker.keys.wrap import release_info
+from broker.crypto.wrap import release_info
 
 MAX_RESPONSE_BYTES = 256 * 1024
 KEY_TYPES = ("EC-P256", "EC-P384", "X25519", "RSA-3072", "MLKEM768-X25519")

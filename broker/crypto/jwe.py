@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.concatkdf import ConcatKDFHash
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
 
-from broker.attestation.jose import b64url_decode, b64url_encode
+from broker.core.encoding import b64url_decode, b64url_encode
 from broker.crypto.jwk import EC_CURVES, RunnerKey, RunnerPublicKeyObject, public_jwk
 
 ECDH_ALG = "ECDH-ES+A256KW"

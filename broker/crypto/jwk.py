@@ -16,8 +16,8 @@ from typing import Any
 from cryptography.hazmat.primitives import hpke, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, mlkem, rsa, x25519
 
-from broker.attestation.jose import b64url_decode, b64url_encode
-from broker.errors import ErrorCode, InputError
+from broker.core.encoding import b64url_decode, b64url_encode
+from broker.core.errors import ErrorCode, InputError
 
 MIN_RSA_BITS = 2048
 MAX_RSA_BITS = 8192

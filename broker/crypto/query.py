@@ -16,10 +16,10 @@ from typing import Any
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.attestation.jose import b64url_decode, b64url_encode
+from broker.core.encoding import b64url_decode, b64url_encode
+from broker.core.protocol import Algorithm
 from broker.crypto import hpke
 from broker.crypto.jwk import public_jwk, thumbprint
-from broker.keys.store.base import Algorithm
 
 KEM_OF_ALGORITHM = {Algorithm.HPKE_X25519: hpke.X25519, Algorithm.HPKE_MLKEM768_X25519: hpke.HYBRID}
 STATEMENT_TYPE = "broker-query-key+jwt"

@@ -10,14 +10,15 @@ runs every invalid case through both.
 from __future__ import annotations
 
 import getpass
-import socket
+import platform
 from enum import StrEnum
 from typing import TypeVar
 
-from broker.errors import InputError
-from broker.fields import MAX_VERSION
+from broker.core.errors import InputError
+from broker.core.fields import MAX_VERSION
+from broker.core.protocol import Algorithm
 from broker.keys.service import MAX_KEY_NAME, validate_key_name
-from broker.keys.store.base import Algorithm, Purpose
+from broker.keys.store.base import Purpose
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -78,4 +79,4 @@ def cli_actor() -> str:
         import os  # noqa: PLC0415
 
         user = f"uid{os.getuid()}"
-    return f"{user}@{socket.gethostname()}"
+    return f"{user}@{platform.node()}"

@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 from broker.config import KeySettings
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 from broker.keys.kek.base import KekProvider
 from broker.keys.kek.cloudkms import CloudKmsKek, parse_cloudkms_uri
 from broker.keys.kek.local import LocalKek, create_kek_file

@@ -30,10 +30,11 @@ from typing import Any, Generic, TypeVar
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import mlkem, x25519
 
-from broker.errors import Conflict, ErrorCode, InputError, KeyUnavailable, NotFound
+from broker.core.errors import Conflict, ErrorCode, InputError, KeyUnavailable, NotFound
+from broker.core.protocol import Algorithm
 from broker.keys.kek.base import KekProvider, dek_aad
 from broker.keys.kek.ring import KekRing
-from broker.keys.store.base import Algorithm, KeyStore, KeyVersionRecord, Purpose, VersionState
+from broker.keys.store.base import KeyStore, KeyVersionRecord, Purpose, VersionState
 
 DEK_BYTES = 32
 KEY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*$")

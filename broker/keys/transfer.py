@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from broker.errors import Conflict, ErrorCode, InputError
-from broker.keys.store.base import Algorithm, KeyStore, KeyVersionRecord, Purpose, VersionState
+from broker.core.errors import Conflict, ErrorCode, InputError
+from broker.core.protocol import Algorithm
+from broker.keys.store.base import KeyStore, KeyVersionRecord, Purpose, VersionState
 
 BACKUP_FORMAT = "broker.keys-backup/v1"
 MAX_BACKUP_VERSIONS = 1_000_000

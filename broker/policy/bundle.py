@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 from broker.policy.opa_bundle import files_digest
 
 MAX_POLICY_FILES = 512

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from broker.errors import ErrorCode, UpstreamError
+from broker.core.errors import ErrorCode, UpstreamError
 from broker.policy.opa_bundle import MAX_BUNDLE_BYTES
 
 FETCH_TIMEOUT_SECONDS = 30.0

@@ -33,8 +33,8 @@ from typing import Any
 import aiohttp
 
 from broker.config import PolicySettings
-from broker.errors import ConfigError, UpstreamError
-from broker.metrics import Metrics
+from broker.core.errors import ConfigError, UpstreamError
+from broker.core.metrics import Metrics
 from broker.policy import opa_bundle
 from broker.policy.build import compile_policy_dir, load_bundle, load_bundle_bytes
 from broker.policy.bundle import load_policy_dir

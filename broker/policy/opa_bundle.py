@@ -46,8 +46,9 @@ from typing import Any
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa, utils
 
-from broker.attestation import jose
-from broker.errors import AttestationError
+from broker.core.encoding import b64url_decode, b64url_encode
+from broker.core.errors import AttestationError
+from broker.crypto import jose
 from broker.policy.wasm import PolicyLoadError
 
 MAX_BUNDLE_BYTES = 32 * 1024 * 1024
@@ -332,7 +333,7 @@ def _verified_payload(token: str, verification: BundleVerification, source: str)
             header.alg,
             verification.public_key,
             f"{parts[0]}.{parts[1]}".encode("ascii"),
-            jose.b64url_decode(parts[2]),
+            b64url_decode(parts[2]),
         )
         payload = jose.json_segment(parts[1], 8)
     except (AttestationError, ValueError, UnicodeEncodeError) as exc:
@@ -503,7 +504,7 @@ def signatures_file(
         payload["scope"] = scope
     header = {"alg": algorithm, "kid": key_id, "typ": "JWT"}
     signing_input = (
-        jose.b64url_encode(_compact(header)) + "." + jose.b64url_encode(_compact(payload))
+        b64url_encode(_compact(header)) + "." + b64url_encode(_compact(payload))
     ).encode("ascii")
     if algorithm == "RS256":
         signature = private_key.sign(signing_input, padding.PKCS1v15(), hashes.SHA256())
@@ -511,7 +512,7 @@ def signatures_file(
         der = private_key.sign(signing_input, ec.ECDSA(hashes.SHA256(), deterministic_signing=True))
         r, s = utils.decode_dss_signature(der)
         signature = r.to_bytes(32, "big") + s.to_bytes(32, "big")
-    token = signing_input.decode("ascii") + "." + jose.b64url_encode(signature)
+    token = signing_input.decode("ascii") + "." + b64url_encode(signature)
     return _compact({"signatures": [token]})
 
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from opa_client.opa_async import AsyncOpaClient
 
-from broker.errors import ErrorCode, UpstreamError
+from broker.core.errors import ErrorCode, UpstreamError
 from broker.policy.engine import Decision
 
 log = logging.getLogger(__name__)

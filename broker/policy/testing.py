@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 
 OPA_ENV = "BROKER_OPA"
 OPA_TEST_TIMEOUT_SECONDS = 300

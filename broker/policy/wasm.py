@@ -36,7 +36,7 @@ import wasmtime
 from wasmtime import _bindings as wasm_ffi  # the raw call below; wasmtime is pinned to a major
 from wasmtime._func import enter_wasm
 
-from broker.errors import ConfigError, ErrorCode, UpstreamError
+from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.policy.engine import Decision
 from broker.policy.gofmt import go_sprintf, parse_rego_value
 from broker.policy.hostbuiltins import json_patch

@@ -363,7 +363,7 @@ def _simulated_gpu_files(tmp_path: Path, arch: str, gpu_nonce: bytes) -> dict[st
 
 @pytest.mark.parametrize("arch", ["HOPPER", "BLACKWELL"])
 def test_verify_checks_the_gpu_nonce_binding_like_the_service(tmp_path: Path, arch: str) -> None:
-    from broker.attestation.binding import binding_digest  # noqa: PLC0415
+    from broker.core.binding import binding_digest  # noqa: PLC0415
 
     nonce, thumb = (
         "bWFkZS11cC1ub25jZS1mb3ItdGhlLWNsaS10ZXN0",

@@ -156,7 +156,7 @@ SMALL_ORDER_X25519 = [
 async def test_small_order_x25519_runner_key_rejected(
     broker: RunningBroker, point: str, wrap: str
 ) -> None:
-    from broker.attestation.jose import b64url_encode  # noqa: PLC0415
+    from broker.core.encoding import b64url_encode  # noqa: PLC0415
 
     request = await fresh_request(broker)
     jwk = {"kty": "OKP", "crv": "X25519", "x": b64url_encode(bytes.fromhex(point))}

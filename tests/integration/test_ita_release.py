@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from broker.attestation.binding import binding_digest
 from broker.client import BrokerClientError
+from broker.core.binding import binding_digest
 from tests.integration.conftest import GPU_KEY, KEY, RunningBroker
 from tests.vectors.gpu import SimulatedIta, pem
 

@@ -14,7 +14,7 @@ import pytest
 
 from broker.client import BrokerClientError
 from broker.config import KeySettings
-from broker.errors import ErrorCode, KeyUnavailable, UpstreamError
+from broker.core.errors import ErrorCode, KeyUnavailable, UpstreamError
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import parse_pkcs11_uri
 from broker.keys.store.base import Purpose, VersionState

@@ -16,9 +16,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from broker.audit.checkpoint import Checkpoint, NoteSigner
-from broker.audit.log import DecisionLog, canonical, record_hash
+from broker.audit.log import DecisionLog, record_hash
 from broker.audit.merkle import MerkleTree, leaf_hash, verify_consistency, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
+from broker.core.encoding import canonical
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = 10_000

@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from broker.attestation.nvidia.sources import HttpOcspChecker
+from broker.attestation.nvidia.ocsp import chain_status
+from broker.attestation.nvidia.sources import HttpOcspSource
 from tests.vectors.gpu import OcspResponder, SimulatedGpu
 
 
@@ -34,10 +35,16 @@ async def responder() -> AsyncIterator[tuple[OcspResponder, str]]:
     await runner.cleanup()
 
 
+async def judged(source: HttpOcspSource, gpu: SimulatedGpu, now: datetime) -> str:
+    """What the pipeline makes of the bytes the adapter fetched (the service's path)."""
+    answers = await source.responses(gpu.chain, now)
+    return chain_status(gpu.chain, answers, now, include_leaf=False)
+
+
 async def status(url: str, gpu: SimulatedGpu) -> str:
     async with aiohttp.ClientSession() as session:
-        checker = HttpOcspChecker(url, session, timeout_seconds=5, cache_seconds=0)
-        return await checker.status(gpu.chain, datetime.now(UTC))
+        source = HttpOcspSource(url, session, timeout_seconds=5, cache_seconds=0)
+        return await judged(source, gpu, datetime.now(UTC))
 
 
 async def test_all_good(responder: tuple[OcspResponder, str]) -> None:
@@ -49,14 +56,14 @@ async def test_all_good(responder: tuple[OcspResponder, str]) -> None:
 async def test_answers_are_cached(responder: tuple[OcspResponder, str]) -> None:
     fake, url = responder
     async with aiohttp.ClientSession() as session:
-        checker = HttpOcspChecker(url, session, timeout_seconds=5)
+        source = HttpOcspSource(url, session, timeout_seconds=5)
         now = datetime.now(UTC)
-        assert await checker.status(fake.gpu.chain, now) == "good"
-        assert await checker.status(fake.gpu.chain, now) == "good"
+        assert await judged(source, fake.gpu, now) == "good"
+        assert await judged(source, fake.gpu, now) == "good"
         assert fake.requests == 3
         # Past its nextUpdate (one hour here) the cached answer is not used, and the fresh
         # one, issued now, is itself stale for a request two hours later.
-        assert await checker.status(fake.gpu.chain, now + timedelta(hours=2)) == "unknown"
+        assert await judged(source, fake.gpu, now + timedelta(hours=2)) == "unknown"
     assert fake.requests == 6
 
 
@@ -86,9 +93,9 @@ async def test_stale_good_answer_replay_rejected(responder: tuple[OcspResponder,
 async def test_good_answer_from_the_future_rejected(responder: tuple[OcspResponder, str]) -> None:
     fake, url = responder
     async with aiohttp.ClientSession() as session:
-        checker = HttpOcspChecker(url, session, timeout_seconds=5, cache_seconds=0)
+        source = HttpOcspSource(url, session, timeout_seconds=5, cache_seconds=0)
         earlier = datetime.now(UTC) - timedelta(hours=1)  # thisUpdate is after this "now"
-        assert await checker.status(fake.gpu.chain, earlier) == "unknown"
+        assert await judged(source, fake.gpu, earlier) == "unknown"
 
 
 async def test_delegated_responder_without_ocsp_signing_eku_rejected(

@@ -13,7 +13,7 @@ import pytest
 from pkcs11 import KeyType
 
 from broker.config import KeySettings
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import Pkcs11Kek, Pkcs11Uri, create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.store.base import Purpose

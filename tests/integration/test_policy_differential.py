@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from broker.errors import UpstreamError
+from broker.core.errors import UpstreamError
 from broker.policy.build import compile_policy_dir
 from broker.policy.opa_server import OpaServerEngine
 from broker.policy.testing import find_opa

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from broker import cli
-from broker.audit.log import canonical
 from broker.client import BrokerClientError
+from broker.core.encoding import canonical
 from tests.integration.conftest import ALLOWED, KEY, RunningBroker
 
 TOKEN = "policy-admin-token-91d3"

@@ -29,8 +29,8 @@ import asyncpg
 import pytest
 
 from broker.config import ConfigError, KeySettings, load_settings
+from broker.core.errors import KeyUnavailable, UpstreamError
 from broker.dev.issuer import DevIssuer
-from broker.errors import KeyUnavailable, UpstreamError
 from broker.keys.factory import open_key_service
 from broker.keys.kek.base import dek_aad
 from broker.keys.store.base import Purpose, VersionState

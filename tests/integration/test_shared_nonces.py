@@ -25,9 +25,9 @@ import pytest
 
 from broker.client.sdk import new_ephemeral_key
 from broker.config import ConfigError, load_settings
+from broker.core.errors import AttestationError, ErrorCode, UpstreamError
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
-from broker.errors import AttestationError, ErrorCode, UpstreamError
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
 from tests.integration.conftest import (

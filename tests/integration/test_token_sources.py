@@ -11,11 +11,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from broker.attestation.jwks import UrlJwksSource
+from broker.attestation.jwks_sources import UrlJwksSource
 from broker.client import ConfidentialSpaceTokenSource
 from broker.client.tokens import TokenSourceError
+from broker.core.errors import ErrorCode, UpstreamError
 from broker.dev.issuer import DevIssuer, Workload
-from broker.errors import ErrorCode, UpstreamError
 from tests.integration.conftest import ALLOWED, KEY, RunningBroker
 
 

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from broker.audit.log import (
     DecisionLog,
     LogCorrupt,
-    canonical,
     read_head,
     record_hash,
     repair_torn_tail,
     sealed_line,
     verify_file,
 )
-from broker.errors import ErrorCode, UpstreamError
+from broker.core.encoding import canonical
+from broker.core.errors import ErrorCode, UpstreamError
 
 
 async def write_log(path: Path, count: int) -> list[str]:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from broker.config import load_settings
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 
 BASE = """
 [server]

@@ -11,10 +11,10 @@ from jwcrypto import jwe as jw_jwe
 from jwcrypto import jwk as jw_jwk
 
 from broker.client.sdk import new_ephemeral_key, unwrap_release
+from broker.core.errors import ErrorCode, InputError
 from broker.crypto import jwe
 from broker.crypto.jwk import parse_runner_key, public_jwk, x25519_small_order
-from broker.errors import ErrorCode, InputError
-from broker.keys.wrap import wrap_to_runner
+from broker.crypto.wrap import wrap_to_runner
 
 KEY_TYPES = ["EC-P256", "EC-P384", "X25519", "RSA-3072"]
 

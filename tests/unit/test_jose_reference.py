@@ -16,8 +16,9 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from broker.attestation import jose
-from broker.errors import AttestationError
+from broker.core.encoding import b64url_decode
+from broker.core.errors import AttestationError
+from broker.crypto import jose
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 RSA_KEYS = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2)]
@@ -128,7 +129,7 @@ def test_non_canonical_base64_is_refused_like_pyjwt_does() -> None:
     assert ours_accepts(token, RSA_KEYS[0].public_key(), "PS512")  # the canonical spelling
     head, body, signature = token.split(".")
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
-    canonical = jose.b64url_decode(signature)
+    canonical = b64url_decode(signature)
     variants = []
     for char in alphabet:
         spelled = signature[:-1] + char

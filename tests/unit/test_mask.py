@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from broker.audit.log import canonical
 from broker.audit.mask import load_or_create_mask_key, masked
-from broker.errors import ConfigError
+from broker.core.encoding import canonical
+from broker.core.errors import ConfigError
 
 KEY = bytes(range(32))
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.attestation.jose import b64url_decode, b64url_encode
-from broker.errors import AttestationError, ErrorCode, UpstreamError
+from broker.core.encoding import b64url_decode, b64url_encode
+from broker.core.errors import AttestationError, ErrorCode, UpstreamError
 from broker.nonces import ChallengeCodec, MemorySpentNonces, StatelessNonceStore
 from tests.vectors.tokens import NOW
 

@@ -15,14 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.attestation import gca, jose, pipeline
+from broker.attestation import gca, pipeline
+from broker.attestation.issuers import IssuerSettings
 from broker.attestation.jwks import JwksError, parse_jwks
 from broker.attestation.nvidia import local, nras, rim, spdm
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
-from broker.config import IssuerSettings
+from broker.core.encoding import b64url_encode
+from broker.core.errors import AttestationError, BrokerError, InputError
+from broker.core.jsonsafe import loads_bounded
+from broker.crypto import jose
 from broker.crypto.jwk import parse_runner_key
-from broker.errors import AttestationError, BrokerError, InputError
-from broker.jsonsafe import loads_bounded
 from broker.release import parse_release_request
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
@@ -80,7 +82,7 @@ def test_jose_header_parser_takes_any_text(token: str) -> None:
 @given(st.sampled_from(OIDC.split(".")[:2]), json_values, st.integers(0, 2))
 def test_token_verifier_takes_any_header_or_claims(part: str, value: Any, where: int) -> None:
     parts = OIDC.split(".")
-    parts[where] = jose.b64url_encode(json.dumps(value).encode()) if where < 2 else part
+    parts[where] = b64url_encode(json.dumps(value).encode()) if where < 2 else part
     trust = gca.GcaTrust(
         issuer="https://confidentialcomputing.googleapis.com", algorithms=("RS256",)
     )
@@ -150,12 +152,12 @@ def test_rim_verifier_takes_any_bytes(data: bytes) -> None:
         {"kty": st.sampled_from(["EC", "RSA", "OKP", "HPKE", "oct"])},
         optional={
             "crv": st.sampled_from(["P-256", "P-384", "X25519", "Ed25519", "P-521"]),
-            "x": st.binary(max_size=70).map(jose.b64url_encode) | st.text(max_size=50),
-            "y": st.binary(max_size=70).map(jose.b64url_encode) | json_values,
-            "n": st.binary(min_size=1, max_size=600).map(jose.b64url_encode),
-            "e": st.binary(min_size=1, max_size=5).map(jose.b64url_encode),
+            "x": st.binary(max_size=70).map(b64url_encode) | st.text(max_size=50),
+            "y": st.binary(max_size=70).map(b64url_encode) | json_values,
+            "n": st.binary(min_size=1, max_size=600).map(b64url_encode),
+            "e": st.binary(min_size=1, max_size=5).map(b64url_encode),
             "kem": st.just("MLKEM768-X25519"),
-            "pk": st.binary(max_size=1300).map(jose.b64url_encode),
+            "pk": st.binary(max_size=1300).map(b64url_encode),
             "d": st.text(max_size=5),
         },
     )

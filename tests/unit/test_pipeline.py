@@ -9,13 +9,17 @@ from typing import Any
 
 import jwt
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.x509 import ocsp
 
 from broker.attestation import pipeline
+from broker.attestation.issuers import IssuerSettings
 from broker.attestation.jwks import parse_jwks
+from broker.attestation.nvidia.ocsp import CertKey, cert_key, ocsp_pairs
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
-from broker.config import IssuerSettings
-from broker.errors import AttestationError
-from tests.vectors.gpu import DRIVER, RIM_IDS, RimAuthority, SimulatedGpu
+from broker.core.errors import AttestationError
+from tests.vectors.gpu import DRIVER, RIM_IDS, OcspResponder, RimAuthority, SimulatedGpu
 
 NOW = datetime.now(UTC)
 NONCE = bytes(range(32))
@@ -132,22 +136,48 @@ def test_missing_rim_reads_unverified_naming_it(world: tuple[SimulatedGpu, RimAu
     assert verified.gpus[0]["problems"] == [f"RIM {RIM_IDS[0]}: HTTP 404"]
 
 
-def test_ocsp_combines_device_and_rim_chains(world: tuple[SimulatedGpu, RimAuthority]) -> None:
+def ocsp_answers(
+    responder: OcspResponder, chains: list[tuple[tuple[x509.Certificate, ...], bool]]
+) -> dict[CertKey, bytes]:
+    """Real DER responses for every certificate OCSP is asked about in ``chains``."""
+    answers = {}
+    for chain, include_leaf in chains:
+        for cert, issuer in ocsp_pairs(chain, include_leaf=include_leaf):
+            request = ocsp.OCSPRequestBuilder().add_certificate(cert, issuer, hashes.SHA384())
+            der = request.build().public_bytes(serialization.Encoding.DER)
+            answers[cert_key(cert, issuer)] = responder.answer(der)
+    return answers
+
+
+def test_ocsp_bytes_are_judged_in_the_pipeline(world: tuple[SimulatedGpu, RimAuthority]) -> None:
     gpu, authority = world
     evidence = gpu.evidence(NONCE)
     trust = trust_for(gpu, authority)
-    base = Material(rims=rims(gpu, authority))
     needs = pipeline.requirements({"nvidia": evidence}, trust, require_cpu=False)
-    device = [pipeline.chain_id(chain) for chain, _ in needs.ocsp_chains]
-    rim_chains = [pipeline.chain_id(c) for c in pipeline.rim_ocsp_chains(base, trust, NOW)]
+    device = list(needs.ocsp_chains)
+    rim_chains = pipeline.rim_ocsp_chains(Material(rims=rims(gpu, authority)), trust, NOW)
     assert len(device) == 1
     assert len(rim_chains) == 2
-    all_good = dict.fromkeys(device + rim_chains, "good")
-    assert verify(world, evidence, ocsp=all_good).gpus[0]["ocsp"] == "good"
-    one_rim_revoked = {**all_good, rim_chains[1]: "revoked"}
-    assert verify(world, evidence, ocsp=one_rim_revoked).gpus[0]["ocsp"] == "revoked"
-    device_only = dict.fromkeys(device, "good")
+    every = device + [(chain, True) for chain in rim_chains]
+    responder = OcspResponder(gpu, extra_chains=[(authority.chain, authority.keys)])
+    responder.at = NOW
+    assert verify(world, evidence, ocsp=ocsp_answers(responder, every)).gpus[0]["ocsp"] == "good"
+    device_only = ocsp_answers(responder, device)
     assert verify(world, evidence, ocsp=device_only).gpus[0]["ocsp"] == "unknown"
+    responder.revoked = frozenset({authority.chain[1].serial_number})
+    revoked = ocsp_answers(responder, every)
+    assert verify(world, evidence, ocsp=revoked).gpus[0]["ocsp"] == "revoked"
+    # Bytes the adapter passed on are not taken on trust: a forged answer reads unknown, and so
+    # does a real answer filed under another certificate's key.
+    responder.revoked = frozenset()
+    responder.sign_with_wrong_key = True
+    forged = ocsp_answers(responder, every)
+    assert verify(world, evidence, ocsp=forged).gpus[0]["ocsp"] == "unknown"
+    responder.sign_with_wrong_key = False
+    good = ocsp_answers(responder, every)
+    keys = list(good)
+    swapped = {**good, keys[0]: good[keys[1]], keys[1]: good[keys[0]]}
+    assert verify(world, evidence, ocsp=swapped).gpus[0]["ocsp"] == "unknown"
 
 
 def test_token_lifetime_over_the_issuer_maximum_rejected() -> None:

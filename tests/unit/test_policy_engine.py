@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import wasmtime
 
-from broker.audit.log import canonical
-from broker.errors import ConfigError, ErrorCode, UpstreamError
+from broker.core.encoding import canonical
+from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.policy.build import compile_policy_dir
 from broker.policy.bundle import load_policy_dir
 from broker.policy.engine import Decision

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 from broker.policy.build import compile_policy_dir
 from broker.policy.testing import find_opa
 from broker.policy.wasm import WasmPolicyInstance

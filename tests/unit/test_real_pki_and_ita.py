@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from broker.attestation import binding
 from broker.attestation.claims import gca_tee, ita_gpu_entries, ita_tee
 from broker.attestation.gca import GcaTrust, verify_gca_token
 from broker.attestation.ita import (
@@ -22,9 +21,10 @@ from broker.attestation.ita import (
     check_report_data,
     verify_ita_token,
 )
-from broker.attestation.jose import b64url_decode, b64url_encode
 from broker.attestation.jwks import parse_jwks
-from broker.errors import AttestationError, ErrorCode
+from broker.core import binding
+from broker.core.encoding import b64url_decode, b64url_encode
+from broker.core.errors import AttestationError, ErrorCode
 
 REAL = Path(__file__).parents[1] / "fixtures" / "real"
 GOOGLE = "https://confidentialcomputing.googleapis.com"

@@ -17,9 +17,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.attestation.pipeline import VerifiedEvidence
 from broker.audit.log import DecisionLog, iter_records
+from broker.core.metrics import Metrics
+from broker.core.protocol import Algorithm
 from broker.crypto.jwk import public_jwk
-from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
-from broker.metrics import Metrics
+from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
 from broker.policy.engine import Decision
 from broker.release import ReleaseService
 

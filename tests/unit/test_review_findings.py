@@ -13,14 +13,14 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from broker.api.middleware import METRICS, REQUEST_ID, request_context
-from broker.attestation import jose
 from broker.attestation.jwks import MAX_X5C
 from broker.attestation.service import evidence_digests
 from broker.config import KeySettings
-from broker.errors import BrokerError, ConfigError, ErrorCode
+from broker.core.errors import BrokerError, ConfigError, ErrorCode
+from broker.core.metrics import Metrics
+from broker.crypto import jose
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
-from broker.metrics import Metrics
 
 
 def test_bad_input_is_a_stable_error_code() -> None:

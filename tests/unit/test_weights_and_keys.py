@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from broker.core.errors import ConfigError, Conflict, ErrorCode, InputError, NotFound, UpstreamError
 from broker.crypto.weights import WeightsFormatError, decrypt_stream, encrypt_stream
-from broker.errors import ConfigError, Conflict, ErrorCode, InputError, NotFound, UpstreamError
 from broker.keys.kek.base import dek_aad
 from broker.keys.kek.local import LocalKek, create_kek_file
 from broker.keys.kek.pkcs11 import parse_pkcs11_uri

@@ -364,6 +364,7 @@ class OcspResponder:
         self.sign_with_wrong_key = False
         self.stale = False
         self.delegate: str | None = None
+        self.at: datetime | None = None  # thisUpdate; None: the wall clock at each answer
 
     def answer(self, der_request: bytes) -> bytes:
         self.requests += 1
@@ -378,10 +379,8 @@ class OcspResponder:
         return unauthorized.public_bytes(serialization.Encoding.DER)
 
     def _response(self, cert: x509.Certificate, issuer: x509.Certificate, issuer_key: Any) -> bytes:
-        if self.sign_with_wrong_key:
-            issuer_key = ec.generate_private_key(ec.SECP384R1())
         revoked = cert.serial_number in self.revoked
-        now = datetime.now(UTC) - (timedelta(hours=2) if self.stale else timedelta(0))
+        now = (self.at or datetime.now(UTC)) - (timedelta(hours=2) if self.stale else timedelta(0))
         builder = ocsp.OCSPResponseBuilder().add_response(
             cert=cert,
             issuer=issuer,
@@ -407,7 +406,23 @@ class OcspResponder:
                 extensions=extensions,
             )
             builder = builder.certificates([signer_cert])
-        builder = builder.responder_id(ocsp.OCSPResponderEncoding.HASH, signer_cert)
+        encoding = ocsp.OCSPResponderEncoding.HASH
+        if self.sign_with_wrong_key:
+            # A forgery: names the real issuer as responder, signed with another key (an
+            # impostor certificate carrying the issuer's name lets the builder sign).
+            signer_key = ec.generate_private_key(ec.SECP384R1())
+            signer_cert = (
+                x509.CertificateBuilder()
+                .subject_name(issuer.subject)
+                .issuer_name(issuer.subject)
+                .public_key(signer_key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(issuer.not_valid_before_utc)
+                .not_valid_after(issuer.not_valid_after_utc)
+                .sign(signer_key, hashes.SHA384())
+            )
+            encoding = ocsp.OCSPResponderEncoding.NAME
+        builder = builder.responder_id(encoding, signer_cert)
         response = builder.sign(signer_key, hashes.SHA384())
         return response.public_bytes(serialization.Encoding.DER)
 

@@ -27,12 +27,12 @@ from typing import Any
 
 from cryptography import x509
 
-from broker.attestation import jose
 from broker.attestation.gca import check_issuer_and_audience
 from broker.attestation.ita import verify_pinned_jws
 from broker.attestation.jwks import TrustedKeySet
-from broker.errors import AttestationError, ErrorCode
-from broker.jsonsafe import loads_bounded
+from broker.core.errors import AttestationError, ErrorCode
+from broker.core.jsonsafe import loads_bounded
+from broker.crypto import jose
 
 MAX_GPUS = 8
 MAX_EAT_BYTES = 256 * 1024

@@ -6,9 +6,9 @@
   measurements then read ``unverified`` and the policy decides (never a silent pass). A RIM
   directory that exists but cannot be read is a broken dependency: 503
   ``rim_source_unavailable``, nothing released.
-* ``OcspChecker``: the revocation status of a device chain, ``good``, ``revoked`` or
-  ``unknown``. Without a configured responder, or when it cannot be reached or its answer does
-  not verify, the status is ``unknown``.
+* ``OcspSource``: OCSP responses (bytes) for a chain's certificates. The pipeline judges them
+  (``nvidia/ocsp.py``, pure); without a configured responder, or when it cannot be reached,
+  there is no answer and the status reads ``unknown``.
 """
 
 from __future__ import annotations
@@ -17,29 +17,23 @@ import asyncio
 import base64
 import binascii
 import hashlib
-import itertools
 import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
 import aiohttp
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509 import ocsp
-from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from broker.errors import ErrorCode, UpstreamError
+from broker.attestation.nvidia.ocsp import CertKey, cert_key, ocsp_pairs, verify_ocsp_response
+from broker.core.errors import ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
-OCSP_LEEWAY = timedelta(minutes=5)
-OCSP_MAX_AGE = timedelta(days=1)  # an answer without nextUpdate older than this is stale
 MAX_RIM_RESPONSE_BYTES = 2 * 1024 * 1024
 MAX_OCSP_RESPONSE_BYTES = 64 * 1024
 RIM_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -51,11 +45,12 @@ class RimSource(Protocol):
         ...
 
 
-class OcspChecker(Protocol):
-    async def status(
+class OcspSource(Protocol):
+    async def responses(
         self, chain: Sequence[x509.Certificate], now: datetime, *, include_leaf: bool = False
-    ) -> str:
-        """``good`` | ``revoked`` | ``unknown`` for the chain (leaf first, root last) at ``now``.
+    ) -> dict[CertKey, bytes]:
+        """The DER OCSP responses it could get for the chain (leaf first, root last), by
+        ``ocsp.cert_key``; a certificate it has no answer for is absent (reads ``unknown``).
 
         Every certificate below the root is asked about; a GPU chain's FMC leaf is not
         (NVIDIA's OCSP does not cover it: EVIDENCE.md §3.3), a RIM signer chain's leaf is
@@ -137,20 +132,22 @@ class CachingRimSource:
 
 
 class NoOcsp:
-    """No responder configured: every status is ``unknown`` and the policy decides."""
+    """No responder configured: no answers, so every status reads ``unknown`` and the policy
+    decides."""
 
-    async def status(
+    async def responses(
         self, chain: Sequence[x509.Certificate], now: datetime, *, include_leaf: bool = False
-    ) -> str:
-        return "unknown"
+    ) -> dict[CertKey, bytes]:
+        return {}
 
 
-class HttpOcspChecker:
-    """OCSP over HTTP POST for every certificate between leaf and root (EVIDENCE.md §3.3).
+class HttpOcspSource:
+    """OCSP responses over HTTP POST for every certificate between leaf and root (EVIDENCE.md
+    §3.3), as bytes: the pipeline judges them (``ocsp.verify_ocsp_response``), not this adapter.
 
-    Each answer is checked by ``verify_ocsp_response`` (RFC 6960 §3.2) against the request's
-    time. Good and revoked answers are cached until the earlier of ``cache_seconds`` and the
-    answer's ``nextUpdate``; ``unknown`` is never cached.
+    An answer that judges good or revoked at fetch time is cached until the earlier of
+    ``cache_seconds`` and its ``nextUpdate`` (the pipeline judges the cached bytes again at each
+    use, so a cached answer past its time reads ``unknown``); any other answer is not cached.
     """
 
     def __init__(
@@ -165,32 +162,39 @@ class HttpOcspChecker:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._cache_seconds = cache_seconds
-        # (issuer subject, serial) -> (valid until, status)
-        self._cache: dict[tuple[bytes, int], tuple[datetime, str]] = {}
+        self._cache: dict[CertKey, tuple[datetime, bytes]] = {}  # key -> (valid until, DER)
 
-    async def status(
+    async def responses(
         self, chain: Sequence[x509.Certificate], now: datetime, *, include_leaf: bool = False
-    ) -> str:
-        pairs = list(itertools.pairwise(chain if include_leaf else chain[1:]))
-        results = [await self._one(cert, issuer, now) for cert, issuer in pairs]
-        return combine_ocsp(results)
+    ) -> dict[CertKey, bytes]:
+        found: dict[CertKey, bytes] = {}
+        for cert, issuer in ocsp_pairs(chain, include_leaf=include_leaf):
+            body = await self._one(cert, issuer, now)
+            if body is not None:
+                found[cert_key(cert, issuer)] = body
+        return found
 
-    async def _one(self, cert: x509.Certificate, issuer: x509.Certificate, now: datetime) -> str:
-        key = (issuer.subject.public_bytes(), cert.serial_number)
+    async def _one(
+        self, cert: x509.Certificate, issuer: x509.Certificate, now: datetime
+    ) -> bytes | None:
+        key = cert_key(cert, issuer)
         cached = self._cache.get(key)
         if cached is not None and now < cached[0]:
             return cached[1]
-        answer = await self._ask(cert, issuer, now)
-        if answer.status != "unknown" and self._cache_seconds > 0:
+        body = await self._ask(cert, issuer)
+        if body is None:
+            return None
+        answer = verify_ocsp_response(body, cert, issuer, now=now)
+        if answer.status == "unknown":
+            log.warning("OCSP answer for serial %x not usable: %s", cert.serial_number, answer.why)
+        elif self._cache_seconds > 0:
             until = now + timedelta(seconds=self._cache_seconds)
             if answer.next_update is not None:
                 until = min(until, answer.next_update)
-            self._cache[key] = (until, answer.status)
-        return answer.status
+            self._cache[key] = (until, body)
+        return body
 
-    async def _ask(
-        self, cert: x509.Certificate, issuer: x509.Certificate, now: datetime
-    ) -> OcspAnswer:
+    async def _ask(self, cert: x509.Certificate, issuer: x509.Certificate) -> bytes | None:
         request = ocsp.OCSPRequestBuilder().add_certificate(cert, issuer, hashes.SHA384()).build()
         try:
             async with self._session.post(
@@ -199,164 +203,7 @@ class HttpOcspChecker:
                 headers={"Content-Type": "application/ocsp-request"},
                 timeout=self._timeout,
             ) as reply:
-                body = await reply.content.read(MAX_OCSP_RESPONSE_BYTES)
+                return await reply.content.read(MAX_OCSP_RESPONSE_BYTES)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("OCSP responder %s unreachable: %s", self._url, exc)
-            return OcspAnswer("unknown", None)
-        answer = verify_ocsp_response(body, cert, issuer, now=now)
-        if answer.status == "unknown":
-            log.warning("OCSP answer for serial %x not usable: %s", cert.serial_number, answer.why)
-        return answer
-
-
-def combine_ocsp(results: Sequence[str]) -> str:
-    """One status for several certificates: any ``revoked`` wins; ``good`` only if all are."""
-    if "revoked" in results:
-        return "revoked"
-    return "good" if results and all(r == "good" for r in results) else "unknown"
-
-
-@dataclass(frozen=True)
-class OcspAnswer:
-    status: str  # good | revoked | unknown
-    next_update: datetime | None
-    why: str = ""
-
-
-def verify_ocsp_response(  # noqa: PLR0911 - one return per RFC 6960 check
-    body: bytes,
-    cert: x509.Certificate,
-    issuer: x509.Certificate,
-    *,
-    now: datetime,
-    leeway: timedelta = OCSP_LEEWAY,
-) -> OcspAnswer:
-    """Interpret one OCSP response per RFC 6960 §3.2. Pure; anything off is ``unknown``.
-
-    1. The response is SUCCESSFUL and its single response names ``cert``: serial, and the
-       issuer's name and key hashes under the response's hash algorithm (§3.2 item 1).
-    2. The signer is the issuer itself, or a delegated responder certificate the issuer signed
-       directly that carries the id-kp-OCSPSigning EKU and is valid at ``now`` (§3.2 items 2-3,
-       §4.2.2.2).
-    3. The signature verifies with the signer's key (§3.2 item 4).
-    4. ``thisUpdate`` is not in the future and, with ``nextUpdate``, ``now`` is not past it;
-       without ``nextUpdate``, ``thisUpdate`` is at most ``OCSP_MAX_AGE`` old (§3.2 items 5-6,
-       §4.2.2.1), each with ``leeway``. An old "good" cannot be replayed.
-    """
-    try:
-        response = ocsp.load_der_ocsp_response(body)
-    except ValueError:
-        return OcspAnswer("unknown", None, "not a DER OCSP response")
-    if response.response_status is not ocsp.OCSPResponseStatus.SUCCESSFUL:
-        return OcspAnswer("unknown", None, f"status {response.response_status.name}")
-    if not _names_certificate(response, cert, issuer):
-        return OcspAnswer("unknown", None, "answer is about another certificate")
-    signer = _authorised_signer(response, issuer, now)
-    if signer is None:
-        return OcspAnswer("unknown", None, "no authorised signer (issuer or OCSP-signing EKU)")
-    if not _signed_by(response, signer):
-        return OcspAnswer("unknown", None, "signature does not verify")
-    this_update = response.this_update_utc
-    next_update = response.next_update_utc
-    if this_update > now + leeway:
-        return OcspAnswer("unknown", None, "thisUpdate is in the future")
-    if next_update is not None and now > next_update + leeway:
-        return OcspAnswer("unknown", None, "answer is past its nextUpdate (stale)")
-    if next_update is None and now - this_update > OCSP_MAX_AGE + leeway:
-        return OcspAnswer("unknown", None, "answer without nextUpdate is too old")
-    status = response.certificate_status
-    if status is ocsp.OCSPCertStatus.REVOKED:
-        return OcspAnswer("revoked", next_update)
-    if status is ocsp.OCSPCertStatus.GOOD:
-        return OcspAnswer("good", next_update)
-    return OcspAnswer("unknown", None, "responder does not know the certificate")
-
-
-def _names_certificate(
-    response: ocsp.OCSPResponse, cert: x509.Certificate, issuer: x509.Certificate
-) -> bool:
-    if response.serial_number != cert.serial_number:
-        return False
-    algorithm = response.hash_algorithm
-    name_hash = hashes.Hash(algorithm)
-    name_hash.update(issuer.subject.public_bytes())
-    key_bits = issuer.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    key_hash = hashes.Hash(algorithm)
-    key_hash.update(_subject_public_key_bits(key_bits))
-    return (
-        response.issuer_name_hash == name_hash.finalize()
-        and response.issuer_key_hash == key_hash.finalize()
-    )
-
-
-def _subject_public_key_bits(spki: bytes) -> bytes:
-    """The BIT STRING contents of a SubjectPublicKeyInfo (what CertID's issuerKeyHash hashes)."""
-    # SPKI ::= SEQUENCE { algorithm AlgorithmIdentifier, subjectPublicKey BIT STRING }
-    _, body = _der_element(spki, 0)
-    offset = body
-    header, _ = _der_element(spki, offset)  # AlgorithmIdentifier
-    offset = header
-    _, content_start = _der_element(spki, offset)
-    return spki[content_start + 1 :]  # skip the unused-bits byte
-
-
-def _der_element(data: bytes, offset: int) -> tuple[int, int]:
-    """(end of the element at ``offset``, start of its contents)."""
-    length = data[offset + 1]
-    start = offset + 2
-    if length & 0x80:
-        count = length & 0x7F
-        length = int.from_bytes(data[start : start + count], "big")
-        start += count
-    return start + length, start
-
-
-def _authorised_signer(
-    response: ocsp.OCSPResponse, issuer: x509.Certificate, now: datetime
-) -> x509.Certificate | None:
-    if _responder_is(response, issuer):
-        return issuer
-    for candidate in response.certificates:
-        if not _responder_is(response, candidate) or candidate.issuer != issuer.subject:
-            continue
-        try:
-            candidate.verify_directly_issued_by(issuer)
-            usage = candidate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-        except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
-            continue
-        in_time = candidate.not_valid_before_utc <= now <= candidate.not_valid_after_utc
-        if ExtendedKeyUsageOID.OCSP_SIGNING in usage and in_time:
-            return candidate
-    return None
-
-
-def _responder_is(response: ocsp.OCSPResponse, cert: x509.Certificate) -> bool:
-    if response.responder_name is not None:
-        return response.responder_name == cert.subject
-    digest = hashes.Hash(hashes.SHA1())  # noqa: S303 - RFC 6960 ResponderID byKey is SHA-1
-    spki = cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    digest.update(_subject_public_key_bits(spki))
-    return response.responder_key_hash == digest.finalize()
-
-
-def _signed_by(response: ocsp.OCSPResponse, signer: x509.Certificate) -> bool:
-    key = signer.public_key()
-    algorithm = response.signature_hash_algorithm
-    if algorithm is None:
-        return False
-    try:
-        if isinstance(key, ec.EllipticCurvePublicKey):
-            key.verify(response.signature, response.tbs_response_bytes, ec.ECDSA(algorithm))
-        elif isinstance(key, rsa.RSAPublicKey):
-            key.verify(
-                response.signature, response.tbs_response_bytes, padding.PKCS1v15(), algorithm
-            )
-        else:
-            return False
-    except InvalidSignature:
-        return False
-    return True
+            return None

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from broker.errors import AttestationError, ErrorCode
+from broker.core.errors import AttestationError, ErrorCode
 
 REQUEST_BYTES = 37
 SIGNATURE_BYTES = 96  # ECDSA P-384 raw r || s (Hopper and Blackwell)

@@ -26,8 +26,8 @@ from google.cloud.kms_v1.services.key_management_service.transports import (
     KeyManagementServiceGrpcAsyncIOTransport,
 )
 
-from broker.errors import ConfigError, ErrorCode, UpstreamError
-from broker.keys.google_api import call, close_client, crc32c, grpc_transport
+from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
+from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 
 KEY_NAME = re.compile(
     r"^projects/[a-z0-9-]+/locations/[a-z0-9-]+/keyRings/[A-Za-z0-9_-]+/cryptoKeys/[A-Za-z0-9_-]+$"

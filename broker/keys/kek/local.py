@@ -16,7 +16,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from broker.errors import ConfigError, ErrorCode, UpstreamError
+from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
 FORMAT_V1 = b"\x01"

@@ -34,7 +34,7 @@ from urllib.parse import unquote
 import pkcs11
 from pkcs11 import GCMParams, KeyType, Mechanism, ObjectClass
 
-from broker.errors import ConfigError, ErrorCode, UpstreamError
+from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 
 T = TypeVar("T")
 FORMAT_V2 = b"\x02"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from broker.errors import ErrorCode, UpstreamError
+from broker.core.errors import ErrorCode, UpstreamError
 from broker.keys.kek.base import KekProvider
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,8 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Protocol
 
+from broker.core.protocol import Algorithm
+
 
 class Purpose(StrEnum):
     MODEL_WEIGHTS = "model-weights"
@@ -22,14 +24,6 @@ class VersionState(StrEnum):
     ENABLED = "enabled"
     DISABLED = "disabled"
     DESTROYED = "destroyed"
-
-
-class Algorithm(StrEnum):
-    """What the wrapped material is."""
-
-    AES_256 = "AES-256"  # a 32-byte data key
-    HPKE_X25519 = "HPKE-X25519"  # RFC 9180 DHKEM(X25519) private key (32 bytes)
-    HPKE_MLKEM768_X25519 = "HPKE-MLKEM768-X25519"  # ML-KEM-768 seed (64) || X25519 (32)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
-from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
+from broker.core.errors import ConfigError, Conflict, ErrorCode, UpstreamError
+from broker.core.protocol import Algorithm
+from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
 
 T = TypeVar("T")
 COMPONENT = "keys"

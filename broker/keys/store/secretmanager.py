@@ -29,9 +29,10 @@ from google.cloud.secretmanager_v1.services.secret_manager_service.transports im
     SecretManagerServiceGrpcAsyncIOTransport,
 )
 
-from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
-from broker.keys.google_api import call, close_client, crc32c, grpc_transport
-from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
+from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
+from broker.core.errors import ConfigError, Conflict, ErrorCode, UpstreamError
+from broker.core.protocol import Algorithm
+from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
 
 PROJECT = re.compile(r"^projects/[a-z0-9-]+$")
 RPC_TIMEOUT_SECONDS = 10.0

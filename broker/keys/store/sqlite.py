@@ -15,8 +15,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
-from broker.errors import ConfigError, Conflict, ErrorCode, UpstreamError
-from broker.keys.store.base import Algorithm, KeyVersionRecord, Purpose, VersionState
+from broker.core.errors import ConfigError, Conflict, ErrorCode, UpstreamError
+from broker.core.protocol import Algorithm
+from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
 
 T = TypeVar("T")
 SCHEMA = """

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.attestation.binding import binding_digest
-from broker.attestation.jose import b64url_decode
 from broker.client.sdk import new_ephemeral_key
+from broker.core.binding import binding_digest
+from broker.core.encoding import b64url_decode
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, Workload
 from tests.integration.conftest import ALLOWED, KEY

@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from broker.attestation.jose import b64url_decode, b64url_encode
+from broker.core.encoding import b64url_decode, b64url_encode
 from broker.dev.issuer import DevIssuer
 from tests.integration.conftest import DENIED
 from tests.integration.hostile.common import (

@@ -17,8 +17,6 @@ Header rules (DESIGN.md §2, "rules that never bend"):
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -30,8 +28,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from broker.errors import AttestationError, ErrorCode
-from broker.jsonsafe import MAX_JSON_DEPTH, loads_bounded
+from broker.core.encoding import b64url_decode
+from broker.core.errors import AttestationError, ErrorCode
+from broker.core.jsonsafe import MAX_JSON_DEPTH, loads_bounded
 
 MAX_TOKEN_BYTES = 64 * 1024
 MAX_HEADER_BYTES = 16 * 1024
@@ -57,34 +56,6 @@ class VerifiedJws:
 
     header: Mapping[str, Any]
     claims: Mapping[str, Any]
-
-
-def b64url_decode(text: str) -> bytes:
-    """Decode unpadded base64url strictly: the alphabet, the length, and the canonical form.
-
-    The last character of a base64 string carries unused bits; a decoder that ignores them
-    lets several strings decode to the same bytes (RFC 4648 §3.5). Those are refused, as PyJWT
-    refuses them in signatures: one signed token has exactly one spelling, so digests and
-    replay checks over token strings cannot be sidestepped.
-
-    Raises:
-        ValueError: on characters outside the base64url alphabet, a bad length, or a
-            non-canonical final character.
-    """
-    if "=" in text or "+" in text or "/" in text:
-        raise ValueError("not unpadded base64url")
-    try:
-        decoded = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError("not base64url") from exc
-    if b64url_encode(decoded) != text:
-        raise ValueError("not canonical base64url")
-    return decoded
-
-
-def b64url_encode(data: bytes) -> str:
-    """Unpadded base64url."""
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
 def parse_header(

@@ -25,7 +25,7 @@ from google.api_core import retry_async
 from google.auth import credentials as auth_credentials
 
 from broker.config import is_loopback, split_listen
-from broker.errors import UpstreamError
+from broker.core.errors import UpstreamError
 
 CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 

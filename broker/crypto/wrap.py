@@ -15,10 +15,10 @@ from __future__ import annotations
 from cryptography.hazmat.primitives import hpke as pyca_hpke
 from cryptography.hazmat.primitives.asymmetric import x25519
 
-from broker.attestation.jose import b64url_encode
+from broker.core.encoding import b64url_encode
+from broker.core.errors import ErrorCode, InputError
 from broker.crypto import hpke, jwe
 from broker.crypto.jwk import RunnerKey
-from broker.errors import ErrorCode, InputError
 
 DECISION_HEADER = "decision_id"
 WRAP_MODES = ("jwe", "hpke")

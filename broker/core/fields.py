@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from broker.errors import InputError
+from broker.core.errors import InputError
 
 MAX_VERSION = 2**31
 

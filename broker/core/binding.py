@@ -20,7 +20,7 @@ import hashlib
 import hmac
 from typing import Any
 
-from broker.errors import AttestationError, ErrorCode
+from broker.core.errors import AttestationError, ErrorCode
 
 MAX_EAT_NONCES = 16
 

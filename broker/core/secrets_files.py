@@ -12,7 +12,7 @@ import errno
 import os
 from pathlib import Path
 
-from broker.errors import ConfigError
+from broker.core.errors import ConfigError
 
 SECRET_BYTES = 32
 

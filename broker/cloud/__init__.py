@@ -1,0 +1,1 @@
+"""Clients for Google Cloud APIs (KMS, Secret Manager) over gRPC: adapters other layers share."""

@@ -1,0 +1,13 @@
+"""Protocol constants shared by the broker and the runner SDK."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Algorithm(StrEnum):
+    """What the wrapped material is."""
+
+    AES_256 = "AES-256"  # a 32-byte data key
+    HPKE_X25519 = "HPKE-X25519"  # RFC 9180 DHKEM(X25519) private key (32 bytes)
+    HPKE_MLKEM768_X25519 = "HPKE-MLKEM768-X25519"  # ML-KEM-768 seed (64) || X25519 (32)
