@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 from broker.client.sdk import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, Workload
-from tests.integration.conftest import ALLOWED, KEY, write_config
+from tests.integration.conftest import write_config
+from tests.support.constants import ALLOWED, KEY
 
 ECHO_APP = """
 import sys

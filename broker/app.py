@@ -1,13 +1,15 @@
 """aiohttp application factory: wiring only.
 
-``create_app(settings)`` builds the app; every resource (HTTP client session, decision log, key
-store, policy engine) is opened in a cleanup context and closed on shutdown. ``/readyz`` turns
-ready only after all of them opened.
+``create_app(settings)`` builds the app; the composition root (``_services``) opens every
+service (HTTP client session, nonce store, decision log, key service, policy, release service,
+checkpoint publisher) in dependency order inside a cleanup context, registers each under its own
+typed ``AppKey`` (``api/services.py``), and closes them in reverse order on shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 from collections.abc import AsyncIterator
@@ -23,7 +25,23 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.api.middleware import METRICS, request_context
 from broker.api.routes import register
-from broker.api.state import STATE, BrokerState, Clock
+from broker.api.services import (
+    CHECKPOINTS,
+    CLOCK,
+    DECISIONS,
+    KEYS,
+    NONCES,
+    POLICIES,
+    POLICY,
+    READINESS,
+    RELEASE,
+    SETTINGS,
+    STATEMENTS,
+    Clock,
+    NoCheckpoints,
+    Readiness,
+    StatementKey,
+)
 from broker.attestation.jwks import JwksError
 from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
 from broker.attestation.nvidia.sources import (
@@ -34,9 +52,10 @@ from broker.attestation.nvidia.sources import (
 )
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
-from broker.audit.log import DecisionLog, LogCorrupt
+from broker.audit.log import DecisionLog
 from broker.audit.mask import load_or_create_mask_key
 from broker.audit.publisher import CheckpointPublisher
+from broker.audit.records import LogCorrupt
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.sink import AuditSink
 from broker.audit.witness import Witness, WitnessKey
@@ -60,36 +79,37 @@ def create_app(
     settings: Settings, *, clock: Clock = utc_now, workers: WorkerGroup | None = None
 ) -> web.Application:
     """Build the broker application for ``settings``; ``workers``: this process's place among
-    the workers of ``broker serve --workers N`` (default: a single process)."""
+    the workers of ``broker serve --workers N`` (default: a single process).
+
+    Every service is built in ``_services`` (the composition root), in dependency order, before
+    the server accepts a request."""
     app = web.Application(
         middlewares=[request_context], client_max_size=settings.server.max_body_bytes
     )
     app[METRICS] = Metrics()
-    app[STATE] = BrokerState(
-        settings=settings,
-        clock=clock,
-        nonces=open_nonce_store(
+    app[SETTINGS] = settings
+    app[CLOCK] = clock
+    group = workers or WorkerGroup.for_log(settings.audit.log, {})
+    app.cleanup_ctx.append(functools.partial(_services, group=group))
+    register(app, settings.server)
+    return app
+
+
+async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterator[None]:
+    """The composition root: open each service once its dependencies are open; close them in
+    reverse order on shutdown."""
+    settings, clock, metrics = app[SETTINGS], app[CLOCK], app[METRICS]
+    async with AsyncExitStack() as stack:
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        nonces = open_nonce_store(
             settings.nonces.store,
             ttl=timedelta(seconds=settings.server.nonce_ttl_seconds),
             capacity=settings.server.max_outstanding_nonces,
             timeout=settings.nonces.timeout_seconds,
             key_path=settings.nonces.challenge_key or settings.audit.log.parent / "challenge.key",
-        ),
-        workers=workers or WorkerGroup.for_log(settings.audit.log, {}),
-    )
-    app.cleanup_ctx.append(_resources)
-    register(app, settings.server)
-    return app
-
-
-async def _resources(app: web.Application) -> AsyncIterator[None]:
-    state = app[STATE]
-    settings = state.settings
-    async with AsyncExitStack() as stack:
-        session = await stack.enter_async_context(aiohttp.ClientSession())
-        stack.push_async_callback(state.nonces.close)
-        await state.nonces.open()  # the challenge key: before the first challenge
-        keys = await stack.enter_async_context(open_key_service(settings.keys))
+        )
+        stack.push_async_callback(nonces.close)
+        await nonces.open()  # the challenge key: before the first challenge
         audit = DecisionLog(
             settings.audit.log,
             segment_bytes=settings.audit.segment_bytes,
@@ -99,55 +119,66 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         stack.push_async_callback(audit.close)
         sink = None  # listening before anything is logged: the start-up record is streamed too
         if settings.audit.sink is not None:
-            sink = AuditSink(settings.audit.sink, session, app[METRICS])
+            sink = AuditSink(settings.audit.sink, session, metrics)
             audit.add_listener(sink.offer)
             stack.callback(sink.close)
-        keys.attach_change_log(audit.append)
-        policies = PolicyManager(
-            settings.policy, app[METRICS], clock=state.clock, workers=state.workers
+        keys = await stack.enter_async_context(
+            open_key_service(settings.keys, change_log=audit.append)
         )
+        policies = PolicyManager(settings.policy, metrics, clock=clock, workers=group)
         engine = await policies.open(audit.append, audit.append_policy_change, session=session)
         stack.push_async_callback(policies.close)
-        state.policies = policies
-        verifier = await _evidence_verifier(settings, session)
-        state.release = ReleaseService(
-            nonces=state.nonces,
-            verifier=verifier,
+        release = ReleaseService(
+            nonces=nonces,
+            verifier=await _evidence_verifier(settings, session),
             keys=keys,
             policy=engine,
             audit=audit,
-            metrics=app[METRICS],
+            metrics=metrics,
             mask=settings.audit.mask,
             mask_key=await asyncio.to_thread(load_or_create_mask_key, _mask_key_path(settings)),
         )
-        state.statement_signer = await _statement_signer(settings)
-        state.checks = {
-            "policy": engine.digest,
-            "keys": settings.keys.store.split(":", 1)[0],
+        statements = StatementKey(await _statement_signer(settings))
+        publisher = await _checkpoints(settings, audit, session, stack)
+        facts = {
+            "keys": _store_kind(settings.keys.store),
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
             "nonces": _store_kind(settings.nonces.store),
+            "checkpoints": "signed" if publisher else "off (no signing_key)",
         }
+        app[NONCES] = nonces
+        app[DECISIONS] = audit
+        app[KEYS] = keys
+        app[POLICIES] = policies
+        app[POLICY] = engine
+        app[RELEASE] = release
+        app[STATEMENTS] = statements
+        app[CHECKPOINTS] = publisher if publisher is not None else NoCheckpoints()
+        app[READINESS] = Readiness(
+            facts=facts,
+            policies=policies,
+            policy=engine,
+            decisions=audit,
+            keys=keys,
+            nonces=nonces,
+            statements=statements,
+        )
         background = [asyncio.create_task(policies.watch(), name="policy-watch")]
-        state.checkpoints = await _checkpoints(settings, audit, session, stack)
-        if state.checkpoints is not None:
-            background.append(asyncio.create_task(state.checkpoints.run(), name="checkpoints"))
-        state.checks["checkpoints"] = "signed" if state.checkpoints else "off (no signing_key)"
+        if publisher is not None:
+            background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
         if sink is not None:
             background.append(asyncio.create_task(sink.run(), name="audit-sink"))
-        log.info("broker ready: %s", state.checks)
+        log.info("broker ready: %s", {"policy": engine.digest, **facts})
         try:
             yield
         finally:
             for task in background:
                 task.cancel()
-            if state.checkpoints is not None:
+            if publisher is not None:
                 try:
-                    await state.checkpoints.publish()  # the last records are covered too
+                    await publisher.publish()  # the last records are covered too
                 except (OSError, UpstreamError, LogCorrupt):  # best effort: records are safe
                     log.exception("the final checkpoint could not be signed or written")
-                state.checkpoints = None
-            state.release = None
-            state.policies = None
 
 
 async def _checkpoints(

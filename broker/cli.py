@@ -21,7 +21,7 @@ from aiohttp import web
 
 from broker import cli_audit, cli_keys, cli_policy, cli_weights, offline
 from broker.api.server import BrokerRunner
-from broker.api.state import STATE
+from broker.api.services import POLICIES
 from broker.app import create_app, server_ssl_context
 from broker.config import Settings, load_settings
 from broker.core.errors import BrokerError, ConfigError, InputError
@@ -149,13 +149,12 @@ async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         reloads: set[asyncio.Task[object]] = set()
+        policies = runner.app[POLICIES]  # set by the composition root during runner.setup()
 
         def reload_policy() -> None:  # SIGHUP: check, test and swap the policy
-            state = runner.app[STATE]
-            if state.policies is not None:
-                task = asyncio.create_task(state.policies.on_signal())
-                reloads.add(task)
-                task.add_done_callback(reloads.discard)
+            task = asyncio.create_task(policies.on_signal())
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
 
         loop.add_signal_handler(signal.SIGHUP, reload_policy)
         await stop.wait()

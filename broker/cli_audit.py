@@ -15,16 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from broker.audit.checkpoint import NoteError, NoteVerifier, parse_checkpoint
-from broker.audit.log import (
-    SEGMENT_SUFFIX,
-    LogCorrupt,
-    log_files,
-    repair_torn_tail,
-    verify_bytes,
-)
 from broker.audit.mask import load_or_create_mask_key, mask_value
 from broker.audit.merkle import MerkleTree, leaf_hash, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
+from broker.audit.records import LogCorrupt, verify_bytes
+from broker.audit.segments import SEGMENT_SUFFIX, log_files, repair_torn_tail
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.witness import WitnessKey
 from broker.config import load_settings

@@ -92,18 +92,23 @@ def run_keys(
     settings = load_settings(args.config)
 
     async def run() -> Any:
-        async with open_key_service(
-            settings.keys, create_missing_kek=create_missing_kek, kek_uri=kek_uri
-        ) as keys:
-            if not log_changes:
+        if not log_changes:
+            async with open_key_service(
+                settings.keys, create_missing_kek=create_missing_kek, kek_uri=kek_uri
+            ) as keys:
                 return await work(keys, datetime.now(UTC))
-            audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
-            await audit.open()
-            keys.attach_change_log(audit.append)
-            try:
+        audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
+        await audit.open()
+        try:
+            async with open_key_service(
+                settings.keys,
+                create_missing_kek=create_missing_kek,
+                kek_uri=kek_uri,
+                change_log=audit.append,
+            ) as keys:
                 return await work(keys, datetime.now(UTC))
-            finally:
-                await audit.close()
+        finally:
+            await audit.close()
 
     return asyncio.run(run())
 
@@ -206,7 +211,7 @@ def _destroy(args: argparse.Namespace) -> int:
 
 def _rewrap(args: argparse.Namespace) -> int:
     def progress(count: int) -> None:
-        if count % 500 == 0:
+        if count % 100 == 0:
             print(f"rewrapped {count}", file=sys.stderr, flush=True)
 
     report = run_keys(

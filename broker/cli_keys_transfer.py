@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from broker.audit.log import DecisionLog, iter_records
+from broker.audit.log import DecisionLog
+from broker.audit.records import iter_records
 from broker.config import Settings, load_settings
 from broker.core.errors import ConfigError, InputError
 from broker.core.jsonsafe import loads_bounded

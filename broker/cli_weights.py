@@ -174,10 +174,9 @@ def _encrypt(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
 
     async def dek() -> tuple[str, bytes]:
-        async with open_key_service(settings.keys) as keys:
-            audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
-            await audit.open()
-            keys.attach_change_log(audit.append)
+        audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
+        await audit.open()
+        async with open_key_service(settings.keys, change_log=audit.append) as keys:
             try:
                 detail = {"files": len(plan), "bytes": total, "source": str(args.source)}
                 record, material = await keys.owner_material(
@@ -262,10 +261,9 @@ def _decrypt(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
 
     async def run() -> list[dict[str, Any]]:
-        async with open_key_service(settings.keys) as keys:
-            audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
-            await audit.open()
-            keys.attach_change_log(audit.append)
+        audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
+        await audit.open()
+        async with open_key_service(settings.keys, change_log=audit.append) as keys:
             try:
                 detail = {"files": len(jobs), "source": str(args.source)}
                 who = cli_actor()

@@ -42,8 +42,9 @@ from aiohttp import web
 from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
 from broker.audit.checkpoint import NoteVerifier, parse_checkpoint
-from broker.audit.log import DecisionLog, verify_file
+from broker.audit.log import DecisionLog
 from broker.audit.merkle import leaf_hash, verify_inclusion
+from broker.audit.segments import verify_file
 from broker.audit.signers import open_checkpoint_signer
 from broker.client import BrokerClient, BrokerClientError
 from broker.client.weights import decrypt_to, open_encrypted, open_source
@@ -95,11 +96,14 @@ async def _run(workdir: Path) -> bool:
     settings = load_settings(config, environ={})
     _say("setup", f"config {config} (TLS on loopback, development issuer {issuer.issuer})")
 
-    async with open_key_service(settings.keys, create_missing_kek=True) as keys:
-        change_log = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
-        await change_log.open()
-        keys.attach_change_log(change_log.append)
-        await keys.create(DEMO_KEY, Purpose.MODEL_WEIGHTS, now=utc_now())
+    change_log = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
+    await change_log.open()
+    try:
+        async with open_key_service(
+            settings.keys, create_missing_kek=True, change_log=change_log.append
+        ) as keys:
+            await keys.create(DEMO_KEY, Purpose.MODEL_WEIGHTS, now=utc_now())
+    finally:
         await change_log.close()
     if not await _owner_encrypts(workdir, config):
         return False

@@ -143,18 +143,6 @@ class ReleaseService:
         self._mask = mask
         self._mask_key = mask_key
 
-    @property
-    def keys(self) -> KeyService:
-        return self._keys
-
-    @property
-    def policy(self) -> PolicyEngine:
-        return self._policy
-
-    @property
-    def audit(self) -> DecisionLog:
-        return self._audit
-
     async def release(
         self, unverified_body: Mapping[str, Any], *, now: datetime, request_id: str
     ) -> ReleasedKey:

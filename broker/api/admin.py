@@ -15,10 +15,9 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from broker.api.body import read_json_object
-from broker.api.state import STATE, BrokerState
+from broker.api.services import CLOCK, KEYS, POLICIES, SETTINGS
 from broker.core.errors import Conflict, ErrorCode, Unauthorized, UpstreamError
 from broker.keys import admin
-from broker.keys.service import KeyService
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -46,7 +45,7 @@ def check_admin(request: web.Request, role: str) -> str:
         Unauthorized: 401 ``unauthorized`` (the same answer for a missing, wrong or
             under-privileged token).
     """
-    admin = request.app[STATE].settings.admin
+    admin = request.app[SETTINGS].admin
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     token = token.strip()
@@ -60,40 +59,32 @@ def check_admin(request: web.Request, role: str) -> str:
     return f"token:{presented[:12]}"
 
 
-def _keys(state: BrokerState) -> KeyService:
-    if state.release is None:
-        raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
-    return state.release.keys
-
-
 async def list_keys(request: web.Request) -> web.Response:
     name = request.query.get("name")
-    records = await _keys(request.app[STATE]).list_versions(name)
+    records = await request.app[KEYS].list_versions(name)
     return web.json_response({"keys": [r.describe() for r in records]})
 
 
 async def create_key(request: web.Request) -> web.Response:
-    state = request.app[STATE]
     body = await read_json_object(
         request,
         required=("name", "purpose"),
         optional=("algorithm",),
     )
-    record = await _keys(state).create(
+    record = await request.app[KEYS].create(
         admin.key_name(body["name"]),
         admin.purpose(body["purpose"]),
         algorithm=admin.algorithm(body.get("algorithm")),
-        now=state.clock(),
+        now=request.app[CLOCK](),
         who=request[ADMIN_WHO],
     )
     return web.json_response(record.describe(), status=201)
 
 
 async def rotate_key(request: web.Request) -> web.Response:
-    state = request.app[STATE]
     body = await read_json_object(request, required=("name",))
-    record = await _keys(state).rotate(
-        admin.key_name(body["name"]), now=state.clock(), who=request[ADMIN_WHO]
+    record = await request.app[KEYS].rotate(
+        admin.key_name(body["name"]), now=request.app[CLOCK](), who=request[ADMIN_WHO]
     )
     return web.json_response(record.describe(), status=201)
 
@@ -111,10 +102,9 @@ async def destroy_version(request: web.Request) -> web.Response:
 
 
 async def _version_action(request: web.Request, action: str) -> web.Response:
-    state = request.app[STATE]
     body = await read_json_object(request, required=("name", "version"))
     name, version = admin.key_name(body["name"]), admin.version(body["version"])
-    keys, now, who = _keys(state), state.clock(), request[ADMIN_WHO]
+    keys, now, who = request.app[KEYS], request.app[CLOCK](), request[ADMIN_WHO]
     if action == "destroy":
         record = await keys.destroy(name, version, now=now, who=who)
     else:
@@ -125,12 +115,11 @@ async def _version_action(request: web.Request, action: str) -> web.Response:
 async def reload_policy(request: web.Request) -> web.Response:
     """``POST /v1/admin/policy/reload`` (role ``policy-admin``): check, test and swap the policy;
     the last good one keeps serving if anything fails."""
-    state = request.app[STATE]
-    if state.policies is None:
-        raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
     if request.can_read_body:
         await read_json_object(request, required=())
-    reloaded = await state.policies.reload_everywhere(trigger="admin", who=request[ADMIN_WHO])
+    reloaded = await request.app[POLICIES].reload_everywhere(
+        trigger="admin", who=request[ADMIN_WHO]
+    )
     workers = [r.describe() for r in reloaded.reports]
     if reloaded.refused or not reloaded.outcome.ok:
         problems = [r.problem for r in reloaded.refused if r.problem]

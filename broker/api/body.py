@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from broker.api.state import STATE
+from broker.api.services import SETTINGS
 from broker.core.errors import (
     BodyTooLarge,
     ErrorCode,
@@ -91,7 +91,7 @@ async def read_json_object(
     """
     if request.content_type != "application/json":
         raise UnsupportedMediaType("Content-Type must be application/json")
-    server = request.app[STATE].settings.server
+    server = request.app[SETTINGS].server
     raw = await read_body(
         request, max_bytes=server.max_body_bytes, timeout_seconds=server.body_timeout_seconds
     )

@@ -14,18 +14,16 @@ import base64
 
 from aiohttp import web
 
-from broker.api.state import STATE, BrokerState
+from broker.api.services import CHECKPOINTS, DECISIONS
 from broker.audit.log import DecisionLog
-from broker.core.errors import ErrorCode, InputError, NotFound, UpstreamError
+from broker.core.errors import InputError, NotFound
 
 MAX_PAGE = 1000
 
 
-async def _log(state: BrokerState) -> DecisionLog:
+async def _log(request: web.Request) -> DecisionLog:
     """This replica's log, caught up with every worker's records."""
-    if state.release is None:
-        raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
-    decisions = state.release.audit
+    decisions = request.app[DECISIONS]
     await decisions.refresh()
     return decisions
 
@@ -47,8 +45,7 @@ def _b64(hashes: list[bytes]) -> list[str]:
 
 async def checkpoint(request: web.Request) -> web.Response:
     """``GET /v1/log/checkpoint``: the latest signed checkpoint (a C2SP signed note)."""
-    publisher = request.app[STATE].checkpoints
-    note = None if publisher is None else await publisher.current()
+    note = await request.app[CHECKPOINTS].current()
     if note is None:
         raise NotFound("this broker signs no checkpoints ([audit] signing_key is not set)")
     return web.Response(text=note, content_type="text/plain")
@@ -56,7 +53,7 @@ async def checkpoint(request: web.Request) -> web.Response:
 
 async def entries(request: web.Request) -> web.Response:
     """``GET /v1/log/entries?start=&end=``: records ``[start, end)`` as JSON lines."""
-    decisions = await _log(request.app[STATE])
+    decisions = await _log(request)
     size = decisions.committed_size
     start = _int(request, "start", default=0)
     end = min(_int(request, "end", default=start + MAX_PAGE), start + MAX_PAGE, size)
@@ -69,7 +66,7 @@ async def entries(request: web.Request) -> web.Response:
 
 async def inclusion(request: web.Request) -> web.Response:
     """``GET /v1/log/proof/inclusion?index=I&tree_size=N``."""
-    decisions = await _log(request.app[STATE])
+    decisions = await _log(request)
     index, size = _int(request, "index"), _int(request, "tree_size")
     if not 0 <= index < size <= decisions.committed_size:
         raise InputError(
@@ -81,7 +78,7 @@ async def inclusion(request: web.Request) -> web.Response:
 
 async def consistency(request: web.Request) -> web.Response:
     """``GET /v1/log/proof/consistency?first=M&second=N``."""
-    decisions = await _log(request.app[STATE])
+    decisions = await _log(request)
     first, second = _int(request, "first"), _int(request, "second")
     if not 0 < first <= second <= decisions.committed_size:
         raise InputError(f"need 0 < first <= second <= {decisions.committed_size}")

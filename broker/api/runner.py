@@ -6,22 +6,20 @@ from aiohttp import web
 
 from broker.api.body import read_json_object
 from broker.api.middleware import REQUEST_ID
-from broker.api.state import STATE
-from broker.core.errors import ErrorCode, UpstreamError
-from broker.release import RELEASE_FIELDS, RELEASE_OPTIONAL, ReleaseService
+from broker.api.services import CLOCK, NONCES, RELEASE, SETTINGS
+from broker.release import RELEASE_FIELDS, RELEASE_OPTIONAL
 
 
 async def challenge(request: web.Request) -> web.Response:
     """Issue a single-use nonce. The body may be empty or ``{}``."""
-    state = request.app[STATE]
     if request.can_read_body:
         await read_json_object(request, required=())
-    issued = await state.nonces.issue(state.clock())
+    issued = await request.app[NONCES].issue(request.app[CLOCK]())
     return web.json_response(
         {
             "nonce": issued.nonce,
             "expires_at": issued.expires_at.isoformat().replace("+00:00", "Z"),
-            "audience": state.settings.server.audience,
+            "audience": request.app[SETTINGS].server.audience,
         }
     )
 
@@ -32,10 +30,9 @@ async def release(request: web.Request) -> web.Response:
     Only the body's syntax is checked here; its fields are checked by the release service,
     inside the logged path, so that every parsed release request leaves a decision record.
     """
-    state = request.app[STATE]
     body = await read_json_object(request, required=RELEASE_FIELDS, optional=RELEASE_OPTIONAL)
-    released = await _service(state.release).release(
-        body, now=state.clock(), request_id=request[REQUEST_ID]
+    released = await request.app[RELEASE].release(
+        body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
     )
     return web.json_response(
         {
@@ -48,9 +45,3 @@ async def release(request: web.Request) -> web.Response:
             "log_index": released.log_index,
         }
     )
-
-
-def _service(service: ReleaseService | None) -> ReleaseService:
-    if service is None:
-        raise UpstreamError("the broker is not ready", code=ErrorCode.NOT_READY)
-    return service

@@ -1,13 +1,10 @@
-"""Hash-chained, durable decision log (JSON lines), the leaves of a Merkle tree.
+"""Hash-chained, durable decision log (JSON lines), the leaves of a Merkle tree: the writer.
 
-Each line is one record: canonical JSON (sorted keys, no spaces, UTF-8) with ``index`` and
-``seq`` (both 0, 1, …: ``index`` is the record's leaf index in the Merkle tree), ``prev`` (the
-previous record's ``hash``; 64 zeros for the first) and ``hash`` = SHA-256 over the canonical
-JSON of the record without ``hash``. Line *i*, exactly as stored without its newline, is leaf
-*i* of an RFC 6962 tree (``merkle.py``) whose signed checkpoints (``checkpoint.py``) commit to
-the whole log: truncation, rewrites with a recomputed chain and reordering are detected against
-any checkpoint an auditor holds. The chain stays as a cheap local check that names the first
-changed record without a checkpoint.
+Records and their chain are ``records.py``; the files and segments ``segments.py``. Line *i*,
+exactly as stored without its newline, is leaf *i* of an RFC 6962 tree (``merkle.py``) whose
+signed checkpoints (``checkpoint.py``) commit to the whole log: truncation, rewrites with a
+recomputed chain and reordering are detected against any checkpoint an auditor holds. The chain
+stays as a cheap local check that names the first changed record without a checkpoint.
 
 Appends are group-committed: records arriving while a write is in flight share the next
 ``write`` + ``fsync``. ``append`` returns only after the record is on disk; if writing fails,
@@ -24,244 +21,23 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import gc
-import hashlib
 import json
 import logging
 import os
-import re
 import stat
 import threading
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from broker.audit.merkle import MerkleTree
-from broker.core.encoding import canonical
+from broker.audit.records import GENESIS, ChainHead, LogCorrupt, sealed_line
+from broker.audit.segments import SEGMENT_SUFFIX, log_files, read_head_all, segment_paths
 from broker.core.errors import ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
-GENESIS = "0" * 64
-TAIL_FIRST_READ_BYTES = 16 * 1024
-TAIL_READ_BYTES = 4 * 1024 * 1024
-
-
-class LogCorrupt(Exception):
-    """The log on disk does not verify; names the first bad record (1-based line)."""
-
-    def __init__(self, line: int, problem: str) -> None:
-        super().__init__(f"record {line}: {problem}")
-        self.line = line
-        self.problem = problem
-
-
-def record_hash(record: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in record.items() if k != "hash"}
-    return hashlib.sha256(canonical(body)).hexdigest()
-
-
-def sealed_line(body: Mapping[str, Any]) -> tuple[str, bytes]:
-    """``record_hash`` of ``body`` and ``canonical`` of ``body`` with that ``hash`` member, in one
-    canonical pass: the members sorting before ``"hash"`` and those after it are dumped apart,
-    so the hashed text and the line are the two halves joined without and with the hash member
-    (what ``json.dumps(sort_keys=True)`` writes, member for member). Byte-identical to the two
-    calls (a property test compares them); the log writer thread saves two of three dumps."""
-    before = canonical({k: v for k, v in body.items() if k < "hash"})[1:-1]
-    after = canonical({k: v for k, v in body.items() if k > "hash"})[1:-1]
-    digest = hashlib.sha256(b"{" + b",".join(m for m in (before, after) if m) + b"}").hexdigest()
-    member = b'"hash":"' + digest.encode("ascii") + b'"'
-    return digest, b"{" + b",".join(m for m in (before, member, after) if m) + b"}"
-
-
-@dataclass(frozen=True)
-class ChainHead:
-    size: int  # number of records
-    hash: str  # hash of the last record (GENESIS when empty)
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    head: ChainHead
-
-
-def iter_records(data: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, record) for each complete line.
-
-    Raises:
-        LogCorrupt: for a line that is not a JSON object or a final line without newline.
-    """
-    if not data:
-        return
-    lines = data.split(b"\n")
-    if lines[-1] != b"":
-        raise LogCorrupt(len(lines), "truncated mid-record (no final newline)")
-    for number, line in enumerate(lines[:-1], start=1):
-        try:
-            record = json.loads(line)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise LogCorrupt(number, "not valid JSON") from exc
-        if not isinstance(record, dict):
-            raise LogCorrupt(number, "not a JSON object")
-        yield number, record
-
-
-def check_link(number: int, record: Mapping[str, Any], previous: ChainHead) -> ChainHead:
-    """Check one record against the chain so far and return the new head.
-
-    Raises:
-        LogCorrupt: naming what does not match.
-    """
-    if record.get("seq") != previous.size:
-        raise LogCorrupt(number, f"seq {record.get('seq')!r}, expected {previous.size}")
-    if record.get("prev") != previous.hash:
-        raise LogCorrupt(number, "prev does not match the previous record (removed or reordered)")
-    if record.get("hash") != record_hash(record):
-        raise LogCorrupt(number, "hash does not match the content (record changed)")
-    return ChainHead(size=previous.size + 1, hash=str(record["hash"]))
-
-
-def verify_bytes(data: bytes, *, expected_head: str | None = None) -> VerifyReport:
-    """Verify a whole log.
-
-    Args:
-        data: the log file's bytes.
-        expected_head: a record hash known from earlier; the log must contain it.
-
-    Raises:
-        LogCorrupt: for the first bad record, or when ``expected_head`` is absent.
-    """
-    head = ChainHead(size=0, hash=GENESIS)
-    seen_expected = expected_head is None
-    for number, record in iter_records(data):
-        head = check_link(number, record, head)
-        seen_expected = seen_expected or head.hash == expected_head
-    if not seen_expected:
-        raise LogCorrupt(head.size + 1, "the expected head record is missing (log truncated)")
-    return VerifyReport(head=head)
-
-
-def verify_file(path: Path, *, expected_head: str | None = None) -> VerifyReport:
-    """``verify_bytes`` over a file."""
-    return verify_bytes(path.read_bytes(), expected_head=expected_head)
-
-
-def read_head(path: Path) -> ChainHead:
-    """The chain head from the last record, reading only the end of the file.
-
-    Raises:
-        LogCorrupt: when the last record is truncated or does not verify on its own.
-    """
-    if not path.exists() or path.stat().st_size == 0:
-        return ChainHead(size=0, hash=GENESIS)
-    tail = _last_line_window(path)
-    if not tail.endswith(b"\n"):
-        raise LogCorrupt(
-            0, "the last record is truncated (a torn write); run `broker audit repair`"
-        )
-    last_line = tail[:-1].rsplit(b"\n", 1)[-1]
-    try:
-        record = json.loads(last_line)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise LogCorrupt(0, "the last record is not JSON") from exc
-    if not isinstance(record, dict) or record.get("hash") != record_hash(record):
-        raise LogCorrupt(0, "the last record does not verify")
-    return ChainHead(size=int(record["seq"]) + 1, hash=str(record["hash"]))
-
-
-SEGMENT_SUFFIX = re.compile(r"\.(\d{6})$")
-
-
-def segment_paths(path: Path) -> list[Path]:
-    """Closed segments of the log at ``path``, oldest first: ``<log>.000001``, ``<log>.000002``…"""
-    found = []
-    for candidate in path.parent.glob(path.name + ".*"):
-        match = SEGMENT_SUFFIX.search(candidate.name)
-        if match and candidate.name == f"{path.name}.{match.group(1)}":
-            found.append((int(match.group(1)), candidate))
-    return [candidate for _, candidate in sorted(found)]
-
-
-def log_files(path: Path) -> list[Path]:
-    """Every file of the log, in record order: the closed segments, then the active file."""
-    return [*segment_paths(path), path]
-
-
-def read_head_all(path: Path) -> ChainHead:
-    """The chain head of a segmented log: the active file's, or the newest segment's."""
-    head = read_head(path)
-    if head.size:
-        return head
-    for segment in reversed(segment_paths(path)):
-        head = read_head(segment)
-        if head.size:
-            return head
-    return head
-
-
-@dataclass(frozen=True)
-class RepairReport:
-    removed_bytes: int
-    removed_sha256: str
-    head: ChainHead
-
-
-def repair_torn_tail(path: Path, *, now: str) -> RepairReport | None:
-    """Cut a torn final line (a write interrupted by a crash) and record that it was cut.
-
-    Everything before the torn line must verify; otherwise nothing is changed. The removed bytes
-    are never a released decision (a record counts only once fsync'd whole, and keys leave only
-    after that), but the cut is logged as a ``log_repair`` record with their SHA-256 and length,
-    so an auditor sees it.
-
-    Returns:
-        ``None`` when the log was intact.
-
-    Raises:
-        LogCorrupt: when the damage is not only a torn final line.
-    """
-    data = path.read_bytes()
-    if not data or data.endswith(b"\n"):
-        verify_bytes(data)
-        return None
-    cut = data.rfind(b"\n") + 1
-    fragment = data[cut:]
-    report = verify_bytes(data[:cut])
-    record = {
-        "type": "log_repair",
-        "time": now,
-        "removed_bytes": len(fragment),
-        "removed_sha256": hashlib.sha256(fragment).hexdigest(),
-        "index": report.head.size,
-        "seq": report.head.size,
-        "prev": report.head.hash,
-    }
-    record["hash"] = record_hash(record)
-    with path.open("r+b") as handle:
-        handle.truncate(cut)
-        handle.seek(cut)
-        handle.write(canonical(record) + b"\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    return RepairReport(
-        removed_bytes=len(fragment),
-        removed_sha256=str(record["removed_sha256"]),
-        head=ChainHead(size=report.head.size + 1, hash=str(record["hash"])),
-    )
-
-
-def _last_line_window(path: Path) -> bytes:
-    """The end of the file, grown from 16 KiB until it holds the whole last line."""
-    with path.open("rb") as handle:
-        size = handle.seek(0, os.SEEK_END)
-        window = TAIL_FIRST_READ_BYTES
-        while True:
-            start = max(0, size - window)
-            handle.seek(start)
-            tail = handle.read()
-            if start == 0 or b"\n" in tail[:-1] or window >= TAIL_READ_BYTES:
-                return tail
-            window *= 4
 
 
 @dataclass(frozen=True)

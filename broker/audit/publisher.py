@@ -28,7 +28,8 @@ from pathlib import Path
 import aiohttp
 
 from broker.audit.checkpoint import Checkpoint, CheckpointSigner, NoteError, parse_checkpoint
-from broker.audit.log import DecisionLog, LogCorrupt
+from broker.audit.log import DecisionLog
+from broker.audit.records import LogCorrupt
 from broker.audit.witness import Witness, request_cosignature
 from broker.core.errors import UpstreamError
 

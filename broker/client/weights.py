@@ -169,15 +169,19 @@ def _gcs_errors() -> tuple[type[BaseException], ...]:
     return (GoogleAPIError, GoogleAuthError, RequestException)
 
 
-_GCS_ERRORS = _gcs_errors()
-
-
 class GcsSource:
     """``gs://bucket/object`` through google-cloud-storage (ranged downloads)."""
 
     def __init__(self, uri: str, *, client: Any | None = None) -> None:
-        from google.cloud import storage  # type: ignore[attr-defined]  # noqa: PLC0415 - only runners reading GCS need it
+        # Only runners reading GCS need the client (the ``gcs`` extra); others never import it.
+        try:
+            from google.cloud import storage  # type: ignore[attr-defined]  # noqa: PLC0415
 
+            self._errors = _gcs_errors()
+        except ImportError as exc:
+            raise SourceError(
+                f"{uri}: gs:// needs google-cloud-storage (pip install 'sealed-runner-broker[gcs]')"
+            ) from exc
         bucket, _, name = uri.removeprefix("gs://").partition("/")
         if not bucket or not name:
             raise SourceError(f"{uri}: expected gs://BUCKET/OBJECT")
@@ -190,7 +194,7 @@ class GcsSource:
         if self._size is None:
             try:
                 self._blob.reload()
-            except _GCS_ERRORS as exc:
+            except self._errors as exc:
                 raise SourceError(f"{self.name}: {type(exc).__name__}") from exc
             self._size = int(self._blob.size)
         return self._size
@@ -200,7 +204,7 @@ class GcsSource:
             data: bytes = self._blob.download_as_bytes(
                 start=start, end=start + length - 1, checksum=None, raw_download=True
             )
-        except _GCS_ERRORS as exc:
+        except self._errors as exc:
             raise SourceError(f"{self.name}: range {start}+{length}: {type(exc).__name__}") from exc
         if len(data) != length:
             raise SourceError(f"{self.name}: range {start}+{length} returned {len(data)} bytes")

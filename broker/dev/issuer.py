@@ -52,13 +52,16 @@ class Workload:
 class DevIssuer:
     """Mints GCA-shaped tokens with an in-memory RSA key."""
 
-    def __init__(self, *, dev_mode: bool, issuer: str = DEV_ISSUER) -> None:
+    def __init__(
+        self, *, dev_mode: bool, issuer: str = DEV_ISSUER, key: rsa.RSAPrivateKey | None = None
+    ) -> None:
+        """``key``: the signing key to use (default: a new RSA-2048 key)."""
         if dev_mode is not True:
             raise DevModeRequired("the development issuer needs dev mode explicitly on")
         if issuer == GOOGLE_ISSUER:
             raise DevModeRequired("the development issuer must not use Google's issuer URL")
         self.issuer = issuer
-        self._key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        self._key = key or rsa.generate_private_key(public_exponent=65537, key_size=2048)
         self.kid = secrets.token_hex(20)
 
     def jwks(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from broker.keys.kek.cloudkms import CloudKmsKek, parse_cloudkms_uri
 from broker.keys.kek.local import LocalKek, create_kek_file
 from broker.keys.kek.pkcs11 import Pkcs11Kek, parse_pkcs11_uri
 from broker.keys.kek.ring import KekRing
-from broker.keys.service import DekCache, KeyService, MetadataCache
+from broker.keys.service import ChangeLogger, DekCache, KeyService, MetadataCache
 from broker.keys.store.base import KeyStore
 from broker.keys.store.sqlite import SqliteKeyStore, sqlite_path
 
@@ -64,7 +64,11 @@ async def open_store(settings: KeySettings) -> KeyStore:
 
 @asynccontextmanager
 async def open_key_service(
-    settings: KeySettings, *, create_missing_kek: bool = False, kek_uri: str | None = None
+    settings: KeySettings,
+    *,
+    create_missing_kek: bool = False,
+    kek_uri: str | None = None,
+    change_log: ChangeLogger | None = None,
 ) -> AsyncIterator[KeyService]:
     """Open the store and the KEKs; close them on exit.
 
@@ -74,6 +78,8 @@ async def open_key_service(
             exist and the store is empty (``broker keys create`` on a fresh install).
         kek_uri: make this KEK the primary (``keys rewrap --to``); the configured ``kek`` and
             ``kek_previous`` stay available for unwrapping.
+        change_log: where key changes are recorded (the decision log's ``append``); without
+            it, changes are not recorded (read-only commands).
 
     Raises:
         ConfigError: when a KEK is missing, malformed, or would orphan existing keys.
@@ -100,6 +106,7 @@ async def open_key_service(
             ring,
             cache=cache,
             metadata=metadata,
+            change_log=change_log,
             query_keys_publishable=settings.signing_key is not None,
         )
 

@@ -144,9 +144,6 @@ class KeyService:
     def cache(self) -> DekCache:
         return self._cache
 
-    def attach_change_log(self, change_log: ChangeLogger) -> None:
-        self._change_log = change_log
-
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def create(

@@ -41,7 +41,7 @@ class FakeSecretManager:
         self.calls: list[str] = []
 
     async def start(self) -> str:
-        methods = {
+        methods: dict[str, tuple[Any, Any, Any]] = {
             "CreateSecret": (self._create, sm.CreateSecretRequest, sm.Secret),
             "AddSecretVersion": (self._add, sm.AddSecretVersionRequest, sm.SecretVersion),
             "AccessSecretVersion": (

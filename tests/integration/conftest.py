@@ -1,10 +1,12 @@
-"""A real broker on 127.0.0.1 (TLS, SQLite, local KEK, regopy, decision log) per test."""
+"""A real broker on 127.0.0.1 (TLS, SQLite, local KEK, the Wasm policy engine, decision log)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -12,13 +14,14 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 from aiohttp import web
 from blockbuster import BlockBuster, blockbuster_ctx
@@ -36,13 +39,10 @@ from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.store.base import Purpose
 from tests.fakes.google_kms import FakeKms
 from tests.fakes.google_secretmanager import FakeSecretManager
-
-AUDIENCE = "https://broker.it.invalid"
-KEY = "models/llama"
-GPU_KEY = "models/llama-gpu"
-QUERY_KEY = "models/llama-queries"
-ALLOWED = "sha256:" + "a1" * 32
-DENIED = "sha256:" + "d0" * 32
+from tests.support import cli as cli_support
+from tests.support.constants import ALLOWED, AUDIENCE, GPU_KEY, KEY, QUERY_KEY
+from tests.support.issuers import dev_issuer
+from tests.support.processes import free_port, wait_ready, wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +60,11 @@ def blockbuster() -> Iterator[BlockBuster]:
         # shutdown-time wait, not a request-path block. Lock waits are therefore not reported.
         for name in ("threading.Lock.acquire", "threading.Lock.acquire_lock"):
             detector.functions[name].deactivate()
-        yield detector
+        cli_support.DETECTORS.append(detector)
+        try:
+            yield detector
+        finally:
+            cli_support.DETECTORS.remove(detector)
 
 
 GOOGLE_CLIENT_STARTUP_CHECKS = (
@@ -85,19 +89,72 @@ class RunningBroker:
     issuer: DevIssuer
     client_tls: ssl.SSLContext
     workdir: Path
+    first_record: int = 0  # records() starts here: a shared broker shows each test its own
 
     def client(self) -> BrokerClient:
         return BrokerClient(self.url, ssl_context=self.client_tls)
 
-    def token_source(self, digest: str = ALLOWED, **workload: object) -> DevTokenSource:
+    def token_source(self, digest: str = ALLOWED, **workload: Any) -> DevTokenSource:
         return DevTokenSource(
-            self.issuer,
-            Workload(image_digest=digest, **workload),
-            lambda: datetime.now(UTC),  # type: ignore[arg-type]
+            self.issuer, Workload(image_digest=digest, **workload), lambda: datetime.now(UTC)
         )
 
-    def records(self) -> list[dict[str, object]]:
-        return [json.loads(line) for line in self.settings.audit.log.read_text().splitlines()]
+    def records(self) -> list[dict[str, Any]]:
+        lines = self.settings.audit.log.read_text().splitlines()
+        return [json.loads(line) for line in lines[self.first_record :]]
+
+    def from_now_on(self) -> RunningBroker:
+        """This broker, its ``records()`` starting after the records written so far."""
+        size = len(self.settings.audit.log.read_text().splitlines())
+        return dataclasses.replace(self, first_record=size)
+
+
+def serve_workers(
+    config: Path, environ: dict[str, str], client_tls: ssl.SSLContext
+) -> tuple[subprocess.Popen[bytes], int]:
+    """``broker serve --workers 2`` (``BROKER_SERVER_WORKERS``) on a free port, once ready."""
+    port = free_port()
+    command = [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)]
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, **environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_ready(port, client_tls)
+    return process, port
+
+
+async def create_test_keys(settings: Settings) -> None:
+    async with open_key_service(settings.keys, create_missing_kek=True) as keys:
+        await keys.create(KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+        await keys.create(GPU_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+
+
+@pytest.fixture(scope="module")
+def module_workers_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
+    """One ``broker serve --workers 2`` for a module's tests (the default workspace). Three
+    processes start once instead of per test; each test sees its own records
+    (``from_now_on``)."""
+    workdir = tmp_path_factory.mktemp("workers") / "broker"
+    issuer = dev_issuer()
+    config = write_config(workdir, issuer)
+    environ = {"BROKER_SERVER_WORKERS": "2"}
+    settings = load_settings(config, environ)
+    asyncio.run(create_test_keys(settings))
+    client_tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
+    process, port = serve_workers(config, environ, client_tls)
+    try:
+        yield RunningBroker(
+            url=f"https://127.0.0.1:{port}",
+            settings=settings,
+            issuer=issuer,
+            client_tls=client_tls,
+            workdir=workdir,
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
 
 
 def write_config(
@@ -165,7 +222,7 @@ async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callabl
         started = len(runners) + len(processes)
         if reuse is None:
             workdir = tmp_path / f"broker{started}"
-            issuer = DevIssuer(dev_mode=True)
+            issuer = dev_issuer()
             config = await asyncio.to_thread(
                 write_config,
                 workdir,
@@ -185,23 +242,11 @@ async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callabl
             environ["BROKER_SERVER_WORKERS"] = "2"
         settings = await asyncio.to_thread(load_settings, config, environ)
         if reuse is None:
-            async with open_key_service(settings.keys, create_missing_kek=True) as keys:
-                await keys.create(KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
-                await keys.create(GPU_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+            await create_test_keys(settings)
         client_tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
         if deployment == "workers":
-            port = free_port()
-            command = [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)]
-            processes.append(
-                await asyncio.to_thread(
-                    subprocess.Popen,
-                    command,
-                    env={**os.environ, **environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}"},
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            await asyncio.to_thread(wait_ready, port, client_tls)
+            process, port = await asyncio.to_thread(serve_workers, config, environ, client_tls)
+            processes.append(process)
         else:
             runner = BrokerRunner(create_app(settings), settings.server)
             await runner.setup()
@@ -223,20 +268,6 @@ async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callabl
     for process in processes:
         process.send_signal(signal.SIGTERM)
         await asyncio.to_thread(process.wait, 60)
-
-
-def wait_ready(port: int, tls: ssl.SSLContext) -> None:
-    """Until ``/readyz`` on ``port`` answers 200 (a broker started in another process)."""
-    for _ in range(300):
-        try:
-            with urllib.request.urlopen(
-                f"https://127.0.0.1:{port}/readyz", context=tls, timeout=2
-            ) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    pytest.fail(f"the broker on port {port} did not become ready")
 
 
 @pytest.fixture
@@ -309,25 +340,6 @@ async def fake_secretmanager() -> AsyncIterator[FakeSecretManager]:
 # --- real Redis and PostgreSQL servers on loopback (shared stores) ------------------------------
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(ready: Callable[[], bool], *, what: str, tries: int = 200) -> None:
-    """Poll ``ready`` every 50 ms (False or an OSError: not yet) until it holds, or fail the
-    test saying that ``what`` did not start."""
-    for _ in range(tries):
-        try:
-            if ready():
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    pytest.fail(f"{what} did not start")
 
 
 @pytest.fixture(scope="session")
@@ -409,6 +421,19 @@ def postgresql_url() -> Iterator[str]:
 
 
 # --- Go's reference code for checkpoints and proofs (golang.org/x/mod/sumdb/{note,tlog}) --------
+
+
+@pytest.fixture
+async def database(postgresql_url: str) -> str:
+    """A fresh database on the session's server; its URL."""
+    name = f"keys_{secrets.token_hex(6)}"
+    admin = await asyncpg.connect(postgresql_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    parts = urlsplit(postgresql_url)
+    return urlunsplit(parts._replace(path=f"/{name}"))
 
 
 @pytest.fixture(scope="session")

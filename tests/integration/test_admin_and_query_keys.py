@@ -15,7 +15,8 @@ from jwt import PyJWK
 from broker.client import BrokerClientError
 from broker.crypto.hpke import HpkeError
 from broker.crypto.query import StatementError, open_query, seal_query, verify_statement
-from tests.integration.conftest import KEY, QUERY_KEY, RunningBroker, write_statement_key
+from tests.integration.conftest import RunningBroker, write_statement_key
+from tests.support.constants import KEY, QUERY_KEY
 
 TOKEN = "admin-test-token-5f2c"
 ADMIN_ROUTES = [

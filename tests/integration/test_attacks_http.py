@@ -11,11 +11,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from broker.audit.log import verify_file
+from broker.audit.segments import verify_file
 from broker.client.sdk import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
-from tests.integration.conftest import KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import KEY
 
 
 async def post(

@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tests.integration.conftest import KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import KEY
 
 
 async def wait_for(condition: Any, seconds: float = 5) -> None:

@@ -28,17 +28,20 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.dev.issuer import DevIssuer
 from broker.policy.build import build_bundle
 from broker.policy.testing import find_opa
-from tests.integration.conftest import KEY, wait_until, write_config
-from tests.integration.test_shared_nonces import (
+from tests.integration.conftest import write_config
+from tests.support.cli import run
+from tests.support.constants import KEY
+from tests.support.issuers import dev_issuer
+from tests.support.processes import (
     ROOT,
     create_key_with_cli,
     free_port,
     release_body,
     stop_replicas,
     wait_ready,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -142,19 +145,15 @@ async def converge(
 
 
 async def test_two_replicas_follow_one_bundle_server(
-    bundle_server: tuple[BundleServer, str], postgresql_url: str, tmp_path: Path
+    bundle_server: tuple[BundleServer, str], database: str, tmp_path: Path
 ) -> None:
     server, url = bundle_server
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     workdir = tmp_path / "b"
     config = await asyncio.to_thread(write_config, workdir, issuer)
     verify = await asyncio.to_thread(signing_keys, workdir)
-    shared = {"BROKER_NONCES_STORE": postgresql_url, "BROKER_KEYS_STORE": postgresql_url}
-    migrate = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "broker.cli", "keys", "migrate", "--config", str(config)],
-        cwd=ROOT, env={**os.environ, **shared}, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+    shared = {"BROKER_NONCES_STORE": database, "BROKER_KEYS_STORE": database}
+    migrate = await asyncio.to_thread(run, "keys", "migrate", "--config", str(config), env=shared)
     assert migrate.returncode == 0, migrate.stderr
     await asyncio.to_thread(create_key_with_cli, config, shared)
     server.body, first = await asyncio.to_thread(build, workdir, "v1", allowed=True)
@@ -250,7 +249,7 @@ async def test_a_broker_follows_a_bundle_in_cloud_storage(
     fake_gcs: tuple[int, Path], tmp_path: Path
 ) -> None:
     port, _ = fake_gcs
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     workdir = tmp_path / "b"
     config = await asyncio.to_thread(write_config, workdir, issuer)
     verify = await asyncio.to_thread(signing_keys, workdir)

@@ -21,9 +21,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from broker.dev.issuer import DevIssuer
 from tests.integration.conftest import write_config
-from tests.integration.test_shared_nonces import (
+from tests.support.issuers import dev_issuer
+from tests.support.processes import (
     ROOT,
     create_key_with_cli,
     free_port,
@@ -38,7 +38,7 @@ RUNNER_RELEASES = 30
 
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_a_challenge_flood_locks_no_runner_out(tmp_path: Path, workers: int) -> None:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     config = await asyncio.to_thread(
         write_config,
         tmp_path / "b",

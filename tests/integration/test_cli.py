@@ -1,4 +1,6 @@
-"""The ``broker`` command as a user runs it: real subprocesses, real files, real ports."""
+"""The ``broker`` command as a user runs it: real files, real ports. Most commands run in process
+(``tests/support/cli.py``: the same ``cli.main``); the executable itself, ``serve`` and the demo
+run as real subprocesses."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import time
 import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from broker.dev.issuer import DevIssuer
 from broker.keys.admin import cli_actor
 from tests.integration.conftest import write_config, write_statement_key
+from tests.support.cli import run
+from tests.support.issuers import dev_issuer
 from tests.unit.test_audit_log import write_log
 
 ROOT = Path(__file__).parents[2]
@@ -31,9 +35,10 @@ def blockbuster() -> None:
     """These tests are synchronous: they drive subprocesses, not the event loop."""
 
 
-def run(
+def run_process(
     *args: str, timeout: float = 60, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """``broker ARGS`` as its own process (the executable, its imports, its exit)."""
     return subprocess.run(
         [*BROKER, *args],
         capture_output=True,
@@ -52,12 +57,12 @@ def free_port() -> int:
 
 
 def configured(tmp_path: Path) -> Path:
-    return write_config(tmp_path / "b", DevIssuer(dev_mode=True))
+    return write_config(tmp_path / "b", dev_issuer())
 
 
 def test_keys_create_and_list(tmp_path: Path) -> None:
     config = configured(tmp_path)
-    created = run(
+    created = run_process(
         "keys", "create", "models/a", "--purpose", "model-weights", "--config", str(config)
     )
     assert created.returncode == 0, created.stderr
@@ -165,7 +170,7 @@ def test_policy_test_passes_on_shipped_policy_and_fails_on_a_broken_one(tmp_path
 
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
-    result = run("demo", "--workdir", str(tmp_path / "demo"), timeout=120)
+    result = run_process("demo", "--workdir", str(tmp_path / "demo"), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "denied 403 policy_denied" in result.stdout
     assert (
@@ -181,7 +186,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
 REAL = ROOT / "tests" / "fixtures" / "real"
 
 
-def verify(*args: str) -> tuple[int, dict[str, object]]:
+def verify(*args: str) -> tuple[int, dict[str, Any]]:
     result = run("verify", *args)
     return result.returncode, json.loads(result.stdout)
 
@@ -204,12 +209,12 @@ def test_verify_real_oidc_token_with_all_checks(tmp_path: Path) -> None:
     )
     assert code == 0
     assert out["skipped"] == ["runner key binding"]  # --nonce alone: membership only
-    assert out["tee"]["technology"] == "sev"  # type: ignore[index]
+    assert out["tee"]["technology"] == "sev"
     code, out = verify(
         "gca", str(token), "--jwks", str(REAL / "gca" / "google_cs_jwks_2025-12-02.json")
     )
     assert code == 1
-    assert out["error"]["code"] == "token_expired"  # type: ignore[index]
+    assert out["error"]["code"] == "token_expired"
 
 
 def test_verify_real_pki_token_lists_skipped_checks() -> None:
@@ -233,7 +238,7 @@ def test_verify_real_ita_token() -> None:
         "2023-12-05T00:10:00Z",
     )
     assert code == 0
-    assert out["tee"]["tcb_status"] == "OutOfDate"  # type: ignore[index]
+    assert out["tee"]["tcb_status"] == "OutOfDate"
 
 
 def test_verify_real_nras_result_with_nonce() -> None:
@@ -248,9 +253,9 @@ def test_verify_real_nras_result_with_nonce() -> None:
     ]
     code, out = verify(*args, "--nonce", evidence["nonce"])
     assert code == 0
-    assert out["gpus"][0]["driver_version"] == "595.71.05"  # type: ignore[index]
+    assert out["gpus"][0]["driver_version"] == "595.71.05"
     code, out = verify(*args, "--nonce", "00" * 32)
-    assert (code, out["error"]["code"]) == (1, "nonce_mismatch")  # type: ignore[index]
+    assert (code, out["error"]["code"]) == (1, "nonce_mismatch")
 
 
 def _rim_arg(text: str) -> str:
@@ -290,7 +295,7 @@ def test_verify_real_hopper_report_against_rims(rims: list[str], at: str, expect
         *(arg for r in rims for arg in ("--rim", _rim_arg(r))),  # repeated flags
     )
     assert code == 0
-    (gpu,) = out["gpus"]  # type: ignore[misc]
+    (gpu,) = out["gpus"]
     assert gpu["measurements"] == expected
     assert (gpu["driver_version"], gpu["vbios_version"]) == ("550.90.07", "96.00.9F.00.01")
 
@@ -384,11 +389,11 @@ def test_verify_checks_the_gpu_nonce_binding_like_the_service(tmp_path: Path, ar
     ]
     code, out = verify(*args, "--thumbprint", thumb)  # no --arch: inferred (item 12)
     assert code == 0, out
-    (gpu,) = out["gpus"]  # type: ignore[misc]
+    (gpu,) = out["gpus"]
     assert (gpu["arch"], gpu["measurements"]) == (arch, "match")
-    assert "gpu nonce" not in out["skipped"]  # type: ignore[operator]
+    assert "gpu nonce" not in out["skipped"]
     code, out = verify(*args, "--thumbprint", "another-runner-key")
-    assert (code, out["error"]["code"]) == (1, "nonce_mismatch")  # type: ignore[index]
+    assert (code, out["error"]["code"]) == (1, "nonce_mismatch")
 
 
 def test_verify_takes_rims_repeated_or_space_separated(tmp_path: Path) -> None:
@@ -407,4 +412,4 @@ def test_verify_takes_rims_repeated_or_space_separated(tmp_path: Path) -> None:
     for form in (["--rim", rims[0], "--rim", rims[1]], ["--rim", *rims]):
         code, out = verify(*common, *form)
         assert code == 0, out
-        assert out["gpus"][0]["measurements"] == "match"  # type: ignore[index]
+        assert out["gpus"][0]["measurements"] == "match"

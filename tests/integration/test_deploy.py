@@ -187,7 +187,7 @@ def test_the_shipped_config_is_a_valid_broker_config(tmp_path: Path) -> None:
 def _generated(prefix: str) -> str:
     names = [o["metadata"]["name"] for o in objects("overlays/production")]
     (name,) = [n for n in names if n.startswith(prefix + "-")]  # kustomize adds a content hash
-    return name
+    return str(name)
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "confidential-space/Dockerfile"])

@@ -18,7 +18,8 @@ import pytest
 from aiohttp import web
 
 from broker.client import BrokerClientError
-from tests.integration.conftest import GPU_KEY, KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import GPU_KEY, KEY
 from tests.vectors.gpu import (
     DRIVER,
     OcspResponder,
@@ -161,7 +162,7 @@ async def test_cpu_plus_local_gpu_evidence_releases_gpu_key(
     assert len(released.dek) == 32
     record = gpu_broker.records()[-1]
     assert record["result"] == "allow"
-    assert set(record["evidence_digests"]) == {"gca", "nvidia"}  # type: ignore[arg-type]
+    assert set(record["evidence_digests"]) == {"gca", "nvidia"}
 
 
 async def test_cpu_plus_nras_result_releases_gpu_key(

@@ -13,9 +13,10 @@ import pytest
 
 from broker.client.sdk import new_ephemeral_key
 from broker.crypto.jwk import public_jwk
-from tests.integration.conftest import KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
 from tests.integration.rawhttp import open_raw, raw_exchange, read_reply, request_bytes
 from tests.integration.test_attacks_http import fresh_request, post
+from tests.support.constants import KEY
 
 
 def release_records(broker: RunningBroker) -> list[dict[str, Any]]:

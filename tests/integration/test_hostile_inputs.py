@@ -19,9 +19,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.integration.conftest import QUERY_KEY, RunningBroker, write_statement_key
+from tests.integration.conftest import RunningBroker, write_statement_key
 from tests.integration.hostile import ADMIN_TOKEN, NO_BODY, Case, Ctx, all_cases
 from tests.integration.test_gpu_release import start_gpu_broker, world  # noqa: F401
+from tests.support.constants import QUERY_KEY
 from tests.vectors.gpu import RimAuthority, SimulatedGpu, SimulatedNras
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from broker.client import BrokerClientError
 from broker.core.binding import binding_digest
-from tests.integration.conftest import GPU_KEY, KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import GPU_KEY, KEY
 from tests.vectors.gpu import SimulatedIta, pem
 
 ITA_POLICY = """package broker.release
@@ -93,7 +94,7 @@ async def test_ita_token_bound_through_held_data_releases(
         released = await client.release(KEY, ItaTokens(ita))
     assert len(released.dek) == 32
     record = broker.records()[-1]
-    assert record["identity"]["mrtd"] == GOOD_MRTD  # type: ignore[index]
+    assert record["identity"]["mrtd"] == GOOD_MRTD
 
 
 async def test_ita_token_with_other_held_data_rejected(

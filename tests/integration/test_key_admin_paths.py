@@ -19,7 +19,8 @@ import pytest
 
 from broker import cli
 from broker.keys.admin import cli_actor
-from tests.integration.conftest import KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import KEY
 
 TOKEN = "key-admin-paths-token-0b7e"
 # (case, API path, API body, CLI arguments after "keys"), every one invalid

@@ -20,7 +20,8 @@ from broker.keys.kek.pkcs11 import parse_pkcs11_uri
 from broker.keys.store.base import Purpose, VersionState
 from tests.fakes.google_kms import FakeKms
 from tests.fakes.google_secretmanager import FakeSecretManager
-from tests.integration.conftest import KEY, KMS_KEY, RunningBroker
+from tests.integration.conftest import KMS_KEY, RunningBroker
+from tests.support.constants import KEY
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 COMBINATIONS = [
@@ -56,8 +57,7 @@ def key_settings(
         kek=keks[kek],
         kms_endpoint=kms.endpoint,
         secretmanager_endpoint=sm.endpoint,
-        upstream_timeout_seconds=2,
-        **extra,
+        **{"upstream_timeout_seconds": 2, **extra},
     )
 
 
@@ -190,8 +190,8 @@ async def test_dek_cache_saves_kms_round_trips_and_is_invalidated(
 async def cloud_broker(
     start_broker: Any, fake_kms: FakeKms, fake_sm: FakeSecretManager, **environ: str
 ) -> RunningBroker:
-    return await start_broker(
-        environ={  # type: ignore[no-any-return]
+    return await start_broker(  # type: ignore[no-any-return]
+        environ={
             "BROKER_KEYS_STORE": "secretmanager:projects/broker-test",
             "BROKER_KEYS_KEK": f"cloudkms:{KMS_KEY}",
             "BROKER_KEYS_KMS_ENDPOINT": fake_kms.endpoint,
@@ -262,7 +262,13 @@ async def test_store_with_many_keys_pages(
     tmp_path: Path, softhsm: str, fake_kms: FakeKms, fake_secretmanager: FakeSecretManager
 ) -> None:
     settings = key_settings(
-        tmp_path, "secretmanager", "pkcs11", softhsm=softhsm, kms=fake_kms, sm=fake_secretmanager
+        tmp_path,
+        "secretmanager",
+        "pkcs11",
+        softhsm=softhsm,
+        kms=fake_kms,
+        sm=fake_secretmanager,
+        upstream_timeout_seconds=20,  # 260 creates at once, then several pages: not a timeout test
     )
     async with open_key_service(settings) as keys:
         await asyncio.gather(

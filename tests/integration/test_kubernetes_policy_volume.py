@@ -24,8 +24,10 @@ import pytest
 
 from broker.dev.issuer import DevIssuer
 from broker.policy.bundle import load_policy_dir
-from tests.integration.conftest import KEY, write_config
-from tests.integration.test_shared_nonces import (
+from tests.integration.conftest import write_config
+from tests.support.constants import KEY
+from tests.support.issuers import dev_issuer
+from tests.support.processes import (
     ROOT,
     create_key_with_cli,
     free_port,
@@ -75,7 +77,7 @@ async def allowed(
 
 
 async def test_broker_serve_on_a_configmap_volume_follows_the_atomic_swap(tmp_path: Path) -> None:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
     await asyncio.to_thread(create_key_with_cli, config)
     policies = tmp_path / "b" / "policies"

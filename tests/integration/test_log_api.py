@@ -15,7 +15,8 @@ import pytest
 from broker.audit.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
 from broker.audit.merkle import leaf_hash, verify_consistency, verify_inclusion
 from broker.client import BrokerClientError
-from tests.integration.conftest import KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import KEY
 
 AUDITOR = "auditor-token-3c2b"
 KEY_ADMIN = "key-admin-token-77e0"

@@ -9,17 +9,19 @@ import base64
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from broker.audit.checkpoint import Checkpoint, NoteSigner
-from broker.audit.log import DecisionLog, record_hash
+from broker.audit.log import DecisionLog
 from broker.audit.merkle import MerkleTree, leaf_hash, verify_consistency, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
+from broker.audit.records import record_hash
 from broker.core.encoding import canonical
+from tests.support.cli import run
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = 10_000
@@ -80,8 +82,11 @@ def test_go_reference_accepts_checkpoint_and_proofs(
     path, signer = signed_log
     lines = path.read_bytes().split(b"\n")[:-1]
     tree = tree_of(path)
-    b64 = lambda hs: [base64.b64encode(h).decode() for h in hs]  # noqa: E731
-    case = {
+
+    def b64(hashes: list[bytes]) -> list[str]:
+        return [base64.b64encode(h).decode() for h in hashes]
+
+    case: dict[str, Any] = {
         "verifier_key": signer.verifier_key(),
         "checkpoint": checkpoint_paths(path)[0].read_text(),
         "inclusion": [
@@ -126,10 +131,7 @@ def test_consistency_between_two_checkpoints(signed_log: tuple[Path, NoteSigner]
 
 
 def audit(*args: str) -> tuple[int, dict[str, object]]:
-    done = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "audit", *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
-    )  # fmt: skip
+    done = run("audit", *args)
     return done.returncode, json.loads(done.stdout or "{}")
 
 
@@ -199,10 +201,7 @@ def test_key_without_a_checkpoint_to_check_is_refused(tmp_path: Path) -> None:
     log = tmp_path / "decisions.log"
     log.write_bytes(b"")
     key = NoteSigner(ORIGIN, ed25519.Ed25519PrivateKey.generate()).verifier_key()
-    done = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "audit", "verify", str(log), "--key", key],
-        cwd=ROOT, capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+    done = run("audit", "verify", str(log), "--key", key)
     assert done.returncode == 2
     assert "no checkpoint to check it against" in done.stderr
 
@@ -244,10 +243,8 @@ def test_prove_and_check_proof_hand_a_third_party_one_decision(
     signed_log: tuple[Path, NoteSigner], tmp_path: Path
 ) -> None:
     path, signer = signed_log
-    done = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "audit", "prove", "1234", "--log", str(path)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, check=True,
-    )  # fmt: skip
+    done = run("audit", "prove", "1234", "--log", str(path))
+    assert done.returncode == 0, done.stderr
     bundle = tmp_path / "proof.json"
     bundle.write_text(done.stdout)
     assert audit("check-proof", str(bundle), "--key", signer.verifier_key())[0] == 0

@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 
 from broker.client import BrokerClientError
-from tests.integration.conftest import HSM_PIN, KEY, RunningBroker
+from tests.integration.conftest import HSM_PIN, RunningBroker
+from tests.support.constants import KEY
 
 TOKEN = "very-secret-admin-token-31337"
 

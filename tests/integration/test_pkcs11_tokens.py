@@ -18,7 +18,7 @@ from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import Pkcs11Kek, Pkcs11Uri, create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.store.base import Purpose
 from tests.integration.conftest import HSM_PIN, SOFTHSM_MODULE
-from tests.integration.test_cli import run
+from tests.support.cli import run
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from broker.policy.build import load_bundle
 from broker.policy.wasm import PolicyLoadError
-from tests.integration.test_cli import run
 from tests.policy_helpers import EXAMPLE, signing_pair
 from tests.policy_helpers import policy_copy as copy_policy
+from tests.support.cli import run
 
 DIGEST = "sha256:" + "ab" * 32
 

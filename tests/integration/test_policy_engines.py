@@ -15,8 +15,9 @@ import pytest
 from broker.client import BrokerClientError
 from broker.policy.build import build_bundle, compile_policy_dir
 from broker.policy.testing import find_opa
-from tests.integration.conftest import KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
 from tests.policy_helpers import signing_pair
+from tests.support.constants import KEY
 
 
 def _free_port() -> int:

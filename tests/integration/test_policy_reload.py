@@ -17,7 +17,8 @@ import pytest
 from broker import cli
 from broker.client import BrokerClientError
 from broker.core.encoding import canonical
-from tests.integration.conftest import ALLOWED, KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import ALLOWED, KEY
 
 TOKEN = "policy-admin-token-91d3"
 KEY_ADMIN_ONLY = "key-admin-token-55aa"

@@ -14,31 +14,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
-import secrets
 import ssl
-import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
 import pytest
 
-from broker.config import ConfigError, KeySettings, load_settings
-from broker.core.errors import KeyUnavailable, UpstreamError
-from broker.dev.issuer import DevIssuer
+from broker.config import KeySettings, load_settings
+from broker.core.errors import ConfigError, KeyUnavailable, UpstreamError
 from broker.keys.factory import open_key_service
 from broker.keys.kek.base import dek_aad
 from broker.keys.store.base import Purpose, VersionState
 from broker.keys.store.postgres import SCHEMA_VERSION, PostgresKeyStore, migrate
 from broker.keys.transfer import record_from_json, versions_digest
-from tests.integration.conftest import KEY, free_port, write_config, write_statement_key
-from tests.integration.test_shared_nonces import (
-    ROOT,
+from tests.integration.conftest import write_config, write_statement_key
+from tests.support.cli import Ran, run
+from tests.support.constants import KEY
+from tests.support.issuers import dev_issuer
+from tests.support.processes import (
+    free_port,
     release_body,
     serve,
     stop_replicas,
@@ -48,28 +45,8 @@ from tests.integration.test_shared_nonces import (
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
 
-@pytest.fixture
-async def database(postgresql_url: str) -> str:
-    """A fresh database on the session's server; its URL."""
-    name = f"keys_{secrets.token_hex(6)}"
-    admin = await asyncpg.connect(postgresql_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    parts = urlsplit(postgresql_url)
-    return urlunsplit(parts._replace(path=f"/{name}"))
-
-
-def cli(*args: str, environ: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, **(environ or {})},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def cli(*args: str, environ: dict[str, str] | None = None) -> Ran:
+    return run(*args, env=environ)
 
 
 async def test_migrate_creates_then_keeps_the_schema_and_refuses_a_newer_one(
@@ -79,7 +56,7 @@ async def test_migrate_creates_then_keeps_the_schema_and_refuses_a_newer_one(
     with pytest.raises(ConfigError, match="broker keys migrate"):
         async with open_key_service(settings, create_missing_kek=True):
             pass
-    config = await asyncio.to_thread(write_config, tmp_path / "b", DevIssuer(dev_mode=True))
+    config = await asyncio.to_thread(write_config, tmp_path / "b", dev_issuer())
     env = {"BROKER_KEYS_STORE": database}
     first = await asyncio.to_thread(cli, "keys", "migrate", "--config", str(config), environ=env)
     assert first.returncode == 0, first.stderr
@@ -209,7 +186,7 @@ async def test_two_rewraps_racing_leave_every_dek_wrapped_once(
 async def test_two_replicas_share_keys_and_a_disable_reaches_both(
     database: str, tmp_path: Path
 ) -> None:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
     env = {
         "BROKER_KEYS_STORE": database,
@@ -284,19 +261,16 @@ async def test_store_errors_say_why_authentication_or_unreachable(
 
 
 def keys_cli(*args: str, config: Path) -> Any:
-    done = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "keys", *args[:1], "--config", str(config), *args[1:]],
-        cwd=ROOT, capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+    done = run("keys", *args[:1], "--config", str(config), *args[1:])
     assert done.returncode == 0, (args, done.stderr)
     return json.loads(done.stdout)
 
 
 async def test_keys_move_from_sqlite_to_postgresql_and_through_a_backup(
-    postgresql_url: str, tmp_path: Path
+    database: str, tmp_path: Path
 ) -> None:
     """`keys migrate` used to create the schema only: after the switch `keys list` was empty."""
-    config = await asyncio.to_thread(write_config, tmp_path / "b", DevIssuer(dev_mode=True))
+    config = await asyncio.to_thread(write_config, tmp_path / "b", dev_issuer())
     for name in ("models/a", "models/b"):
         await asyncio.to_thread(
             keys_cli, "create", name, "--purpose", "model-weights", config=config
@@ -306,16 +280,16 @@ async def test_keys_move_from_sqlite_to_postgresql_and_through_a_backup(
     settings = await asyncio.to_thread(load_settings, config)
     sqlite_uri = settings.keys.store
     moved = await asyncio.to_thread(
-        keys_cli, "migrate", "--from", sqlite_uri, "--to", postgresql_url, config=config
+        keys_cli, "migrate", "--from", sqlite_uri, "--to", database, config=config
     )
     assert (moved["versions"], moved["copied"], moved["already_present"]) == (3, 3, 0)
     again = await asyncio.to_thread(
-        keys_cli, "migrate", "--from", sqlite_uri, "--to", postgresql_url, config=config
+        keys_cli, "migrate", "--from", sqlite_uri, "--to", database, config=config
     )
     assert (again["copied"], again["already_present"]) == (0, 3)  # idempotent, resumable
     assert again["verified_digest"] == moved["verified_digest"]
     assert "broker@" not in again["to"]  # no credentials in what is printed or logged
-    on_postgres = dataclasses.replace(settings.keys, store=postgresql_url)
+    on_postgres = dataclasses.replace(settings.keys, store=database)
     async with (
         open_key_service(settings.keys) as before,
         open_key_service(on_postgres) as after,
@@ -339,7 +313,7 @@ async def test_keys_move_from_sqlite_to_postgresql_and_through_a_backup(
     assert actions[-4:] == ["migrate-store", "migrate-store", "backup", "restore"]
 
     # A fresh broker restores the file only with the digest its operator trusts ...
-    fresh = await asyncio.to_thread(write_config, tmp_path / "c", DevIssuer(dev_mode=True))
+    fresh = await asyncio.to_thread(write_config, tmp_path / "c", dev_issuer())
     refused = await asyncio.to_thread(run_cli, "restore", str(backup), config=fresh)
     assert refused.returncode == 1
     assert "not one this broker logged" in refused.stderr
@@ -361,8 +335,5 @@ async def test_keys_move_from_sqlite_to_postgresql_and_through_a_backup(
     assert "not one this broker logged" in redigested.stderr
 
 
-def run_cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker.cli", "keys", *args[:1], "--config", str(config), *args[1:]],
-        cwd=ROOT, capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+def run_cli(*args: str, config: Path) -> Ran:
+    return run("keys", *args[:1], "--config", str(config), *args[1:])

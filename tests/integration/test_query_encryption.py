@@ -19,8 +19,9 @@ from broker.client.query import (
     seal_query,
 )
 from broker.crypto.query import StatementError
-from tests.integration.conftest import QUERY_KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
 from tests.integration.test_admin_and_query_keys import admin_broker, call  # noqa: F401
+from tests.support.constants import QUERY_KEY
 
 SUITES = ["HPKE-MLKEM768-X25519", "HPKE-X25519"]
 

@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from broker.client import BrokerClientError
 from broker.client.sdk import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
-from tests.integration.conftest import DENIED, KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import DENIED, KEY
 
 
 @pytest.fixture(params=["process", "workers"])
 def deployment(request: pytest.FixtureRequest) -> str:
-    """As deployed: every broker of this module in one process, and behind
-    ``broker serve --workers 2`` (conftest ``start_broker``)."""
+    """As deployed: a broker in this process per test, and one ``broker serve --workers 2``
+    that serves every test of this module (each test sees its own records)."""
     return str(request.param)
+
+
+@pytest.fixture
+async def broker(
+    deployment: str, start_broker: Any, module_workers_broker: RunningBroker
+) -> RunningBroker:
+    if deployment == "workers":
+        return await asyncio.to_thread(module_workers_broker.from_now_on)
+    return await start_broker()  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("key_type", ["EC-P256", "EC-P384", "X25519", "RSA-3072"])
@@ -28,7 +41,7 @@ async def test_attested_runner_gets_the_key(broker: RunningBroker, key_type: str
     records = [r for r in broker.records() if r["type"] == "release"]
     assert [r["result"] for r in records] == ["allow", "allow"]
     assert records[0]["decision_id"] == first.decision_id
-    assert records[0]["identity"]["image_digest"].startswith("sha256:a1a1")  # type: ignore[index]
+    assert records[0]["identity"]["image_digest"].startswith("sha256:a1a1")
 
 
 async def test_denied_runner_gets_reasons_and_no_key(broker: RunningBroker) -> None:
@@ -67,8 +80,8 @@ async def test_secrets_never_reach_the_decision_log(broker: RunningBroker) -> No
     assert released.dek.hex() not in text
     assert "eyJ" not in text  # no raw JWT (nor the wrapped JWE)
     record = broker.records()[-1]
-    assert record["evidence_digests"]["gca"].startswith("sha256:")  # type: ignore[index]
-    assert record["policy_digest"].startswith("sha256:")  # type: ignore[union-attr]
+    assert record["evidence_digests"]["gca"].startswith("sha256:")
+    assert record["policy_digest"].startswith("sha256:")
 
 
 async def test_runner_key_thumbprint_recorded(broker: RunningBroker) -> None:

@@ -1,4 +1,4 @@
-"""KEK rotation: `broker keys rewrap` of thousands of DEKs, killed midway, re-run, then every key
+"""KEK rotation: `broker keys rewrap` of hundreds of DEKs, killed midway, re-run, then every key
 released through a broker that knows only the new KEK (a PKCS#11 key on SoftHSM2)."""
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ from typing import Any
 import pytest
 
 from broker.config import load_settings
-from broker.dev.issuer import DevIssuer
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
-from tests.integration.conftest import ALLOWED, RunningBroker, write_config
+from tests.integration.conftest import RunningBroker, write_config
+from tests.support.cli import run
+from tests.support.constants import ALLOWED
+from tests.support.issuers import dev_issuer
 
 ROOT = Path(__file__).parents[2]
-COUNT = 3000
+COUNT = 300  # enough to kill it midway (progress is printed every 100); a few hundred at most
 NAMES = [f"models/r{i:04d}" for i in range(COUNT)]
 
 
@@ -59,7 +61,7 @@ async def originals(config: Path) -> dict[str, bytes]:
 
 
 def kill_midway(config: Path, target: str) -> None:
-    """Start the rewrap, wait until it has moved at least 1000 DEKs, SIGKILL it."""
+    """Start the rewrap, wait until it has moved at least 100 DEKs, SIGKILL it."""
     process = subprocess.Popen(
         rewrap_command(config, target),
         cwd=ROOT,
@@ -70,7 +72,7 @@ def kill_midway(config: Path, target: str) -> None:
     )
     assert process.stderr is not None
     for line in process.stderr:
-        if line.startswith("rewrapped 1000"):
+        if line.startswith("rewrapped 100"):
             process.send_signal(signal.SIGKILL)
             break
     process.wait(timeout=60)
@@ -82,7 +84,7 @@ def kill_midway(config: Path, target: str) -> None:
 async def test_rewrap_killed_midway_then_finished_then_every_key_released(
     tmp_path: Path, softhsm: str, start_broker: Any
 ) -> None:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
     await asyncio.to_thread(allow_all_names, tmp_path / "b")
     deks = await originals(config)
@@ -93,18 +95,11 @@ async def test_rewrap_killed_midway_then_finished_then_every_key_released(
     async with open_key_service(settings.keys, kek_uri=softhsm) as keys:
         records = await keys.list_versions()
         moved = sum(1 for r in records if r.kek_ref.startswith("pkcs11:"))
-        assert 1000 <= moved < COUNT
+        assert 100 <= moved < COUNT
         for record in records:
             assert await keys.unwrap(record) == deks[record.name]
 
-    finished = await asyncio.to_thread(
-        subprocess.run,
-        rewrap_command(config, softhsm),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    finished = await asyncio.to_thread(run, *rewrap_command(config, softhsm)[3:])
     assert finished.returncode == 0, finished.stderr
     report = json.loads(finished.stdout)
     assert report["rewrapped"] == COUNT - moved

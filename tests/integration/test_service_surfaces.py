@@ -17,7 +17,8 @@ from broker.client import BrokerClientError
 from broker.config import load_settings
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
-from tests.integration.conftest import KEY, RunningBroker, write_statement_key
+from tests.integration.conftest import RunningBroker, write_statement_key
+from tests.support.constants import KEY
 
 
 async def get(broker: RunningBroker, path: str) -> tuple[int, str]:

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import ssl
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -23,23 +19,21 @@ from typing import Any
 import aiohttp
 import pytest
 
-from broker.client.sdk import new_ephemeral_key
-from broker.config import ConfigError, load_settings
-from broker.core.errors import AttestationError, ErrorCode, UpstreamError
-from broker.crypto.jwk import public_jwk, thumbprint
-from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
+from broker.config import load_settings
+from broker.core.errors import AttestationError, ConfigError, ErrorCode, UpstreamError
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
-from tests.integration.conftest import (
-    ALLOWED,
-    KEY,
-    RunningBroker,
+from tests.integration.conftest import RunningBroker, write_config
+from tests.support.issuers import dev_issuer
+from tests.support.processes import (
+    create_key_with_cli,
     free_port,
+    release_body,
+    serve,
+    stop_replicas,
     wait_ready,
-    write_config,
 )
 
-ROOT = Path(__file__).parents[2]
 TTL = timedelta(seconds=120)
 
 
@@ -158,7 +152,7 @@ async def test_unreachable_store_is_503_never_accepted(kind: str, tmp_path: Path
 
 
 def test_config_validates_the_store_uri(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "b", DevIssuer(dev_mode=True))
+    config = write_config(tmp_path / "b", dev_issuer())
     for bad in ("postgresql:///db", "sqlite://relative", "redis://", "memcached://h"):
         with pytest.raises(ConfigError, match=r"nonces\.store"):
             load_settings(config, {"BROKER_NONCES_STORE": bad})
@@ -199,70 +193,12 @@ async def test_broker_with_a_dead_redis_refuses_with_503_and_logs_the_denial(
     assert records[-1]["code"] == "nonce_store_unavailable"
 
 
-async def release_body(
-    session: aiohttp.ClientSession, url: str, tls: ssl.SSLContext, issuer: DevIssuer
-) -> dict[str, Any]:
-    """A well-formed release request whose token binds a nonce ``url`` issued."""
-    async with session.post(url + "/v1/challenge", json={}, ssl=tls) as response:
-        assert response.status == 200
-        challenge = await response.json()
-    jwk = public_jwk(new_ephemeral_key().public_key())
-    source = DevTokenSource(issuer, Workload(image_digest=ALLOWED), lambda: datetime.now(UTC))  # type: ignore[arg-type]
-    token = await source.token(challenge["audience"], [challenge["nonce"], thumbprint(jwk)])
-    return {"key": KEY, "nonce": challenge["nonce"], "evidence": {"gca": token}, "runner_key": jwk}
-
-
 # --- two replicas: separate processes, separate ports and logs, one store ----------------------
-
-
-def create_key_with_cli(config: Path, environ: dict[str, str] | None = None) -> None:
-    """``broker keys create KEY`` as an operator runs it (a subprocess)."""
-    created = subprocess.run(
-        [
-            *(sys.executable, "-m", "broker.cli", "keys", "create", KEY),
-            *("--purpose", "model-weights", "--config", str(config)),
-        ],
-        cwd=ROOT,
-        env={**os.environ, **(environ or {})},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert created.returncode == 0, created.stderr
-
-
-def serve(
-    config: Path, port: int, log: Path, store: str, extra: dict[str, str] | None = None
-) -> subprocess.Popen[str]:
-    env = {
-        **os.environ,
-        "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
-        "BROKER_AUDIT_LOG": str(log),
-        "BROKER_NONCES_STORE": store,
-        **(extra or {}),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-async def stop_replicas(replicas: list[subprocess.Popen[str]]) -> None:
-    """SIGTERM to every replica, then each must exit cleanly (its stderr shown if not)."""
-    for process in replicas:
-        process.send_signal(signal.SIGTERM)
-    for process in replicas:
-        _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
-        assert process.returncode == 0, stderr[-2000:]
 
 
 @pytest.mark.timeout(180)
 async def test_two_replicas_release_a_nonce_exactly_once(store_uri: str, tmp_path: Path) -> None:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
     await asyncio.to_thread(create_key_with_cli, config)
     tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))

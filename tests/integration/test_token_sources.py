@@ -16,7 +16,9 @@ from broker.client import ConfidentialSpaceTokenSource
 from broker.client.tokens import TokenSourceError
 from broker.core.errors import ErrorCode, UpstreamError
 from broker.dev.issuer import DevIssuer, Workload
-from tests.integration.conftest import ALLOWED, KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.constants import ALLOWED, KEY
+from tests.support.issuers import dev_issuer
 
 
 class FakeLauncher:
@@ -97,7 +99,7 @@ class JwksServer:
 
 @pytest.fixture
 async def jwks_server() -> AsyncIterator[tuple[JwksServer, str, DevIssuer]]:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     server = JwksServer(issuer)
     app = web.Application()
     app.router.add_get("/jwks", server.jwks)
@@ -124,7 +126,7 @@ async def test_jwks_url_cached_and_refreshed_on_unknown_kid_with_rate_limit(
 
         eager = UrlJwksSource(url, session, cache_seconds=3600, refresh_min_seconds=0.0)
         await eager.key_set()
-        rotated = DevIssuer(dev_mode=True)
+        rotated = dev_issuer()
         server.documents.append(rotated.jwks())
         keys = await eager.key_set(unknown_kid=rotated.kid)
         assert keys.get(rotated.kid) is not None  # rotation picked up

@@ -4,34 +4,26 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from broker.dev.issuer import DevIssuer
 from broker.keys.admin import cli_actor
 from tests.integration.conftest import write_config, write_statement_key
+from tests.support.cli import Ran, run
+from tests.support.issuers import dev_issuer
 
 ROOT = Path(__file__).parents[2]
 
 
-def broker(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
+def broker(*args: str, env: dict[str, str] | None = None) -> Ran:
+    return run(*args, env=env)
 
 
 @pytest.fixture
 def owner(tmp_path: Path) -> dict[str, Any]:
-    config = write_config(tmp_path / "b", DevIssuer(dev_mode=True))
+    config = write_config(tmp_path / "b", dev_issuer())
     created = broker(
         "keys", "create", "models/tiny", "--purpose", "model-weights", "--config", str(config)
     )

@@ -38,7 +38,7 @@ from broker.client.weights import (
 )
 from broker.crypto.weights import WeightsFormatError, encrypt_stream
 from broker.dev.tls import make_dev_tls
-from tests.integration.conftest import free_port, wait_until
+from tests.support.processes import free_port, wait_until
 
 ROOT = Path(__file__).parents[2]
 FAKE_GCS = ROOT / ".venv" / "bin" / "fake-gcs-server"
@@ -103,7 +103,7 @@ def fake_gcs(files: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
         from google.cloud import storage  # type: ignore[attr-defined]  # noqa: PLC0415
 
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
-        yield storage.Client(project="test", credentials=AnonymousCredentials())
+        yield storage.Client(project="test", credentials=AnonymousCredentials())  # type: ignore[no-untyped-call]
     finally:
         os.environ.pop("STORAGE_EMULATOR_HOST", None)
         process.terminate()

@@ -8,8 +8,6 @@ import asyncio
 import base64
 import hashlib
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,9 @@ from broker.audit.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
 from broker.audit.merkle import verify_consistency
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.witness import WitnessKey, cosignature_line, witness_verifier_key
-from tests.integration.conftest import KEY, RunningBroker
+from tests.integration.conftest import RunningBroker
+from tests.support.cli import run
+from tests.support.constants import KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 AUDITOR = "witness-test-auditor-token"
@@ -111,11 +111,11 @@ async def test_checkpoints_are_cosigned_and_verify_requires_it(start_broker: Any
         log = broker.settings.audit.log
 
         def audit(*keys: str) -> tuple[int, dict[str, object]]:
-            args = [sys.executable, "-m", "broker.cli", "audit", "verify", str(log),
+            args = ["audit", "verify", str(log),
                     "--checkpoint", str(note_file), "--key", signer.verifier_key()]  # fmt: skip
             for key in keys:
                 args += ["--witness-key", key]
-            done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, check=False)
+            done = run(*args)
             return done.returncode, json.loads(done.stdout)
 
         code, report = await asyncio.to_thread(audit, witness.verifier_key)

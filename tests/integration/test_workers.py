@@ -21,10 +21,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from broker.config import ConfigError, load_settings
-from broker.dev.issuer import DevIssuer
+from broker.config import load_settings
+from broker.core.errors import ConfigError
 from tests.integration.conftest import write_config
-from tests.integration.test_shared_nonces import (
+from tests.support.cli import run
+from tests.support.issuers import dev_issuer
+from tests.support.processes import (
     ROOT,
     create_key_with_cli,
     free_port,
@@ -55,7 +57,7 @@ async def wait_for(predicate: object, timeout: float = 20.0) -> None:
 
 
 def test_workers_need_a_shared_nonce_store(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "b", DevIssuer(dev_mode=True))
+    config = write_config(tmp_path / "b", dev_issuer())
     settings = load_settings(config, {"BROKER_SERVER_WORKERS": "2"})
     assert settings.nonces.store == f"sqlite://{tmp_path / 'b' / 'nonces.db'}"
     with pytest.raises(ConfigError, match=r"nonces\.store"):
@@ -65,7 +67,7 @@ def test_workers_need_a_shared_nonce_store(tmp_path: Path) -> None:
 
 
 async def test_two_workers_share_a_port_restart_and_stop_cleanly(tmp_path: Path) -> None:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
     await asyncio.to_thread(create_key_with_cli, config)
     tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
@@ -132,12 +134,8 @@ async def test_two_workers_share_a_port_restart_and_stop_cleanly(tmp_path: Path)
 
     log = tmp_path / "b" / "decisions.log"
     verify = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "broker.cli", "audit", "verify", str(log)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
+        run,
+        *("audit", "verify", str(log)),
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -152,7 +150,7 @@ async def test_two_workers_share_a_port_restart_and_stop_cleanly(tmp_path: Path)
 
 async def test_supervisor_says_serving_only_when_every_worker_accepts(tmp_path: Path) -> None:
     """It used to print "N workers serving" 10-15 s before any worker took a connection."""
-    config = await asyncio.to_thread(write_config, tmp_path / "b", DevIssuer(dev_mode=True))
+    config = await asyncio.to_thread(write_config, tmp_path / "b", dev_issuer())
     await asyncio.to_thread(create_key_with_cli, config)
     tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
     port = free_port()
@@ -183,7 +181,7 @@ async def test_supervisor_says_serving_only_when_every_worker_accepts(tmp_path: 
 
 
 async def test_a_worker_that_cannot_start_is_named_with_its_error(tmp_path: Path) -> None:
-    config = await asyncio.to_thread(write_config, tmp_path / "b", DevIssuer(dev_mode=True))
+    config = await asyncio.to_thread(write_config, tmp_path / "b", dev_issuer())
     await asyncio.to_thread(create_key_with_cli, config)
     (tmp_path / "b" / "policies" / "broker" / "release.rego").write_text(
         "package broker.release\nallow if {\n"

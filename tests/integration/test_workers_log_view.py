@@ -27,9 +27,10 @@ import aiohttp
 import pytest
 
 from broker.audit.checkpoint import parse_checkpoint
-from broker.dev.issuer import DevIssuer
 from tests.integration.conftest import write_config
-from tests.integration.test_shared_nonces import (
+from tests.support.cli import run
+from tests.support.issuers import dev_issuer
+from tests.support.processes import (
     ROOT,
     create_key_with_cli,
     free_port,
@@ -50,7 +51,7 @@ def body_of(note: str) -> tuple[int, str]:
 async def test_checkpoints_only_grow_and_every_proof_verifies_through_two_workers(
     tmp_path: Path, go_verifier: Path
 ) -> None:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
     await asyncio.to_thread(create_key_with_cli, config)
     tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
@@ -189,8 +190,6 @@ def allowed(scrape: tuple[int, str]) -> float:
 
 
 def audit_key(config: Path) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "audit", "key", "--config", str(config)],
-        cwd=ROOT, capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+    done = run("audit", "key", "--config", str(config))
+    assert done.returncode == 0, done.stderr
     return done.stdout.strip()

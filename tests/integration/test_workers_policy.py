@@ -23,9 +23,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from broker.dev.issuer import DevIssuer
-from tests.integration.conftest import ALLOWED, KEY, write_config
-from tests.integration.test_shared_nonces import (
+from tests.integration.conftest import write_config
+from tests.support.constants import ALLOWED, KEY
+from tests.support.issuers import dev_issuer
+from tests.support.processes import (
     ROOT,
     create_key_with_cli,
     free_port,
@@ -45,7 +46,7 @@ def withdraw(policies: Path) -> None:
 
 
 async def test_admin_reload_reaches_every_worker_before_it_answers(tmp_path: Path) -> None:
-    issuer = DevIssuer(dev_mode=True)
+    issuer = dev_issuer()
     config = await asyncio.to_thread(write_config, tmp_path / "b", issuer)
     await asyncio.to_thread(create_key_with_cli, config)
     tls = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))

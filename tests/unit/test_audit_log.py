@@ -10,15 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.audit.log import (
-    DecisionLog,
-    LogCorrupt,
-    read_head,
-    record_hash,
-    repair_torn_tail,
-    sealed_line,
-    verify_file,
-)
+from broker.audit.log import DecisionLog
+from broker.audit.records import LogCorrupt, record_hash, sealed_line
+from broker.audit.segments import read_head, repair_torn_tail, verify_file
 from broker.core.encoding import canonical
 from broker.core.errors import ErrorCode, UpstreamError
 

@@ -11,6 +11,7 @@ from jwcrypto import jwe as jw_jwe
 from jwcrypto import jwk as jw_jwk
 
 from broker.client.sdk import new_ephemeral_key, unwrap_release
+from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import ErrorCode, InputError
 from broker.crypto import jwe
 from broker.crypto.jwk import parse_runner_key, public_jwk, x25519_small_order
@@ -32,7 +33,7 @@ def test_wrap_roundtrip_binds_kid_and_decision(key_type: str) -> None:
     body = {"key": "models/a", "version": 3, "decision_id": "d-1", "wrapped_key": token}
     released = unwrap_release(body, private, expected_key="models/a", expected_version=None)
     assert released.dek == dek
-    header = json.loads(jwe.b64url_decode(token.split(".")[0]))
+    header = json.loads(b64url_decode(token.split(".")[0]))
     assert header["kid"] == "models/a#3"
     assert header["decision_id"] == "d-1"
     assert header["alg"] == ("RSA-OAEP-256" if key_type.startswith("RSA") else "ECDH-ES+A256KW")
@@ -66,9 +67,9 @@ def test_we_decrypt_what_jwcrypto_encrypts(key_type: str) -> None:
 def test_tampered_protected_header_fails_authentication() -> None:
     private, runner_key = runner("EC-P256")
     token = jwe.encrypt(b"k" * 32, runner_key, {"kid": "models/a#1", "decision_id": "d"})  # type: ignore[arg-type]
-    header = json.loads(jwe.b64url_decode(token.split(".")[0]))
+    header = json.loads(b64url_decode(token.split(".")[0]))
     header["kid"] = "models/b#1"
-    forged = jwe.b64url_encode(json.dumps(header, separators=(",", ":")).encode())
+    forged = b64url_encode(json.dumps(header, separators=(",", ":")).encode())
     with pytest.raises(jwe.JweError):
         jwe.decrypt(".".join([forged, *token.split(".")[1:]]), private)
 
@@ -105,10 +106,10 @@ def test_small_rsa_runner_key_rejected() -> None:
 
 def test_off_curve_runner_key_rejected() -> None:
     jwk = public_jwk(ec.generate_private_key(ec.SECP256R1()).public_key())
-    y = bytearray(jwe.b64url_decode(jwk["y"]))
+    y = bytearray(b64url_decode(jwk["y"]))
     y[-1] ^= 1
     with pytest.raises(InputError):
-        parse_runner_key({**jwk, "y": jwe.b64url_encode(bytes(y))})
+        parse_runner_key({**jwk, "y": b64url_encode(bytes(y))})
 
 
 @pytest.mark.parametrize(

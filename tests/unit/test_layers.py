@@ -40,6 +40,7 @@ LAYER_OF: dict[str, int] = {
     "broker.policy.testing": ADAPTER,
     "broker.audit": DOMAIN,
     "broker.audit.log": ADAPTER,
+    "broker.audit.segments": ADAPTER,
     "broker.audit.kms_signer": ADAPTER,
     "broker.audit.publisher": ADAPTER,
     "broker.audit.sink": ADAPTER,

@@ -8,6 +8,7 @@ import hmac
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ def digest(value: object) -> str:
     return "hmac-sha256:" + hmac.new(KEY, canonical(value), hashlib.sha256).hexdigest()
 
 
-DOCUMENT = {
+DOCUMENT: dict[str, Any] = {
     "claims": {"gca": {"sub": "runner@example", "aud": "b"}, "other": [1, {"x": None}]},
     "a/b": {"m~n": "slashes and tildes"},
     "key": "models/a",

@@ -192,13 +192,16 @@ def test_token_lifetime_over_the_issuer_maximum_rejected() -> None:
     for lifetime, ok in ((600, True), (601, False)):
         claims = {"iss": "https://iss.test", "aud": "aud", "iat": iat, "exp": iat + lifetime}
         token = jwt.encode(claims, key, algorithm="RS256", headers={"kid": "k1"})
-        run = lambda t=token: pipeline.verify_evidence(  # noqa: E731
-            {"gca": t},
-            trust,
-            Material(key_sets={"https://iss.test": keys}),
-            bound_to=Binding(),
-            now=NOW + timedelta(seconds=1),
-        )
+
+        def run(t: str = token) -> pipeline.VerifiedEvidence:
+            return pipeline.verify_evidence(
+                {"gca": t},
+                trust,
+                Material(key_sets={"https://iss.test": keys}),
+                bound_to=Binding(),
+                now=NOW + timedelta(seconds=1),
+            )
+
         if ok:
             assert list(run().skipped) == ["nonce"]
         else:

@@ -163,7 +163,11 @@ def test_key_policy_and_requirement_data_still_narrow(tmp_path: Path) -> None:
     allowed = request_with_image(ALLOWED)
     allowed["tee"]["platform"] = {"project_id": "p", "zone": "z"}
     assert instance.evaluate(allowed)["allow"] is True
-    for tee_change in ({"platform": {"project_id": "q", "zone": "z"}}, {"platform": {}}):
+    changes: list[dict[str, Any]] = [
+        {"platform": {"project_id": "q", "zone": "z"}},
+        {"platform": {}},
+    ]
+    for tee_change in changes:
         denied = request_with_image(ALLOWED)
         denied["tee"].update(tee_change)
         assert instance.evaluate(denied)["allow"] is False

@@ -270,9 +270,9 @@ def test_ita_gpu_results_not_stated_are_absent_not_success() -> None:
     assert "cert_chain" not in gpu
     assert "overall_result" not in gpu
     nvgpu["x-nvidia-overall-att-result"] = True  # type: ignore[assignment]
-    nvgpu["claim_details"]["GPU-0"][  # type: ignore[index]
-        "x-nvidia-gpu-attestation-report-cert-chain-validated"
-    ] = "true"  # a string is not the boolean true
+    nvgpu["claim_details"]["GPU-0"]["x-nvidia-gpu-attestation-report-cert-chain-validated"] = (
+        "true"  # a string is not the boolean true
+    )
     (gpu,) = ita_gpu_entries({"nvgpu": nvgpu}, cc_mode="on")
     assert (gpu["cert_chain"], gpu["overall_result"]) == ("invalid", True)
 

@@ -16,7 +16,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.attestation.pipeline import VerifiedEvidence
-from broker.audit.log import DecisionLog, iter_records
+from broker.audit.log import DecisionLog
+from broker.audit.records import iter_records
 from broker.core.metrics import Metrics
 from broker.core.protocol import Algorithm
 from broker.crypto.jwk import public_jwk

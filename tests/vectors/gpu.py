@@ -24,8 +24,8 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509 import ocsp
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from lxml import etree
-from signxml import XMLSigner
 from signxml.algorithms import CanonicalizationMethod, DigestAlgorithm, SignatureMethod
+from signxml.signer import XMLSigner
 
 from broker.crypto.jwk import public_jwk
 
@@ -337,6 +337,7 @@ class SimulatedNras:
         return [["JWT", overall], detached]
 
     def _sign(self, claims: dict[str, Any]) -> str:
+        assert self.key is not None
         return jwt.encode(claims, self.key, algorithm="ES384", headers={"kid": self.kid})
 
 

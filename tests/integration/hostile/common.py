@@ -14,7 +14,7 @@ from broker.core.binding import binding_digest
 from broker.core.encoding import b64url_decode
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, Workload
-from tests.integration.conftest import ALLOWED, KEY
+from tests.support.constants import ALLOWED, KEY
 from tests.vectors.gpu import SimulatedGpu, SimulatedNras
 
 ADMIN_TOKEN = "hostile-suite-admin-token-7c1e"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
 
-from tests.integration.conftest import GPU_KEY
 from tests.integration.hostile.common import (
     DELETE,
     Case,
@@ -15,6 +15,7 @@ from tests.integration.hostile.common import (
     b64std,
     release,
 )
+from tests.support.constants import GPU_KEY
 from tests.vectors.gpu import pem
 
 # --- evidence of every kind --------------------------------------------------------------------
@@ -214,7 +215,7 @@ def evidence_cases() -> list[Case]:
                 f"nvidia.report_truncated[{cut}]",
                 401,
                 "evidence_malformed",
-                lambda c, f, cut=cut: _truncated(c, f, cut),
+                functools.partial(_truncated, cut=cut),
             )
         )
     cases.append(

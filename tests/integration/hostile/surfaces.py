@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.integration.conftest import KEY, QUERY_KEY
 from tests.integration.hostile.common import (
     ADMIN_TOKEN,
     Case,
     b64std,
 )
+from tests.support.constants import KEY, QUERY_KEY
 
 # --- query, admin, health, metrics --------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from typing import Any
 
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.dev.issuer import DevIssuer
-from tests.integration.conftest import DENIED
 from tests.integration.hostile.common import (
     DELETE,
     Case,
@@ -19,6 +18,7 @@ from tests.integration.hostile.common import (
     release,
     utc_now,
 )
+from tests.support.constants import DENIED
 
 # --- token header and claim attacks -----------------------------------------------------------
 
