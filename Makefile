@@ -37,6 +37,7 @@ test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) postgresql deploy-tools li
 lint: $(STAMP)
 	$(BIN)/ruff format --check broker tests bench deploy
 	$(BIN)/ruff check broker tests bench deploy
+	$(BIN)/vulture
 	$(BIN)/pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 # mypy --strict over broker/ and tests/ (pyproject.toml [tool.mypy]).

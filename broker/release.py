@@ -1,4 +1,4 @@
-"""The release path of protocol v1 (DESIGN.md §2), as one service.
+"""The release path of protocol v1 (docs/api.md), as one service.
 
 Order, for every request body that parsed as a JSON object:
 

@@ -1,4 +1,4 @@
-"""Normalise verified claims into the one policy input document (DESIGN.md §3). Pure.
+"""Normalise verified claims into the one policy input document (docs/policy.md). Pure.
 
 Only ``Verified…`` values come in. Anything a policy could mistake for "safe" is derived fail
 closed: ``debug`` is true unless Google says exactly ``disabled-since-boot``; ``secure_boot`` is
@@ -22,7 +22,7 @@ from broker.attestation.nvidia.nras import VerifiedNrasResult
 
 SCHEMA = "broker.input/v1"
 
-# hwmodel (EVIDENCE.md §1.3) -> technology; anything else is not a hardware TEE we know.
+# hwmodel (docs/evidence.md) -> technology; anything else is not a hardware TEE we know.
 GCA_TECHNOLOGY = {
     "GCP_INTEL_TDX": "tdx",
     "GCP_AMD_SEV_SNP": "sev-snp",
@@ -51,7 +51,7 @@ def gca_tee(token: VerifiedGcaToken) -> dict[str, Any]:
     space = _obj(submods.get("confidential_space"))
     gce = _obj(submods.get("gce"))
     tdx = claims.get("tdx")
-    # Google documents tdx as an array but real tokens carry an object (EVIDENCE.md §1.3).
+    # Google documents tdx as an array but real tokens carry an object (docs/evidence.md).
     tdx_obj = _obj(tdx[0] if isinstance(tdx, list) and tdx else tdx)
     swversion = claims.get("swversion")
     return {
@@ -242,7 +242,7 @@ def ita_gpu_entries(claims: Mapping[str, Any], *, cc_mode: str) -> list[dict[str
     """``gpus[]`` entries from the ``nvgpu`` section of an Intel Trust Authority token.
 
     ITA appraises GPU evidence through NRAS and copies the result in one of two documented
-    shapes (EVIDENCE.md §2.3): the 2024 form (NRAS claims with
+    shapes (docs/evidence.md): the 2024 form (NRAS claims with
     ``x-nvidia-attestation-detailed-result``) or the newer ``{"x-nvidia-overall-att-result",
     "claim_details": {"GPU-0": {…}}}``. Both normalise to the same fields. A result the token
     does not state (the certificate chain's, the overall one) is left out of the entry, never

@@ -1,6 +1,6 @@
 """Google Cloud Attestation (Confidential Space) token verifier, OIDC and PKI. Pure.
 
-Checklist (../shared/EVIDENCE.md §1.4; Google "Attestation token validation endpoint fields"):
+Checklist (../shared/docs/evidence.md; Google "Attestation token validation endpoint fields"):
 
 1. Parse the JOSE header: ``alg`` in the issuer's allow-list (RS256 for Google), no
    ``jku``/``x5u``/``jwk``/``crit``. A header with ``x5c`` is a PKI token, one without an OIDC
@@ -58,11 +58,6 @@ class GcaTrust:
     roots: Sequence[x509.Certificate] = ()  # PKI
     tolerated_jku: Collection[str] = ()
     max_lifetime: timedelta = jose.DEFAULT_MAX_LIFETIME
-
-
-def unverified_issuer(token: str) -> str | None:
-    """Read ``iss`` without verifying, only to choose which configured issuer to verify with."""
-    return jose.unverified_claim(token, "iss")
 
 
 def verify_gca_token(

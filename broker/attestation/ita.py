@@ -1,6 +1,6 @@
 """Intel Trust Authority token verifier. Pure.
 
-Checklist (EVIDENCE.md §2; intel/trustauthority-client-for-go token.go VerifyToken):
+Checklist (docs/evidence.md; intel/trustauthority-client-for-go token.go VerifyToken):
 
 1. Parse the header: ``alg`` PS384 or RS256 (as configured); ``jku`` tolerated only when it is
    exactly the configured Intel certs URL (never fetched); no ``x5u``/``jwk``/``crit``.
@@ -40,7 +40,6 @@ from broker.core.errors import AttestationError, ErrorCode
 from broker.crypto import jose
 from broker.crypto.jwk import public_jwk
 
-ITA_ALGORITHMS = ("PS384", "RS256")
 INTEL_CERTS_URL = "https://portal.trustauthority.intel.com/certs"
 
 
@@ -190,7 +189,7 @@ def check_gpu_nonce(claims: Mapping[str, Any]) -> None:
     """GPU results inside an ITA token must come from the same appraisal as the TD quote.
 
     Intel's client derives the GPU nonce as ``SHA-256(verifier_nonce.val || verifier_nonce.iat)``
-    (EVIDENCE.md §2.1, §3.6); when the token states a GPU ``eat_nonce`` it must be that value.
+    (docs/evidence.md, §3.6); when the token states a GPU ``eat_nonce`` it must be that value.
 
     Raises:
         AttestationError: ``nonce_mismatch``.

@@ -7,7 +7,7 @@ fetch for a piece of evidence (key sets by ``kid``, RIMs by id, OCSP answers for
 fetches it into ``Material``, and hands it back to ``verify_evidence``, which trusts nothing it
 did not verify itself.
 
-Checklist of ``verify_evidence`` (DESIGN.md §2, EVIDENCE.md):
+Checklist of ``verify_evidence`` (docs/api.md, docs/evidence.md):
 
 1. Shape: exactly one CPU piece (``gca`` | ``ita``) and at most one GPU piece (``nras`` |
    ``nvidia``) among the configured kinds (``require_cpu=False``: offline, any one piece).
@@ -23,14 +23,13 @@ Checklist of ``verify_evidence`` (DESIGN.md §2, EVIDENCE.md):
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 
 from broker.attestation import claims, gca, ita
 from broker.attestation.issuers import IssuerSettings
@@ -122,14 +121,6 @@ class VerifiedEvidence:
     identity: Mapping[str, Any]  # the identity claims recorded in the decision log
     gpus: Sequence[Mapping[str, Any]] = ()
     skipped: Sequence[str] = ()  # checks not made for lack of input (offline CLI only)
-
-
-def chain_id(chain: Sequence[x509.Certificate]) -> bytes:
-    """A stable name of a certificate chain (for OCSP material)."""
-    digest = hashlib.sha256()
-    for cert in chain:
-        digest.update(hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).digest())
-    return digest.digest()
 
 
 def split_kinds(unverified_evidence: Any, trust: Trust, *, require_cpu: bool) -> list[str]:

@@ -6,7 +6,7 @@ Two validators, chosen by the chain's family:
   Rust code that validates TLS chains), used for every chain it can validate: Confidential
   Space PKI tokens, Intel Trust Authority signing keys, NVIDIA device identity chains. Vendor
   chains are not WebPKI, so, as sigstore-python does, the policy is relaxed as narrowly as real
-  chains need (EVIDENCE.md): the end-entity may lack SAN/KU/EKU (Google's leaf has none), and a
+  chains need (docs/evidence.md): the end-entity may lack SAN/KU/EKU (Google's leaf has none), and a
   CA may carry an EKU of its own (Google's intermediate carries TCG's 2.23.133.8.1). Everything
   else — basic constraints and path length, CA key usage ``keyCertSign``, unknown critical
   extensions, validity, signature algorithms and key sizes — is the library's.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import ssl
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -187,7 +188,9 @@ class QueryClient:
             if response.status != 200 or not isinstance(body, dict):
                 code = body.get("error", {}).get("code") if isinstance(body, dict) else None
                 raise QueryError(f"no query key {name!r}: {response.status} {code}")
-        public = verify_statement(str(body.get("statement", "")), self._statement_key)
+        public = verify_statement(
+            str(body.get("statement", "")), self._statement_key, now=datetime.now(UTC)
+        )
         if public.key != name or (version is not None and public.version != version):
             raise StatementError("the statement is for another key or version")
         return public

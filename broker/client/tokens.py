@@ -1,7 +1,7 @@
 """Token sources: where a runner gets its attestation token.
 
 ``ConfidentialSpaceTokenSource`` speaks the Confidential Space launcher API on its Unix socket
-(EVIDENCE.md §1.2): ``POST /v1/token`` with ``{"audience", "nonces", "token_type"}``; the reply
+(docs/evidence.md): ``POST /v1/token`` with ``{"audience", "nonces", "token_type"}``; the reply
 body is the raw JWT (served as ``text/html`` by the launcher, so the content type is ignored).
 """
 
@@ -14,7 +14,7 @@ import aiohttp
 
 LAUNCHER_SOCKET = "/run/container_launcher/teeserver.sock"
 MAX_TOKEN_BYTES = 64 * 1024
-# Google's documented limits for custom tokens (EVIDENCE.md §1.2).
+# Google's documented limits for custom tokens (docs/evidence.md).
 MAX_NONCES = 6
 NONCE_BYTES_RANGE = (8, 88)
 MAX_AUDIENCE_BYTES = 512

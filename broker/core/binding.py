@@ -1,12 +1,12 @@
 """Binding of evidence to one release: the broker's nonce and the runner's key. Pure.
 
-Protocol v1 (DESIGN.md §2): a Confidential Space runner asks the launcher for a token with
+Protocol v1 (docs/api.md): a Confidential Space runner asks the launcher for a token with
 ``nonces = [broker_nonce, runner_key_thumbprint]``; Google echoes them in ``eat_nonce``
 (a string when there is one nonce, an array otherwise). Both values must be present. A token
 without the broker's nonce would be a bearer token anyone could replay; a token without the
 thumbprint would let a thief who saw the token wrap the key to their own key.
 
-Values are compared as exact strings (EVIDENCE.md §1.2: nonces are echoed verbatim).
+Values are compared as exact strings (docs/evidence.md: nonces are echoed verbatim).
 
 Evidence that carries one opaque value instead of a list of nonces (Intel Trust Authority held
 data, NVIDIA GPU SPDM nonces) binds ``binding_digest(nonce, thumbprint)``: SHA-256 over the

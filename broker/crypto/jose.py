@@ -7,7 +7,7 @@ injected ``now`` with one named leeway. Signatures are checked with ``cryptograp
 most of its ~240 µs re-parsing, docs/decisions.md); ``tests/unit/test_jose_reference.py``
 compares the result with PyJWT on generated tokens.
 
-Header rules (DESIGN.md §2, "rules that never bend"):
+Header rules (docs/api.md and docs/threat-model.md):
 
 1. The header is a JSON object of bounded size, parsed by us before any key is chosen.
 2. ``alg`` must be in the caller's allow-list (never ``none``, never HMAC for these issuers).

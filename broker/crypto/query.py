@@ -17,8 +17,9 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.core.encoding import b64url_decode, b64url_encode
+from broker.core.errors import AttestationError
 from broker.core.protocol import Algorithm
-from broker.crypto import hpke
+from broker.crypto import hpke, jose
 from broker.crypto.jwk import public_jwk, thumbprint
 
 KEM_OF_ALGORITHM = {Algorithm.HPKE_X25519: hpke.X25519, Algorithm.HPKE_MLKEM768_X25519: hpke.HYBRID}
@@ -71,20 +72,23 @@ def sign_statement(
     )
 
 
-def verify_statement(statement: str, signing_key: ec.EllipticCurvePublicKey) -> QueryPublicKey:
-    """Verify a statement with the pinned broker statement key.
+def verify_statement(
+    statement: str, signing_key: ec.EllipticCurvePublicKey, *, now: datetime
+) -> QueryPublicKey:
+    """Verify a statement with the pinned broker statement key, by the one JWS verifier
+    (``jose.verify_jws``: ES256 only, ``iat`` required and not in the future at ``now``).
 
     Raises:
         StatementError: when the signature, type or contents are wrong.
     """
     try:
-        header = jwt.get_unverified_header(statement)
-        claims = jwt.decode(
-            statement, signing_key, algorithms=["ES256"], options={"require": ["iat"]}
-        )
-    except jwt.InvalidTokenError as exc:
+        header = jose.parse_header(statement, ("ES256",))
+        claims = jose.verify_jws(
+            statement, header, signing_key, now=now, required_claims=("iat",)
+        ).claims
+    except AttestationError as exc:
         raise StatementError("statement does not verify with the broker statement key") from exc
-    if header.get("typ") != STATEMENT_TYPE:
+    if header.fields.get("typ") != STATEMENT_TYPE:
         raise StatementError("not a query-key statement")
     try:
         raw = b64url_decode(str(claims["public_key"]))

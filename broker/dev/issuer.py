@@ -1,7 +1,7 @@
 """Simulated attestation issuer for ``broker demo`` and tests. DEVELOPMENT ONLY.
 
 It mints tokens shaped like Google Cloud Attestation (Confidential Space) OIDC tokens
-(EVIDENCE.md §1.3), signed RS256 by a key generated in memory, under its own issuer URL in the
+(docs/evidence.md), signed RS256 by a key generated in memory, under its own issuer URL in the
 reserved ``.invalid`` domain, so its tokens can never pass for Google's: a broker trusts them
 only if its configuration lists this issuer and its JWKS explicitly.
 

@@ -23,6 +23,7 @@ import os
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from broker.policy import opa_bundle
 from broker.policy.bundle import PolicySource, load_policy_dir
+from broker.policy.sprintf import Unsupported, check_template
 from broker.policy.wasm import ENTRYPOINT, CompiledPolicy, PolicyLoadError
 
 WRAPPER_PACKAGE = "broker_internal/decision.rego"
@@ -93,15 +95,21 @@ def check_structure(source: PolicySource, staged: Path, *, opa: Path) -> None:
       (checked on OPA's parsed AST of the staged bytes, rule by rule);
     * ``broker/data.json`` is the security team's data (allow-lists) and defines neither
       ``release`` nor ``key_policies``; every other data file mounts under
-      ``data.broker.key_requirements``, which the release policy reads only as requirements.
+      ``data.broker.key_requirements``, which the release policy reads only as requirements;
+    * every ``sprintf`` (tests included) has a literal template inside the subset of verbs
+      that OPA and the broker's engine render alike (``sprintf.py``).
 
     Raises:
-        PolicyLoadError: naming the file and the rule or key.
+        PolicyLoadError: naming the file and the rule, key or template.
     """
     if MAIN_MODULE not in source.files:
         raise PolicyLoadError(f"{source.root}: no {MAIN_MODULE} (package broker.release)")
+    for name in sorted(source.test_modules):
+        _check_sprintf(name, _module_ast(staged / name, opa))
     for name in sorted(source.modules):
-        package, heads = _parsed(staged / name, opa)
+        module = _module_ast(staged / name, opa)
+        _check_sprintf(name, module)
+        package, heads = _package_and_heads(module)
         if name == MAIN_MODULE:
             if package != MAIN_PACKAGE:
                 raise PolicyLoadError(f"{name}: must be package broker.release")
@@ -136,12 +144,17 @@ def _check_data_file(name: str, value: dict[str, Any]) -> None:
         )
 
 
-def _parsed(path: Path, opa: Path) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-    """(package path, each rule head's ref) of one module, from ``opa parse``'s AST."""
+def _module_ast(path: Path, opa: Path) -> dict[str, Any]:
+    """One module's AST, from ``opa parse``."""
     done = run_opa(opa, "parse", "--format", "json", str(path))
     if done.returncode != 0:
         raise PolicyLoadError(f"opa parse failed:\n{(done.stdout + done.stderr).strip()}")
-    module = json.loads(done.stdout)
+    module: dict[str, Any] = json.loads(done.stdout)
+    return module
+
+
+def _package_and_heads(module: Mapping[str, Any]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """(package path, each rule head's ref) of a parsed module."""
     package = tuple(str(term["value"]) for term in module["package"]["path"][1:])
     heads: list[tuple[str, ...]] = []
     for rule in module.get("rules", []):
@@ -149,6 +162,50 @@ def _parsed(path: Path, opa: Path) -> tuple[tuple[str, ...], list[tuple[str, ...
         ref = head.get("ref") or [{"value": head.get("name")}]
         heads.append(tuple(str(term.get("value")) for term in ref))
     return package, heads
+
+
+def _check_sprintf(name: str, module: Any) -> None:
+    """Every ``sprintf`` call's template is a string literal inside the supported subset
+    (``sprintf.check_template``): what OPA and the broker provably render alike."""
+    for call in _sprintf_calls(module):
+        template = call[1] if len(call) > 1 else None
+        if not (isinstance(template, dict) and template.get("type") == "string"):
+            raise PolicyLoadError(
+                f"{name}: sprintf's template must be a string literal (the broker checks its "
+                "verbs when the policy is built; docs/policy.md)"
+            )
+        try:
+            check_template(str(template["value"]))
+        except Unsupported as exc:
+            raise PolicyLoadError(f"{name}: {exc}") from exc
+
+
+def _sprintf_calls(node: Any) -> Iterator[list[Any]]:
+    """The operand lists (operator first) of every ``sprintf`` call in an AST: call terms
+    (``x := sprintf(…)``) and call expressions (``sprintf(…, out)``)."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            operands = item.get("value") if item.get("type") == "call" else item.get("terms")
+            if isinstance(operands, list) and operands and _is_sprintf(operands[0]):
+                yield operands
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _is_sprintf(term: Any) -> bool:
+    if not isinstance(term, dict) or term.get("type") != "ref":
+        return False
+    path = term.get("value")
+    return (
+        isinstance(path, list)
+        and len(path) == 1
+        and isinstance(path[0], dict)
+        and path[0].get("type") == "var"
+        and path[0].get("value") == "sprintf"
+    )
 
 
 def compile_policy_dir(

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 MAX_REASONS = 32
 MAX_REASON_CHARS = 512
-RULE_PATH = "data.broker.release"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Builtins OPA's Wasm target leaves to the host, besides ``sprintf`` (``gofmt``).
+"""Builtins OPA's Wasm target leaves to the host, besides ``sprintf`` (``sprintf.py``).
 
 ``json.patch`` (RFC 6902: add, remove, replace, move, copy, test), as OPA's topdown applies it:
 a patch that cannot apply (a missing path for remove/replace, a failed test) makes the call
@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from broker.policy.gofmt import RegoNumber, RegoSet, _Object
+from broker.policy.rego_values import RegoNumber, RegoObject, RegoSet
 
 
 class PatchFailed(ValueError):
@@ -23,7 +23,7 @@ def to_json(value: Any) -> Any:
     if isinstance(value, RegoNumber):
         text = value.text
         return int(text) if text.lstrip("-").isdigit() else float(text)
-    if isinstance(value, _Object):
+    if isinstance(value, RegoObject):
         return {str(to_json(k)): to_json(v) for k, v in value.pairs}
     if isinstance(value, RegoSet):
         return [to_json(v) for v in value.items]

@@ -15,10 +15,10 @@ Host side of OPA's Wasm ABI (1.2+, https://www.openpolicyagent.org/docs/wasm):
 Evaluation is bounded by wasmtime *fuel* (``EVAL_FUEL`` instructions), not wall time: the event
 loop is never blocked for longer than that budget, and no thread is needed to interrupt it.
 
-Builtins left to the host: ``sprintf`` (``gofmt.go_sprintf``, OPA's Go output to the
-character) and ``json.patch`` (``hostbuiltins``; Rego unit tests use it). A policy that needs
-any other one does not load: the error names it and points to the OPA server engine
-(``[policy] engine = "opa"``).
+Builtins left to the host: ``sprintf`` (``sprintf.py``: the subset of verbs OPA and the
+broker render alike; others are refused when a policy is built) and ``json.patch``
+(``hostbuiltins``; Rego unit tests use it). A policy that needs any other one does not load:
+the error names it and points to the OPA server engine (``[policy] engine = "opa"``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from wasmtime._func import enter_wasm
 
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.policy.engine import Decision
-from broker.policy.gofmt import go_sprintf, parse_rego_value
 from broker.policy.hostbuiltins import json_patch
+from broker.policy.rego_values import parse_rego_value
+from broker.policy.sprintf import Unsupported, sprintf
 
 log = logging.getLogger(__name__)
 ENTRYPOINT = "broker_internal/decision/result"
@@ -75,7 +76,11 @@ def _host_sprintf(args: list[Any]) -> Any:
     template, values = args
     if not isinstance(template, str) or not isinstance(values, list):
         raise _BuiltinUndefined
-    return go_sprintf(template, values)
+    try:
+        return sprintf(template, values)
+    except Unsupported as exc:  # a bundle built without our check: fail closed, say why
+        log.error("policy evaluation stopped: %s", exc)  # noqa: TRY400 - no traceback to show
+        raise _BuiltinUndefined from exc
 
 
 HOST_BUILTINS: dict[str, Callable[[list[Any]], Any]] = {

@@ -193,9 +193,6 @@ def write_statement_key(path: Path) -> Path:
     return path
 
 
-StartBroker = Callable[..., "AsyncIterator[RunningBroker]"]
-
-
 @pytest.fixture
 def deployment(request: pytest.FixtureRequest) -> str:
     """How ``start_broker`` runs the broker: ``process`` (in this test process, the default) or

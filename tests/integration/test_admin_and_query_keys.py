@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -164,15 +165,19 @@ async def test_query_key_end_to_end(admin_broker: RunningBroker, algorithm: str)
         ) as response:
             assert response.status == 404  # a weights key has no public half
     # A client pins the statement key, verifies the statement, seals a query.
-    target = verify_statement(published["statement"], PyJWK(jwks["keys"][0]).key)
+    pinned = PyJWK(jwks["keys"][0]).key
+    now = datetime.now(UTC)
+    target = verify_statement(published["statement"], pinned, now=now)
     assert (target.key, target.version) == (QUERY_KEY, 1)
     assert target.policy_digest.startswith("sha256:")
     query = b"what is the capital of France?"
     sealed = seal_query(target, query)
     with pytest.raises(StatementError):
         verify_statement(
-            published["statement"], ec.generate_private_key(ec.SECP256R1()).public_key()
+            published["statement"], ec.generate_private_key(ec.SECP256R1()).public_key(), now=now
         )
+    with pytest.raises(StatementError):  # signed "now": not yet valid an hour earlier
+        verify_statement(published["statement"], pinned, now=now - timedelta(hours=1))
     # An attested runner is released the private half and opens the query.
     async with admin_broker.client() as client:
         released = await client.release(

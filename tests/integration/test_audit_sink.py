@@ -96,7 +96,7 @@ async def test_a_sink_that_is_away_never_blocks_a_release(start_broker: Any) -> 
                 return float(line.split()[-1])
         return 0.0
 
-    for _ in range(100):
+    for _ in range(300):
         if await dropped() >= 1:
             break
         await asyncio.sleep(0.05)

@@ -73,7 +73,7 @@ async def audited_proof(broker: RunningBroker, index: int, *, expected_result: s
     assert status == 200
     checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
     if checkpoint.size <= index:  # published every 0.2 s: wait for one that covers it
-        for _ in range(50):
+        for _ in range(150):
             await asyncio.sleep(0.1)
             _, note = await get(broker, "/v1/log/checkpoint")
             checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
@@ -100,7 +100,7 @@ async def test_consistency_between_two_checkpoints_through_the_api(
     async with audited.client() as client:
         for _ in range(3):
             await client.release(KEY, audited.token_source())
-    for _ in range(50):
+    for _ in range(150):
         await asyncio.sleep(0.1)
         second = parse_checkpoint(verifier.open((await get(audited, "/v1/log/checkpoint"))[1]))
         if second.size >= first.size + 3:
@@ -114,7 +114,7 @@ async def test_consistency_between_two_checkpoints_through_the_api(
 
 
 async def checkpoint_covering(broker: RunningBroker, verifier: NoteVerifier, size: int) -> Any:
-    for _ in range(50):
+    for _ in range(150):
         checkpoint = parse_checkpoint(verifier.open((await get(broker, "/v1/log/checkpoint"))[1]))
         if checkpoint.size >= size:
             return checkpoint

@@ -154,7 +154,7 @@ async def test_polling_picks_up_a_changed_policy(start_broker: Any) -> None:
     )
     assert await released(broker)
     await asyncio.to_thread(edit_data, broker, images={KEY: []})
-    for _ in range(60):
+    for _ in range(180):
         await asyncio.sleep(0.1)
         if not await released(broker):
             break

@@ -90,7 +90,7 @@ async def test_checkpoints_are_cosigned_and_verify_requires_it(start_broker: Any
             async with broker.client() as client:
                 for _ in range(3):
                     await client.release(KEY, broker.token_source())
-            for _ in range(100):
+            for _ in range(300):
                 if witness.cosigned and witness.cosigned[-1] >= 3 * (round_ + 1):
                     break
                 await asyncio.sleep(0.05)
@@ -139,7 +139,7 @@ async def test_an_absent_witness_leaves_the_log_signature(start_broker: Any) -> 
     async with broker.client() as client:
         await client.release(KEY, broker.token_source())
     latest = checkpoint_paths(broker.settings.audit.log)[0]
-    for _ in range(100):
+    for _ in range(300):
         text = await asyncio.to_thread(latest.read_text)
         if parse_checkpoint(text[: text.rfind("\n\n") + 1]).size >= 1:
             break

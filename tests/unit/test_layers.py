@@ -237,16 +237,3 @@ def test_the_checks_catch_what_they_claim() -> None:
     assert not package_cycles({"broker.a.x": {"broker.b.y"}, "broker.b.y": {"broker.c.z"}})
     with pytest.raises(KeyError):
         layer_of("elsewhere.module")
-
-
-def release_path_modules() -> set[str]:
-    """Broker modules the runner's release handler reaches, transitively."""
-    edges = graph()
-    seen: set[str] = set()
-    todo = ["broker.api.runner"]
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo.extend(edges.get(name, ()))
-    return seen

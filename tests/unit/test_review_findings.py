@@ -8,15 +8,20 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+import jwt
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from broker.api.middleware import METRICS, REQUEST_ID, request_context
+from broker.attestation import pipeline
+from broker.attestation.issuers import IssuerSettings
 from broker.attestation.jwks import MAX_X5C
+from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import evidence_digests
 from broker.config import KeySettings
-from broker.core.errors import BrokerError, ConfigError, ErrorCode
+from broker.core.errors import AttestationError, BrokerError, ConfigError, ErrorCode
 from broker.core.metrics import Metrics
 from broker.crypto import jose
 from broker.keys.factory import open_key_service
@@ -68,11 +73,18 @@ def test_one_x5c_bound_for_every_verifier() -> None:
     assert "x5c" in caught.value.message
 
 
-def test_generic_jose_helpers_live_in_jose() -> None:
-    from broker.attestation import gca  # noqa: PLC0415
-
-    assert not hasattr(gca, "parse_gca_header")
-    assert callable(jose.parse_header_with_kid)
+def test_every_verifier_refuses_a_header_without_kid() -> None:
+    """The shared header rule (``jose.parse_header_with_kid``) is what the Google, Intel and
+    NVIDIA paths apply: a token that names no key is refused before any key is chosen."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    token = jwt.encode({"iss": "https://iss.test"}, key, algorithm="RS256", headers={})
+    with pytest.raises(AttestationError, match="no kid"):
+        jose.parse_header_with_kid(token, ("RS256",))
+    settings = IssuerSettings(kind="gca", issuer="https://iss.test")
+    trust = Trust(issuers={"https://iss.test": IssuerTrust(settings)}, audience="aud")
+    with pytest.raises(AttestationError, match="no kid"):
+        pipeline.requirements({"gca": token}, trust)
+    assert jose.parse_header(token, ("RS256",)).kid is None  # the plain parser allows it
 
 
 async def test_concurrent_rotation_is_a_conflict_not_key_exists(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Raw NVIDIA GPU evidence verified locally. Pure.
 
-Checklist per GPU (EVIDENCE.md §3.2-3.5; NVIDIA nvtrust local verifier, minus its gaps):
+Checklist per GPU (docs/evidence.md-3.5; NVIDIA nvtrust local verifier, minus its gaps):
 
 1. Parse the SPDM report from its structure (``spdm.parse_report``).
 2. The certificate chain (NVML gives 5 PEM certificates, leaf first) validates at ``now`` to the
@@ -35,7 +35,7 @@ from broker.core.errors import AttestationError, ErrorCode
 
 ARCHES = {"HOPPER": "GH100", "BLACKWELL": "GB100"}
 # The attestation (FMC leaf) certificate's CN names the chip: "GH100 A01 GSP FMC LF",
-# "GB100 A01 GSP FMC LF" (EVIDENCE.md §3.3); GB2xx parts are Blackwell too.
+# "GB100 A01 GSP FMC LF" (docs/evidence.md); GB2xx parts are Blackwell too.
 CHIP_PREFIXES = (("GH100", "HOPPER"), ("GB1", "BLACKWELL"), ("GB2", "BLACKWELL"))
 GPU_MODES = {0: "spt", 1: "mpt", 2: "ppcie"}  # opaque FEATURE_FLAG (36)
 TCB_INFO_OIDS = ("2.23.133.5.4.1", "2.23.133.5.4.1.1")

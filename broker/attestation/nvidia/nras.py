@@ -1,6 +1,6 @@
 """NVIDIA Remote Attestation Service (NRAS) detached-EAT verifier. Pure.
 
-Checklist (EVIDENCE.md §3.1; real capture 2026-09-16):
+Checklist (docs/evidence.md; real capture 2026-09-16):
 
 1. Shape: ``[["JWT", overall], {"GPU-0": detached, …}]`` with 1..MAX_GPUS detached tokens.
 2. Every token: header ``alg`` ES384 (as configured), ``kid`` from the configured NRAS key set;
@@ -36,7 +36,6 @@ from broker.crypto import jose
 
 MAX_GPUS = 8
 MAX_EAT_BYTES = 256 * 1024
-NRAS_ALGORITHMS = ("ES384",)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """NVIDIA reference integrity manifests (signed SWID tags). Pure.
 
-Checklist (EVIDENCE.md §3.4, §3.5):
+Checklist (docs/evidence.md, §3.5):
 
 1. Parse the XML (no entity expansion, no network: ``resolve_entities=False``, ``no_network``).
 2. The embedded ``X509Data`` chain (signer, L3, CA, [root]) must validate at ``now`` to the

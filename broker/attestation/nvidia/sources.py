@@ -53,7 +53,7 @@ class OcspSource(Protocol):
         ``ocsp.cert_key``; a certificate it has no answer for is absent (reads ``unknown``).
 
         Every certificate below the root is asked about; a GPU chain's FMC leaf is not
-        (NVIDIA's OCSP does not cover it: EVIDENCE.md §3.3), a RIM signer chain's leaf is
+        (NVIDIA's OCSP does not cover it: docs/evidence.md), a RIM signer chain's leaf is
         (``include_leaf``).
         """
         ...
@@ -142,7 +142,7 @@ class NoOcsp:
 
 
 class HttpOcspSource:
-    """OCSP responses over HTTP POST for every certificate between leaf and root (EVIDENCE.md
+    """OCSP responses over HTTP POST for every certificate between leaf and root (docs/evidence.md
     §3.3), as bytes: the pipeline judges them (``ocsp.verify_ocsp_response``), not this adapter.
 
     An answer that judges good or revoked at fetch time is cached until the earlier of

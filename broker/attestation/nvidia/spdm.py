@@ -1,6 +1,6 @@
 """SPDM 1.1 GET_MEASUREMENTS attestation report as returned by NVML. Pure parsing.
 
-Layout (EVIDENCE.md §3.2, all integers little-endian): the report is the 37-byte request
+Layout (docs/evidence.md, all integers little-endian): the report is the 37-byte request
 followed by the response. The signature's position is computed from the structure
 (``42 + L1 + L2``), never taken as "the last 96 bytes": a real report carries a trailing byte.
 """
@@ -26,10 +26,9 @@ MAX_REPORT_BYTES = 64 * 1024
 SPDM_VERSION = 0x11
 GET_MEASUREMENTS = 0xE0
 MEASUREMENTS = 0x60
-# Opaque data types used here (EVIDENCE.md §3.2 table)
+# Opaque data types used here (docs/evidence.md table)
 OPAQUE_DRIVER_VERSION = 3
 OPAQUE_VBIOS_VERSION = 6
-OPAQUE_NVDEC0_STATUS = 11
 OPAQUE_CHIP_SKU = 15
 OPAQUE_PROJECT = 17
 OPAQUE_PROJECT_SKU = 18
