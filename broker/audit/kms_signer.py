@@ -16,10 +16,9 @@ from google.cloud.kms_v1.services.key_management_service.transports.grpc_asyncio
 )
 
 from broker.audit.checkpoint import _check_name, note_with_signature, verifier_key_text
+from broker.audit.signers import KMS_PREFIX
 from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
-
-PREFIX = "cloudkms:"
 
 
 def _unavailable(message: str) -> UpstreamError:
@@ -28,7 +27,7 @@ def _unavailable(message: str) -> UpstreamError:
 
 class KmsNoteSigner:
     def __init__(self, name: str, uri: str, *, endpoint: str, timeout_seconds: float) -> None:
-        version = uri.removeprefix(PREFIX)
+        version = uri.removeprefix(KMS_PREFIX)
         if "/cryptoKeyVersions/" not in version or not version.startswith("projects/"):
             raise ConfigError("audit.signing_key", "cloudkms: needs a full cryptoKeyVersions name")
         self.name = _check_name(name)

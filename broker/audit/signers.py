@@ -4,11 +4,13 @@ EC_SIGN_ED25519 key version (``cloudkms:…``)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from pathlib import Path
 
 from broker.audit.checkpoint import CheckpointSigner, NoteSigner
-from broker.audit.kms_signer import PREFIX, KmsNoteSigner
 from broker.config import Settings
+
+KMS_PREFIX = "cloudkms:"  # a Cloud KMS key version (kms_signer.py); anything else: a PEM path
 
 
 async def open_checkpoint_signer(settings: Settings) -> CheckpointSigner | None:
@@ -20,7 +22,10 @@ async def open_checkpoint_signer(settings: Settings) -> CheckpointSigner | None:
     audit = settings.audit
     if audit.signing_key is None:
         return None
-    if audit.signing_key.startswith(PREFIX):
+    if audit.signing_key.startswith(KMS_PREFIX):
+        # The KMS client loads only where a KMS signer is configured (start-up time).
+        from broker.audit.kms_signer import KmsNoteSigner  # noqa: PLC0415
+
         signer = KmsNoteSigner(
             audit.origin,
             audit.signing_key,
@@ -33,5 +38,9 @@ async def open_checkpoint_signer(settings: Settings) -> CheckpointSigner | None:
 
 
 async def close_checkpoint_signer(signer: CheckpointSigner | None) -> None:
-    if isinstance(signer, KmsNoteSigner):
-        await signer.close()
+    """Close a signer that holds a connection (the KMS one); a local key holds none."""
+    close = getattr(signer, "close", None)
+    if close is not None:
+        result = close()
+        if inspect.isawaitable(result):
+            await result

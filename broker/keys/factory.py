@@ -12,9 +12,7 @@ from pathlib import Path
 from broker.config import KeySettings
 from broker.core.errors import ConfigError
 from broker.keys.kek.base import KekProvider
-from broker.keys.kek.cloudkms import CloudKmsKek, parse_cloudkms_uri
 from broker.keys.kek.local import LocalKek, create_kek_file
-from broker.keys.kek.pkcs11 import Pkcs11Kek, parse_pkcs11_uri
 from broker.keys.kek.ring import KekRing
 from broker.keys.service import ChangeLogger, DekCache, KeyService, MetadataCache
 from broker.keys.store.base import KeyStore
@@ -121,11 +119,16 @@ async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProv
     kind = uri.split(":", 1)[0]
     if kind == "local":
         return await asyncio.to_thread(_local_kek, local_kek_path(uri), may_create=may_create)
+    # An HSM or KMS client loads only where one is configured (each costs start-up time).
     if kind == "pkcs11":
+        from broker.keys.kek.pkcs11 import Pkcs11Kek, parse_pkcs11_uri  # noqa: PLC0415
+
         hsm = Pkcs11Kek(await asyncio.to_thread(parse_pkcs11_uri, uri))
         await hsm.open()
         return hsm
     if kind == "cloudkms":
+        from broker.keys.kek.cloudkms import CloudKmsKek, parse_cloudkms_uri  # noqa: PLC0415
+
         kms = CloudKmsKek(
             parse_cloudkms_uri(uri),
             endpoint=settings.kms_endpoint,

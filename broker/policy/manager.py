@@ -40,7 +40,6 @@ from broker.policy.build import compile_policy_dir, load_bundle, load_bundle_byt
 from broker.policy.bundle import load_policy_dir
 from broker.policy.bundle_source import BundleSource, open_bundle_source
 from broker.policy.engine import PolicyEngine
-from broker.policy.opa_server import OpaServerEngine
 from broker.policy.testing import find_opa
 from broker.policy.wasm import CompiledPolicy, WasmPolicyEngine, WasmPolicyInstance
 from broker.policy.workers import WorkerGroup, WorkerReport
@@ -155,6 +154,8 @@ class PolicyManager:
             self._source = open_bundle_source(self.settings.bundle_url, session)
         if self.settings.engine == "opa":
             digest = await asyncio.to_thread(self._dir_digest_or_url)
+            from broker.policy.opa_server import OpaServerEngine  # noqa: PLC0415 - engine = "opa" only
+
             engine = OpaServerEngine(
                 str(self.settings.opa_url),
                 timeout_seconds=self.settings.eval_timeout_ms / 1000,
@@ -183,8 +184,11 @@ class PolicyManager:
         return self.engine
 
     async def close(self) -> None:
-        if isinstance(self.engine, OpaServerEngine):
-            await self.engine.close()
+        if self.settings.engine == "opa":  # the OPA server engine holds an HTTP session
+            from broker.policy.opa_server import OpaServerEngine  # noqa: PLC0415
+
+            if isinstance(self.engine, OpaServerEngine):
+                await self.engine.close()
 
     async def reload(
         self, *, trigger: str, who: str = SYSTEM_WHO, fetched: bytes | None = None

@@ -37,12 +37,24 @@ from broker.dev.workspace import write_dev_workspace
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.store.base import Purpose
+from broker.policy import manager as policy_manager
+from broker.policy.build import compile_policy_dir
 from tests.fakes.google_kms import FakeKms
 from tests.fakes.google_secretmanager import FakeSecretManager
 from tests.support import cli as cli_support
 from tests.support.constants import ALLOWED, AUDIENCE, GPU_KEY, KEY, QUERY_KEY
 from tests.support.issuers import dev_issuer
+from tests.support.policies import cached
 from tests.support.processes import free_port, wait_ready, wait_until
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_policy_compiles() -> Iterator[None]:
+    """Brokers of this test process share compiled policies of identical directories
+    (``tests/support/policies.py``); the first of each is compiled by OPA as ever."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policy_manager, "compile_policy_dir", cached(compile_policy_dir))
+        yield
 
 
 @pytest.fixture(autouse=True)
