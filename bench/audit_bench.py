@@ -23,11 +23,11 @@ sys.path.insert(0, str(ROOT))
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.audit.checkpoint import Checkpoint, NoteSigner
-from broker.audit.merkle import MerkleTree
 from broker.audit.records import GENESIS, record_hash
 from broker.cli_audit import verify_log
 from broker.core.encoding import canonical
+from broker.crypto.checkpoint import Checkpoint, NoteSigner
+from broker.crypto.merkle import MerkleTree
 
 REASON = "image sha256:00 is not allowed for key models/llama"
 

@@ -14,9 +14,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from broker.audit.checkpoint import NoteError, NoteVerifier, parse_checkpoint
+from broker import cli_audit_monitor
 from broker.audit.mask import load_or_create_mask_key, mask_value
-from broker.audit.merkle import MerkleTree, leaf_hash, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.records import LogCorrupt, verify_bytes
 from broker.audit.segments import SEGMENT_SUFFIX, log_files, repair_torn_tail
@@ -25,6 +24,8 @@ from broker.audit.witness import WitnessKey
 from broker.config import load_settings
 from broker.core.errors import ConfigError
 from broker.core.jsonsafe import loads_bounded
+from broker.crypto.checkpoint import NoteError, NoteVerifier, parse_checkpoint
+from broker.crypto.merkle import MerkleTree, leaf_hash, verify_inclusion
 
 EXIT_NO = 1
 EXIT_USAGE = 2
@@ -87,6 +88,9 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     for name in ("key", "image", "project", "code", "replica"):
         query.add_argument(f"--{name}")
     query.add_argument("--decision", help="a decision id")
+    query.add_argument(
+        "--who", help="who made a change (key and policy records): token:…, user@host, broker"
+    )
     query.add_argument("--result", choices=RESULTS)
     query.add_argument("--since", type=instant, help="RFC 3339 with a zone: at or after")
     query.add_argument("--until", type=instant, help="RFC 3339 with a zone: at or before")
@@ -98,6 +102,7 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     export.add_argument("--since", type=instant, help="RFC 3339 with a zone: at or after")
     export.add_argument("--until", type=instant, help="RFC 3339 with a zone: at or before")
     export.set_defaults(run=_export)
+    cli_audit_monitor.add_parser(audit)
 
 
 def with_segments(paths: list[Path]) -> list[Path]:
@@ -442,11 +447,19 @@ def _check_proof(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError, NoteError) as exc:
         print(json.dumps({"ok": False, "problem": f"unusable bundle or checkpoint: {exc}"}))
         return EXIT_NO
-    ok = size == checkpoint.size and verify_inclusion(
-        leaf_hash(record), index, size, hashes, checkpoint.root
-    )
-    print(json.dumps({"ok": ok, "index": index, "tree_size": size, "origin": checkpoint.origin}))
-    return 0 if ok else EXIT_NO
+    problem = None
+    if size != checkpoint.size:
+        problem = (
+            f"the proof is for a tree of {size} records; the checkpoint's has {checkpoint.size}"
+        )
+    elif not verify_inclusion(leaf_hash(record), index, size, hashes, checkpoint.root):
+        problem = (
+            f"the record is not leaf {index} of the checkpoint's tree: it was changed, or the "
+            "proof is for another record"
+        )
+    answer = {"ok": problem is None, "index": index, "tree_size": size, "origin": checkpoint.origin}
+    print(json.dumps(answer if problem is None else {**answer, "problem": problem}))
+    return 0 if problem is None else EXIT_NO
 
 
 def _records(paths: list[Path]) -> Iterator[dict[str, Any]]:
@@ -495,6 +508,7 @@ def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
         (args.project, identity.get("project_id")),
         (args.decision, record.get("decision_id")),
         (args.replica, record.get("replica")),
+        (args.who, record.get("who")),
     ]
     if any(wanted is not None and wanted != found for wanted, found in checks):
         return False
@@ -502,7 +516,13 @@ def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
 
 
 def _query(args: argparse.Namespace) -> int:
-    rows = [r for r in _records(args.logs) if r.get("type") == "release" and _matches(r, args)]
+    # Releases; with --who, the changes someone made (key and policy records) too.
+    wanted = {"release"} if args.who is None else None
+    rows = [
+        r
+        for r in _records(args.logs)
+        if (wanted is None or r.get("type") in wanted) and _matches(r, args)
+    ]
     if args.table:
         print(f"{'index':>7}  {'time':32}  {'result':6}  {'code':24}  key")
         for r in rows:

@@ -41,14 +41,14 @@ from aiohttp import web
 
 from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
-from broker.audit.checkpoint import NoteVerifier, parse_checkpoint
 from broker.audit.log import DecisionLog
-from broker.audit.merkle import leaf_hash, verify_inclusion
 from broker.audit.segments import verify_file
 from broker.audit.signers import open_checkpoint_signer
 from broker.client import BrokerClient, BrokerClientError
 from broker.client.weights import decrypt_to, open_encrypted, open_source
 from broker.config import Settings, load_settings
+from broker.crypto.checkpoint import NoteVerifier, parse_checkpoint
+from broker.crypto.merkle import leaf_hash, verify_inclusion
 from broker.crypto.wrap import key_id
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from broker.dev.workspace import write_dev_workspace

@@ -71,6 +71,7 @@ class ReleasedKey:
     wrap: str = "jwe"
     algorithm: str = "AES-256"
     log_index: int = -1  # the decision record's leaf index
+    leaf_hash: bytes = b""  # its RFC 6962 leaf hash: the runner can prove its inclusion
 
 
 RELEASE_FIELDS = ("key", "nonce", "evidence", "runner_key")
@@ -188,6 +189,7 @@ class ReleaseService:
             wrap=outcome.request.wrap,
             algorithm=outcome.record.algorithm.value,
             log_index=appended.index,
+            leaf_hash=appended.leaf_hash,
         )
 
     async def _decide(self, outcome: _Outcome, request: ReleaseRequest, now: datetime) -> str:

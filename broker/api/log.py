@@ -1,4 +1,6 @@
-"""Read-only audit API (role ``auditor``): the latest signed checkpoint, records, and proofs.
+"""Read-only audit API: the log's verifier key, the latest signed checkpoint, and proofs are
+public (they carry only hashes; a runner proves its own decision, a monitor follows the log
+without credentials); the records themselves need the ``auditor`` role.
 
 Proofs are over the tree as committed (every record durably written); hashes are standard
 base64, as in checkpoints. A page of entries is at most ``MAX_PAGE`` records. With
@@ -41,6 +43,14 @@ def _int(request: web.Request, name: str, *, default: int | None = None) -> int:
 
 def _b64(hashes: list[bytes]) -> list[str]:
     return [base64.b64encode(h).decode() for h in hashes]
+
+
+async def key(request: web.Request) -> web.Response:
+    """``GET /v1/log/key``: the note verifier key of this log's checkpoints, and its name."""
+    verifier = request.app[CHECKPOINTS].verifier_key()
+    if verifier is None:
+        raise NotFound("this broker signs no checkpoints ([audit] signing_key is not set)")
+    return web.json_response({"name": verifier.split("+", 1)[0], "verifier_key": verifier})
 
 
 async def checkpoint(request: web.Request) -> web.Response:

@@ -140,8 +140,18 @@ SCHEMAS: dict[str, Any] = {
             "wrap": {"type": "string", "enum": list(WRAP_MODES)},
             "algorithm": {"type": "string"},
             "log_index": {"type": "integer", "minimum": 0},
+            "leaf_hash": {"type": "string", "description": "RFC 6962 leaf hash, base64"},
         },
-        ["key", "version", "decision_id", "wrapped_key", "wrap", "algorithm", "log_index"],
+        [
+            "key",
+            "version",
+            "decision_id",
+            "wrapped_key",
+            "wrap",
+            "algorithm",
+            "log_index",
+            "leaf_hash",
+        ],
     ),
     "KeyVersion": _object(
         {
@@ -375,17 +385,32 @@ def openapi_document() -> dict[str, Any]:
                     "requestBody": _body(_object({}, []), required=False),
                 }
             },
+            "/v1/log/key": {
+                "get": {
+                    "summary": "the note verifier key of the log's checkpoints, and its name",
+                    "tags": ["audit"],
+                    "responses": {
+                        "200": _json(
+                            _object(
+                                {"name": {"type": "string"}, "verifier_key": {"type": "string"}},
+                                ["name", "verifier_key"],
+                            ),
+                            "pin this key",
+                        ),
+                        **_errors(404, 429),
+                    },
+                }
+            },
             "/v1/log/checkpoint": {
                 "get": {
                     "summary": "the latest signed checkpoint (C2SP signed note)",
                     "tags": ["audit"],
-                    "security": [{"bearer": []}],
                     "responses": {
                         "200": {
                             "description": "a signed note",
                             "content": {"text/plain": {"schema": {"type": "string"}}},
                         },
-                        **_errors(401, 404),
+                        **_errors(404, 429),
                     },
                 }
             },
@@ -411,24 +436,22 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "summary": "inclusion proof (RFC 9162 2.1.3)",
                     "tags": ["audit"],
-                    "security": [{"bearer": []}],
                     "parameters": [
                         _query("index", {"type": "integer", "minimum": 0}, required=True),
                         _query("tree_size", {"type": "integer", "minimum": 1}, required=True),
                     ],
-                    "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 401)},
+                    "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 429)},
                 }
             },
             "/v1/log/proof/consistency": {
                 "get": {
                     "summary": "consistency proof (RFC 9162 2.1.4)",
                     "tags": ["audit"],
-                    "security": [{"bearer": []}],
                     "parameters": [
                         _query("first", {"type": "integer", "minimum": 1}, required=True),
                         _query("second", {"type": "integer", "minimum": 1}, required=True),
                     ],
-                    "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 401)},
+                    "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 429)},
                 }
             },
             "/v1/admin/keys/destroy": {

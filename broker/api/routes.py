@@ -1,6 +1,7 @@
 """The one route table. Each route declares who may call it.
 
-* ``PUBLIC``: health, readiness, metrics and the OpenAPI description (no secrets in them).
+* ``PUBLIC``: health, readiness, metrics, the OpenAPI description, query keys' public halves,
+  and the log's verifier key, checkpoints and proofs (no secrets in them: hashes only).
 * ``RUNNER``: the runner API; no credential, because the request itself carries attestation
   evidence that is verified before anything is released.
 * ``KEY_ADMIN``, ``POLICY_ADMIN`` (and ``AUDITOR``): admin roles; ``register`` wraps every such
@@ -61,10 +62,14 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/admin/keys/enable", admin.enable_version, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/keys/destroy", admin.destroy_version, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/policy/reload", admin.reload_policy, Permission.POLICY_ADMIN),
-    Route("GET", "/v1/log/checkpoint", log.checkpoint, Permission.AUDITOR),
-    Route("GET", "/v1/log/entries", log.entries, Permission.AUDITOR),
-    Route("GET", "/v1/log/proof/inclusion", log.inclusion, Permission.AUDITOR),
-    Route("GET", "/v1/log/proof/consistency", log.consistency, Permission.AUDITOR),
+    # Hashes only: public (a runner proves its own decision, monitors need no credential).
+    Route("GET", "/v1/log/key", log.key, Permission.PUBLIC, rate_limited=True),
+    Route("GET", "/v1/log/checkpoint", log.checkpoint, Permission.PUBLIC, rate_limited=True),
+    Route("GET", "/v1/log/proof/inclusion", log.inclusion, Permission.PUBLIC, rate_limited=True),
+    Route(
+        "GET", "/v1/log/proof/consistency", log.consistency, Permission.PUBLIC, rate_limited=True
+    ),
+    Route("GET", "/v1/log/entries", log.entries, Permission.AUDITOR),  # the records themselves
 )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 from aiohttp import web
 
 from broker.api.body import read_json_object
@@ -43,5 +45,6 @@ async def release(request: web.Request) -> web.Response:
             "wrap": released.wrap,
             "algorithm": released.algorithm,
             "log_index": released.log_index,
+            "leaf_hash": base64.b64encode(released.leaf_hash).decode(),
         }
     )

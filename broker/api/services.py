@@ -33,11 +33,18 @@ class Checkpoints(Protocol):
         """The latest signed checkpoint note, or None when none is signed."""
         ...
 
+    def verifier_key(self) -> str | None:
+        """The note verifier key (``<name>+<hash>+<key>``) that checks them, if any."""
+        ...
+
 
 class NoCheckpoints:
     """Without ``[audit] signing_key`` no checkpoint is signed."""
 
     async def current(self) -> str | None:
+        return None
+
+    def verifier_key(self) -> str | None:
         return None
 
 

@@ -15,10 +15,10 @@ from google.cloud.kms_v1.services.key_management_service.transports.grpc_asyncio
     KeyManagementServiceGrpcAsyncIOTransport,
 )
 
-from broker.audit.checkpoint import _check_name, note_with_signature, verifier_key_text
 from broker.audit.signers import KMS_PREFIX
 from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
+from broker.crypto.checkpoint import _check_name, note_with_signature, verifier_key_text
 
 
 def _unavailable(message: str) -> UpstreamError:

@@ -1,8 +1,8 @@
 """Hash-chained, durable decision log (JSON lines), the leaves of a Merkle tree: the writer.
 
 Records and their chain are ``records.py``; the files and segments ``segments.py``. Line *i*,
-exactly as stored without its newline, is leaf *i* of an RFC 6962 tree (``merkle.py``) whose
-signed checkpoints (``checkpoint.py``) commit to the whole log: truncation, rewrites with a
+exactly as stored without its newline, is leaf *i* of an RFC 6962 tree (``crypto/merkle.py``) whose
+signed checkpoints (``crypto/checkpoint.py``) commit to the whole log: truncation, rewrites with a
 recomputed chain and reordering are detected against any checkpoint an auditor holds. The chain
 stays as a cheap local check that names the first changed record without a checkpoint.
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.audit.merkle import MerkleTree
 from broker.audit.records import GENESIS, ChainHead, LogCorrupt, sealed_line
 from broker.audit.segments import SEGMENT_SUFFIX, log_files, read_head_all, segment_paths
 from broker.core.errors import ErrorCode, UpstreamError
+from broker.crypto.merkle import MerkleTree, leaf_hash
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 class Appended:
     index: int  # the record's leaf index in the Merkle tree
     hash: str  # the record's chain hash
+    leaf_hash: bytes = b""  # RFC 6962 leaf hash of the record's line (inclusion proofs)
 
 
 class DecisionLog:
@@ -312,6 +313,7 @@ class DecisionLog:
             if self.tree.size != head.size:
                 raise LogCorrupt(head.size, "the tree and the chain disagree on the size")
             lines: list[bytes] = []
+            leaves: list[bytes] = []
             appended: list[Appended | None] = []
             policy_digest = self._policy_digest
             for entry, conditional in entries:
@@ -332,7 +334,10 @@ class DecisionLog:
                     record["replica"] = self._replica
                 record["hash"], line = sealed_line(record)
                 lines.append(line)
-                appended.append(Appended(index=head.size, hash=record["hash"]))
+                leaves.append(leaf_hash(line))
+                appended.append(
+                    Appended(index=head.size, hash=record["hash"], leaf_hash=leaves[-1])
+                )
                 head = ChainHead(size=head.size + 1, hash=record["hash"])
             data = b"".join(line + b"\n" for line in lines)
             view = memoryview(data)
@@ -343,9 +348,9 @@ class DecisionLog:
             inode = os.fstat(self._fd).st_ino
             self._paths[inode] = self._path
             offset = self._consumed.get(inode, 0)
-            for line in lines:
+            for line, leaf in zip(lines, leaves, strict=True):
                 self._locations.append(inode, offset)
-                self.tree.append(line)
+                self.tree.append_leaf_hash(leaf)
                 offset += len(line) + 1
             self._consumed[inode] = offset
             self._committed = self.tree.size

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import aiohttp
 
-from broker.audit.checkpoint import Checkpoint, CheckpointSigner, NoteError, parse_checkpoint
 from broker.audit.log import DecisionLog
 from broker.audit.records import LogCorrupt
 from broker.audit.witness import Witness, request_cosignature
 from broker.core.errors import UpstreamError
+from broker.crypto.checkpoint import Checkpoint, CheckpointSigner, NoteError, parse_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,10 @@ class CheckpointPublisher:
     @property
     def signer(self) -> CheckpointSigner:
         return self._signer
+
+    def verifier_key(self) -> str:
+        """The note verifier key that checks this log's checkpoints."""
+        return self._signer.verifier_key()
 
     async def publish(self) -> str:
         """Sign and store a checkpoint of the committed tree, if it grew; returns the newest

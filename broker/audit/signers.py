@@ -7,8 +7,8 @@ import asyncio
 import inspect
 from pathlib import Path
 
-from broker.audit.checkpoint import CheckpointSigner, NoteSigner
 from broker.config import Settings
+from broker.crypto.checkpoint import CheckpointSigner, NoteSigner
 
 KMS_PREFIX = "cloudkms:"  # a Cloud KMS key version (kms_signer.py); anything else: a PEM path
 

@@ -27,7 +27,7 @@ import aiohttp
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.audit.checkpoint import SIGNATURE_PREFIX, parse_key_text
+from broker.crypto.checkpoint import SIGNATURE_PREFIX, parse_key_text
 
 log = logging.getLogger(__name__)
 ALG_COSIGNATURE_V1 = b"\x04"

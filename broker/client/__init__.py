@@ -11,7 +11,7 @@ thumbprint is bound into the attestation token together with the broker's nonce,
 wrapped key is useful only to this process.
 """
 
-from broker.client.sdk import BrokerClient, BrokerClientError, ReleasedDek
+from broker.client.sdk import BrokerClient, BrokerClientError, ProofError, Proven, ReleasedDek
 from broker.client.tokens import ConfidentialSpaceTokenSource, GpuEvidenceSource, TokenSource
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "BrokerClientError",
     "ConfidentialSpaceTokenSource",
     "GpuEvidenceSource",
+    "ProofError",
+    "Proven",
     "ReleasedDek",
     "TokenSource",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import ssl
 from dataclasses import dataclass, field
@@ -15,7 +17,9 @@ from broker.client.tokens import GpuEvidenceSource, TokenSource
 from broker.core.binding import binding_digest
 from broker.core.encoding import b64url_decode
 from broker.crypto import hpke, jwe
+from broker.crypto.checkpoint import NoteError, NoteVerifier, parse_checkpoint
 from broker.crypto.jwk import hybrid_jwk, public_jwk, thumbprint
+from broker.crypto.merkle import verify_inclusion
 from broker.crypto.wrap import release_info
 
 MAX_RESPONSE_BYTES = 256 * 1024
@@ -50,7 +54,27 @@ class ReleasedDek:
     decision_id: str
     dek: bytes = field(repr=False)
     algorithm: str = "AES-256"
-    log_index: int = -1  # the decision record's index: ask the broker's audit API for its proof
+    log_index: int = -1  # the decision record's index in the broker's log
+    leaf_hash: bytes = b""  # its RFC 6962 leaf hash: ``BrokerClient.prove`` checks its inclusion
+
+
+@dataclass(frozen=True)
+class Proven:
+    """A decision shown to be in the broker's log: a checkpoint signed by the pinned log key
+    whose tree includes the decision's leaf. Keep it: anyone holding the log key can re-check
+    it, and an auditor can match it against the record itself."""
+
+    log_index: int
+    leaf_hash: bytes
+    checkpoint: str  # the signed note, as served
+    tree_size: int
+    root: bytes
+    proof: tuple[bytes, ...]
+
+
+class ProofError(Exception):
+    """The broker's log does not show the decision (or its checkpoint is not signed by the
+    pinned key). Say it to whoever audits the broker."""
 
 
 def new_runner_key(key_type: str) -> tuple[RunnerSecret, dict[str, str]]:
@@ -151,6 +175,71 @@ class BrokerClient:
         body = await self._post("/v1/release", request)
         return unwrap_release(body, private_key, expected_key=key, expected_version=version)
 
+    async def prove(
+        self, released: ReleasedDek, log_key: str, *, wait_seconds: float = 10.0
+    ) -> Proven:
+        """Check that the broker logged this release: its latest checkpoint is signed by
+        ``log_key`` (the note verifier key an operator published, ``GET /v1/log/key``, pinned by
+        you, never fetched here) and includes the release's leaf. Checkpoints are published
+        every few seconds: this waits up to ``wait_seconds`` for one that covers the release.
+
+        Raises:
+            ProofError: a bad signature, a checkpoint that never covers the release, or a proof
+                that does not verify.
+        """
+        try:
+            verifier = NoteVerifier.parse(log_key)
+        except NoteError as exc:
+            raise ProofError(f"the pinned log key is not a note verifier key: {exc}") from exc
+        if released.log_index < 0 or len(released.leaf_hash) != 32:
+            raise ProofError("this release carries no log index and leaf hash to prove")
+        deadline = asyncio.get_running_loop().time() + wait_seconds
+        while True:
+            note = await self._get_text("/v1/log/checkpoint")
+            try:
+                checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
+            except NoteError as exc:
+                raise ProofError(f"the checkpoint does not verify with the log key: {exc}") from exc
+            if checkpoint.size > released.log_index:
+                break
+            if asyncio.get_running_loop().time() >= deadline:
+                raise ProofError(
+                    f"no checkpoint covers log index {released.log_index} "
+                    f"(latest size {checkpoint.size}) after {wait_seconds} s"
+                )
+            await asyncio.sleep(0.5)
+        answer = json.loads(
+            await self._get_text(
+                f"/v1/log/proof/inclusion?index={released.log_index}&tree_size={checkpoint.size}"
+            )
+        )
+        try:
+            proof = tuple(base64.b64decode(h, validate=True) for h in answer["hashes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProofError("the inclusion proof is malformed") from exc
+        if not verify_inclusion(
+            released.leaf_hash, released.log_index, checkpoint.size, proof, checkpoint.root
+        ):
+            raise ProofError(
+                f"the log's tree of size {checkpoint.size} does not include this release's "
+                f"record at index {released.log_index}"
+            )
+        return Proven(
+            log_index=released.log_index,
+            leaf_hash=released.leaf_hash,
+            checkpoint=note,
+            tree_size=checkpoint.size,
+            root=checkpoint.root,
+            proof=proof,
+        )
+
+    async def _get_text(self, path: str) -> str:
+        async with self._session.get(self._base_url + path, ssl=self._ssl) as response:
+            raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
+            if response.status != 200:
+                raise ProofError(f"GET {path.split('?', maxsplit=1)[0]}: HTTP {response.status}")
+            return raw.decode("utf-8", "replace")
+
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         async with self._session.post(
             self._base_url + path, json=payload, ssl=self._ssl
@@ -206,6 +295,7 @@ def unwrap_release(
             material,
             algorithm,
             int(body.get("log_index", -1)),
+            _leaf_hash(body),
         )
     decrypted = jwe.decrypt(str(body["wrapped_key"]), private_key)  # type: ignore[arg-type]
     header = decrypted.protected_header
@@ -220,4 +310,12 @@ def unwrap_release(
         dek=decrypted.plaintext,
         algorithm=algorithm,
         log_index=int(body.get("log_index", -1)),
+        leaf_hash=_leaf_hash(body),
     )
+
+
+def _leaf_hash(body: dict[str, Any]) -> bytes:
+    try:
+        return base64.b64decode(str(body.get("leaf_hash", "")), validate=True)
+    except ValueError:
+        return b""

@@ -198,6 +198,9 @@ class ConfigError(Exception):
     code = ErrorCode.BAD_INPUT
 
     def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"config {key}: {problem}")
+        # A configuration key reads "config server.listen: …"; a command-line argument
+        # ("--key", "BUNDLE") is named as argparse names it: "argument --key: …".
+        where = "argument" if key.startswith("-") or key.isupper() else "config"
+        super().__init__(f"{where} {key}: {problem}")
         self.key = key
-        self.message = f"config {key}: {problem}"
+        self.message = f"{where} {key}: {problem}"

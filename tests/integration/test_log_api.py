@@ -1,20 +1,23 @@
-"""The read-only audit API (role auditor): checkpoint, entries, proofs, and log_index in release
-answers — checked with the broker's own verifiers against the signed checkpoint."""
+"""The read-only audit API (public key, checkpoints and proofs; entries for role auditor), and
+log_index and leaf_hash in release answers — checked with the broker's own verifiers against
+the signed checkpoint, and by the runner SDK's ``prove``."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import json
 from typing import Any
 
 import aiohttp
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.audit.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
-from broker.audit.merkle import leaf_hash, verify_consistency, verify_inclusion
-from broker.client import BrokerClientError
+from broker.client import BrokerClientError, ProofError
+from broker.crypto.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
+from broker.crypto.merkle import leaf_hash, verify_consistency, verify_inclusion
 from tests.integration.conftest import RunningBroker
 from tests.support.constants import KEY
 
@@ -123,20 +126,58 @@ async def checkpoint_covering(broker: RunningBroker, verifier: NoteVerifier, siz
 
 
 @pytest.mark.parametrize(
-    "path",
+    ("path", "public"),
     [
-        "/v1/log/checkpoint",
-        "/v1/log/entries",
-        "/v1/log/proof/inclusion?index=0&tree_size=1",
-        "/v1/log/proof/consistency?first=1&second=1",
+        ("/v1/log/checkpoint", True),
+        ("/v1/log/entries", False),
+        ("/v1/log/proof/inclusion?index=0&tree_size=1", True),
+        ("/v1/log/proof/consistency?first=1&second=1", True),
     ],
 )
-async def test_log_routes_need_the_auditor_role(audited: RunningBroker, path: str) -> None:
+async def test_proofs_are_public_and_records_need_the_auditor_role(
+    audited: RunningBroker, path: str, public: bool
+) -> None:
     async with audited.client() as client:
         await client.release(KEY, audited.token_source())  # one record to prove
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(audited.url + path, ssl=audited.client_tls) as response,
+    ):
+        anonymous = response.status
     status, body = await get(audited, path, token=KEY_ADMIN)
-    assert (status, json.loads(body)["error"]["code"]) == (401, "unauthorized")
+    if public:  # hashes only: no credential needed, and a wrong one is not asked for
+        assert (anonymous, status) == (200, 200)
+    else:
+        assert anonymous == 401
+        assert (status, json.loads(body)["error"]["code"]) == (401, "unauthorized")
     assert (await get(audited, path))[0] == 200
+
+
+async def test_the_log_key_is_served_and_a_runner_proves_its_release(
+    audited: RunningBroker,
+) -> None:
+    status, body = await get(audited, "/v1/log/key", token="")
+    served = json.loads(body)
+    pinned = (await verifier_for(audited)).name
+    assert status == 200
+    assert served["name"] == pinned == audited.settings.audit.origin
+    NoteVerifier.parse(served["verifier_key"])  # a well-formed note verifier key
+    log_key = served["verifier_key"]  # a runner pins it out of band; here: the one just checked
+    async with audited.client() as client:
+        released = await client.release(KEY, audited.token_source())
+        proven = await client.prove(released, log_key)
+        assert proven.tree_size > released.log_index
+        assert verify_inclusion(
+            released.leaf_hash, released.log_index, proven.tree_size, proven.proof, proven.root
+        )
+        record = (await get(audited, f"/v1/log/entries?start={released.log_index}"))[1]
+        assert leaf_hash(record.splitlines()[0].encode()) == released.leaf_hash  # its record
+        forged = dataclasses.replace(released, leaf_hash=bytes(32))
+        with pytest.raises(ProofError, match="does not include"):
+            await client.prove(forged, log_key)
+        stranger = NoteSigner(audited.settings.audit.origin, ed25519.Ed25519PrivateKey.generate())
+        with pytest.raises(ProofError, match="does not verify"):
+            await client.prove(released, stranger.verifier_key())
 
 
 @pytest.mark.parametrize(
@@ -176,7 +217,7 @@ async def test_checkpoints_signed_by_a_cloud_kms_key(start_broker: Any, fake_kms
     public = fake_kms.signing_keys[SIGNING_VERSION].public_key()
     from cryptography.hazmat.primitives import serialization  # noqa: PLC0415
 
-    from broker.audit.checkpoint import verifier_key_text  # noqa: PLC0415
+    from broker.crypto.checkpoint import verifier_key_text  # noqa: PLC0415
 
     raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     verifier = NoteVerifier.parse(verifier_key_text(broker.settings.audit.origin, raw))

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.audit.checkpoint import Checkpoint, NoteSigner
 from broker.audit.log import DecisionLog
-from broker.audit.merkle import MerkleTree, leaf_hash, verify_consistency, verify_inclusion
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.records import record_hash
 from broker.core.encoding import canonical
+from broker.crypto.checkpoint import Checkpoint, NoteSigner
+from broker.crypto.merkle import MerkleTree, leaf_hash, verify_consistency, verify_inclusion
 from tests.support.cli import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,3 +253,13 @@ def test_prove_and_check_proof_hand_a_third_party_one_decision(
     bundle.write_text(json.dumps(forged))
     code, report = audit("check-proof", str(bundle), "--key", signer.verifier_key())
     assert (code, report["ok"]) == (1, False)
+    assert "changed" in str(report["problem"])  # every refusal names its reason
+    forged = json.loads(done.stdout)
+    forged["tree_size"] += 1
+    bundle.write_text(json.dumps(forged))
+    code, report = audit("check-proof", str(bundle), "--key", signer.verifier_key())
+    assert (code, report["ok"]) == (1, False)
+    assert "the checkpoint's has" in str(report["problem"])
+    missing = run("audit", "check-proof", str(tmp_path / "absent.json"), "--key", "k")
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("error: argument BUNDLE:"), missing.stderr

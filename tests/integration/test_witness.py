@@ -16,10 +16,10 @@ import aiohttp
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.audit.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
-from broker.audit.merkle import verify_consistency
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.witness import WitnessKey, cosignature_line, witness_verifier_key
+from broker.crypto.checkpoint import NoteSigner, NoteVerifier, parse_checkpoint
+from broker.crypto.merkle import verify_consistency
 from tests.integration.conftest import RunningBroker
 from tests.support.cli import run
 from tests.support.constants import KEY

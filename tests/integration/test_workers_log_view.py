@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from broker.audit.checkpoint import parse_checkpoint
+from broker.crypto.checkpoint import parse_checkpoint
 from tests.integration.conftest import write_config
 from tests.support.cli import run
 from tests.support.issuers import dev_issuer

@@ -28,6 +28,11 @@ def log(tmp_path: Path) -> Path:
                 {"type": "release", "time": when, "result": result, "key": "models/a",
                  "decision_id": f"d{index}"}
             )  # fmt: skip
+        await decisions.append(
+            {"type": "key_admin", "time": "2026-11-22T08:00:00+00:00", "action": "rotate",
+             "key": "models/a",
+             "who": "token:0123456789ab"}
+        )  # fmt: skip
         await decisions.close()
 
     asyncio.run(write())
@@ -77,7 +82,7 @@ def test_unreadable_filters_are_refused_not_empty(
     assert says in capsys.readouterr().err
 
 
-def test_filters_by_result_decision_and_replica(
+def test_filters_by_result_decision_replica_and_who(
     log: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _, denied = query(capsys, "query", str(log), "--result", "deny")
@@ -86,3 +91,7 @@ def test_filters_by_result_decision_and_replica(
     assert [r["decision_id"] for r in one] == ["d1"]
     _, none = query(capsys, "query", str(log), "--replica", "broker-1")
     assert none == []
+    _, by_token = query(capsys, "query", str(log), "--who", "token:0123456789ab")
+    assert [(r["type"], r["action"]) for r in by_token] == [("key_admin", "rotate")]
+    _, nobody = query(capsys, "query", str(log), "--who", "alice@host")
+    assert nobody == []

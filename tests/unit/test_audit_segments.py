@@ -9,12 +9,12 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.audit.checkpoint import Checkpoint, NoteSigner
 from broker.audit.log import DecisionLog
-from broker.audit.merkle import MerkleTree
 from broker.audit.records import verify_bytes
 from broker.audit.segments import log_files, segment_paths
 from broker.cli_audit import verify_log
+from broker.crypto.checkpoint import Checkpoint, NoteSigner
+from broker.crypto.merkle import MerkleTree
 
 SEGMENT_BYTES = 600  # a few records per segment
 

@@ -69,6 +69,7 @@ LAYER_OF: dict[str, int] = {
     "broker.supervisor": ENTRY,
     "broker.cli": ENTRY,
     "broker.cli_audit": ENTRY,
+    "broker.cli_audit_monitor": ENTRY,
     "broker.cli_keys": ENTRY,
     "broker.cli_keys_transfer": ENTRY,
     "broker.cli_policy": ENTRY,

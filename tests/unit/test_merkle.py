@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from broker.audit.merkle import (
+from broker.crypto.merkle import (
     EMPTY_ROOT,
     MerkleTree,
     leaf_hash,
