@@ -69,8 +69,10 @@ def add_commands(weights: Any) -> None:
     decrypt.add_argument("target", type=Path, metavar="OUT")
     decrypt.add_argument("--config", type=Path, required=True)
     decrypt.set_defaults(run=_decrypt)
-    inspect = weights.add_parser("inspect", help="show a file's header (no key needed)")
-    inspect.add_argument("file", type=Path)
+    inspect = weights.add_parser(
+        "inspect", help="a file's header, or a directory's manifest and headers (no key needed)"
+    )
+    inspect.add_argument("file", type=Path, metavar="FILE-or-DIR")
     inspect.set_defaults(run=_inspect)
 
 
@@ -298,11 +300,28 @@ def _decrypt(args: argparse.Namespace) -> int:
         return results
 
     try:
-        print(json.dumps(asyncio.run(run()), indent=2))
+        results = asyncio.run(run())
     except WeightsFormatError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NO
+    if args.source.is_dir():  # configs and tokenizers too: the result is a loadable model
+        results += _copy_plain_files(args.source, args.target)
+    print(json.dumps(results, indent=2))
     return 0
+
+
+def _copy_plain_files(source: Path, target: Path) -> list[dict[str, Any]]:
+    """The directory's files that were never encrypted (everything but the manifest and the
+    ``.brkw`` files), copied beside the decrypted weights."""
+    copied = []
+    for path in model_files(source):
+        if path.name == MANIFEST and path.parent == source:
+            continue
+        copy = target / path.relative_to(source)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, copy)
+        copied.append({"path": str(copy), "size": copy.stat().st_size, "copied": True})
+    return copied
 
 
 async def _decrypt_jobs(
@@ -339,26 +358,40 @@ def _sealed_file(path: Path) -> SealedFile:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    """One file's header; for a model directory, its manifest and every file's header."""
     try:
-        sealed = _sealed_file(args.file)
-        sealed.check()
-        header = sealed.header
+        if not args.file.is_dir():
+            print(json.dumps(_header_of(args.file), indent=2))
+            return 0
+        manifest = json.loads((args.file / MANIFEST).read_text())
+        files = [
+            {"path": entry["path"], **_header_of(args.file / entry["encrypted"])}
+            for entry in manifest["files"]
+        ]
     except WeightsFormatError as exc:
-        print(f"error: {args.file}: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_NO
-    print(
-        json.dumps(
-            {
-                "format": "BRKW1",
-                "kid": header.kid,
-                "segment_size": header.segment_size,
-                "segments": sealed.segments,
-                "plaintext_size": sealed.plaintext_size,
-                "encrypted_size": sealed.size,
-                "salt": header.salt.hex(),
-                "nonce_prefix": header.prefix.hex(),
-            },
-            indent=2,
-        )
-    )
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"error: {args.file / MANIFEST}: not a manifest ({exc})", file=sys.stderr)
+        return EXIT_NO
+    print(json.dumps({"manifest": manifest, "files": files}, indent=2))
     return 0
+
+
+def _header_of(path: Path) -> dict[str, Any]:
+    try:
+        sealed = _sealed_file(path)
+        sealed.check()
+    except WeightsFormatError as exc:
+        raise WeightsFormatError(f"{path}: {exc}") from exc
+    header = sealed.header
+    return {
+        "format": "BRKW1",
+        "kid": header.kid,
+        "segment_size": header.segment_size,
+        "segments": sealed.segments,
+        "plaintext_size": sealed.plaintext_size,
+        "encrypted_size": sealed.size,
+        "salt": header.salt.hex(),
+        "nonce_prefix": header.prefix.hex(),
+    }

@@ -7,6 +7,7 @@ import base64
 import json
 import ssl
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -14,6 +15,7 @@ import aiohttp
 from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
 
 from broker.client.tokens import GpuEvidenceSource, TokenSource
+from broker.client.weights import key_of_file
 from broker.core.binding import binding_digest
 from broker.core.encoding import b64url_decode
 from broker.crypto import hpke, jwe
@@ -174,6 +176,27 @@ class BrokerClient:
             request["wrap"] = wrap
         body = await self._post("/v1/release", request)
         return unwrap_release(body, private_key, expected_key=key, expected_version=version)
+
+    async def release_for(
+        self,
+        source: str | Path,
+        token_source: TokenSource,
+        *,
+        source_options: dict[str, Any] | None = None,
+        **release_options: Any,
+    ) -> ReleasedDek:
+        """The key for this file: reads the encrypted file's header (path, ``https://`` or
+        ``gs://``; no key needed) and releases exactly the key and version it was made with,
+        so that files made before a rotation keep opening. ``release_options`` go to
+        ``release`` (``gpu_source``, ``key_type``, ``wrap``).
+
+        Raises:
+            WeightsFormatError: not an encrypted weights file, or its key id is malformed.
+            SourceError: the file cannot be read.
+            BrokerClientError: as ``release``.
+        """
+        name, version = await asyncio.to_thread(key_of_file, source, source_options or {})
+        return await self.release(name, token_source, version=version, **release_options)
 
     async def prove(
         self, released: ReleasedDek, log_key: str, *, wait_seconds: float = 10.0

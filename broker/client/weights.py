@@ -244,6 +244,24 @@ def _without_query(url: str) -> str:
     return urlunsplit(parts._replace(query="", fragment=""))
 
 
+def key_of_file(source: str | Path, options: dict[str, Any]) -> tuple[str, int]:
+    """``(key, version)`` an encrypted file was made with, from its header (``<key>#<version>``).
+
+    Raises:
+        WeightsFormatError: not a BRKW1 file, or a key id that is not ``<key>#<version>``.
+        SourceError: the file cannot be read.
+    """
+    opened = open_source(source, **options)
+    try:
+        kid = read_sealed(opened).header.kid
+    finally:
+        opened.close()
+    name, _, version = kid.rpartition("#")
+    if not name or not version.isdigit():
+        raise WeightsFormatError(f"key id {kid!r} is not <key>#<version>")
+    return name, int(version)
+
+
 def read_sealed(source: RangeSource) -> SealedFile:
     """A file's header and size (one ranged read), before any key is needed.
 

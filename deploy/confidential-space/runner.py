@@ -1,5 +1,6 @@
-"""A sealed runner's entry point on Confidential Space: get the model's key from the broker,
-decrypt the weights into memory-backed storage, then hand over to the model server.
+"""A sealed runner's entry point on Confidential Space: get the key the weights were encrypted
+with from the broker, decrypt the weights into memory-backed storage, then hand over to the
+model server.
 
 Configuration comes from the environment, which the operator sets with ``tee-env-*`` metadata
 (only the names the image's launch policy allows, see the Dockerfile):
@@ -7,9 +8,17 @@ Configuration comes from the environment, which the operator sets with ``tee-env
     BROKER_URL        https://broker.prod.example.com
     BROKER_AUDIENCE   the broker's [server] audience (pinned: the token is minted for it)
     BROKER_CA         CA bundle that signs the broker's TLS certificate (baked into the image)
-    MODEL_KEY         the key name, e.g. models/llama
-    WEIGHTS_IN        the encrypted weights file (BRKW1), e.g. /weights/model.safetensors.brkw
-    WEIGHTS_OUT       where the plaintext goes, e.g. /dev/shm/model.safetensors
+    WEIGHTS_IN        the encrypted weights (BRKW1): gs://bucket/model.safetensors.brkw (the VM's
+                      service account reads it), https://…, or a path inside the container
+    WEIGHTS_OUT       where the plaintext goes; default /dev/shm/model.safetensors (tmpfs: the
+                      plaintext never touches a disk)
+    MODEL_KEY         optional: the key name the file must be for (refused if it is not)
+
+(``TEE_LAUNCHER_SOCKET`` names another launcher socket for tests; the launch policy does not let
+an operator set it.)
+
+The key and version come from the file's own header (``release_for``): a file made before a key
+rotation opens with the version it was made with.
 """
 
 from __future__ import annotations
@@ -20,34 +29,48 @@ import ssl
 import sys
 
 from broker.client import BrokerClient, BrokerClientError, ConfidentialSpaceTokenSource
-from broker.crypto.weights import WeightsFormatError, decrypt_stream
+from broker.client.tokens import LAUNCHER_SOCKET
+from broker.client.weights import SourceError, decrypt_to, key_of_file
+from broker.crypto.weights import WeightsFormatError
+
+DEFAULT_OUT = "/dev/shm/model.safetensors"  # noqa: S108 - tmpfs in a single-tenant TEE container
 
 
-async def fetch_key() -> tuple[bytes, str]:
+async def fetch_and_decrypt(source: str, target: str) -> int:
+    expected = os.environ.get("MODEL_KEY")
+    if expected:
+        name, _ = await asyncio.to_thread(key_of_file, source, {})
+        if name != expected:
+            raise WeightsFormatError(f"{source} is for key {name!r}, not {expected!r}")
     tls = ssl.create_default_context(cafile=os.environ["BROKER_CA"])
     async with BrokerClient(
         os.environ["BROKER_URL"], ssl_context=tls, audience=os.environ["BROKER_AUDIENCE"]
     ) as client:
         # The launcher mints the attestation token (audience, nonce, this process's key).
-        released = await client.release(os.environ["MODEL_KEY"], ConfidentialSpaceTokenSource())
-    print(f"key released: decision {released.decision_id}, log index {released.log_index}")
-    return released.dek, f"{released.key}#{released.version}"
+        launcher = ConfidentialSpaceTokenSource(
+            os.environ.get("TEE_LAUNCHER_SOCKET") or LAUNCHER_SOCKET
+        )
+        released = await client.release_for(source, launcher)
+    print(
+        f"key {released.key}#{released.version} released: decision {released.decision_id}, "
+        f"log index {released.log_index}"
+    )
+    kid = f"{released.key}#{released.version}"
+    return await decrypt_to(source, target, released.dek, kid)
 
 
 def main() -> int:
+    source = os.environ["WEIGHTS_IN"]
+    target = os.environ.get("WEIGHTS_OUT") or DEFAULT_OUT
     try:
-        dek, kid = asyncio.run(fetch_key())
-        with (
-            open(os.environ["WEIGHTS_IN"], "rb") as source,
-            open(os.environ["WEIGHTS_OUT"], "wb") as sink,
-        ):
-            decrypt_stream(dek, kid, source, sink)
+        size = asyncio.run(fetch_and_decrypt(source, target))
     except BrokerClientError as exc:
         print(f"the broker refused: {exc}", file=sys.stderr)
         return 1
-    except WeightsFormatError as exc:
-        print(f"the weights do not decrypt: {exc}", file=sys.stderr)
+    except (WeightsFormatError, SourceError) as exc:
+        print(f"the weights cannot be read or do not decrypt: {exc}", file=sys.stderr)
         return 1
+    print(f"decrypted {size} bytes to {target}")
     if len(sys.argv) > 1:
         os.execvp(sys.argv[1], sys.argv[1:])  # noqa: S606 - the model server takes over
     return 0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,6 +20,7 @@ from broker.client.tokens import TokenSourceError
 from broker.core.errors import ErrorCode, UpstreamError
 from broker.dev.issuer import DevIssuer, Workload
 from tests.integration.conftest import RunningBroker
+from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
 from tests.support.issuers import dev_issuer
 
@@ -55,6 +59,51 @@ async def launcher(
     await web.UnixSite(runner, socket_path).start()
     yield fake, socket_path
     await runner.cleanup()
+
+
+RUNNER = Path(__file__).parents[2] / "deploy" / "confidential-space" / "runner.py"
+
+
+async def test_the_confidential_space_runner_decrypts_with_the_files_own_key(
+    broker: RunningBroker, launcher: tuple[FakeLauncher, str]
+) -> None:
+    """deploy/confidential-space/runner.py as launched: environment only, the launcher's
+    socket, the key version from the file's header, plaintext on tmpfs-like storage."""
+    _, socket_path = launcher
+    config = str(broker.workdir / "broker.toml")
+    plain = os.urandom(150_000)
+    source, sealed = broker.workdir / "m.safetensors", broker.workdir / "m.safetensors.brkw"
+    await asyncio.to_thread(source.write_bytes, plain)
+    made = await asyncio.to_thread(
+        run, "weights", "encrypt", str(source), str(sealed), "--key", KEY, "--config", config
+    )
+    assert made.returncode == 0, made.stderr
+    await asyncio.to_thread(run, "keys", "rotate", KEY, "--config", config)  # file stays at #1
+    environ = {
+        **os.environ,
+        "BROKER_URL": broker.url,
+        "BROKER_AUDIENCE": broker.settings.server.audience,
+        "BROKER_CA": str(broker.workdir / "tls" / "ca.pem"),
+        "WEIGHTS_IN": str(sealed),
+        "WEIGHTS_OUT": str(broker.workdir / "out.safetensors"),
+        "TEE_LAUNCHER_SOCKET": socket_path,
+        "MODEL_KEY": KEY,
+    }
+    done = await asyncio.create_subprocess_exec(
+        sys.executable, str(RUNNER), env=environ, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await done.communicate()
+    assert done.returncode == 0, err.decode()
+    assert f"key {KEY}#1 released" in out.decode()
+    assert await asyncio.to_thread((broker.workdir / "out.safetensors").read_bytes) == plain
+    environ["MODEL_KEY"] = "models/other"  # a file for another model is refused up front
+    refused = await asyncio.create_subprocess_exec(
+        sys.executable, str(RUNNER), env=environ, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await refused.communicate()
+    assert refused.returncode == 1
+    assert "not 'models/other'" in err.decode()
 
 
 async def test_release_with_launcher_token(

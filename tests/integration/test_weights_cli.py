@@ -78,12 +78,20 @@ def test_owner_encrypts_a_snapshot_inspects_and_decrypts_it(owner: dict[str, Any
         300_001,
     )
 
+    whole = broker("weights", "inspect", str(encrypted))  # a directory: manifest, every header
+    assert whole.returncode == 0, whole.stderr
+    listing = json.loads(whole.stdout)
+    assert listing["manifest"] == manifest
+    assert [(f["path"], f["kid"]) for f in listing["files"]] == [
+        (e["path"], "models/tiny#1") for e in manifest["files"]
+    ]
+
     out = tmp / "decrypted"
     back = broker("weights", "decrypt", str(encrypted), str(out), "--config", str(config))
     assert back.returncode == 0, back.stderr
-    for name, data in owner["files"].items():
-        if name != "config.json":
-            assert (out / name).read_bytes() == data
+    for name, data in owner["files"].items():  # a loadable model directory, configs included
+        assert (out / name).read_bytes() == data
+    assert not (out / "manifest.json").exists()  # the encrypted form's manifest stays there
     records = [
         json.loads(line) for line in (config.parent / "decisions.log").read_text().splitlines()
     ]
