@@ -250,6 +250,20 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def is_development_issuer(url: str) -> bool:
+    """An issuer under the reserved ``.invalid`` domain (RFC 2606): a development issuer
+    (``broker dev``, the demo, the tests), never a real one."""
+    host = (urlsplit(url).hostname or "").lower()
+    return host == "invalid" or host.endswith(".invalid")
+
+
+def _listens_on_loopback(server: ServerSettings) -> bool:
+    try:
+        return is_loopback(split_listen(server.listen)[0])
+    except ValueError:
+        return False
+
+
 def is_loopback(host: str) -> bool:
     """True when ``host`` names only this machine."""
     if host == "localhost":
@@ -374,6 +388,12 @@ def _validate(settings: Settings) -> None:
         if issuer.issuer in seen:
             raise ConfigError(f"issuers[{index}].issuer", "duplicate issuer")
         seen.add(issuer.issuer)
+        if is_development_issuer(issuer.issuer) and not _listens_on_loopback(settings.server):
+            raise ConfigError(
+                f"issuers[{index}].issuer",
+                "a development issuer (a *.invalid host, `broker dev`) is trusted only by a "
+                "broker that listens on loopback",
+            )
     _validate_policy(settings.policy)
     _validate_audit(settings.audit)
     _validate_keys(settings.keys)

@@ -15,16 +15,18 @@ import json
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import jwt
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from broker.crypto.jwk import public_jwk
 
 DEV_ISSUER = "https://dev-attestation.invalid/confidential-space"
+ISSUER_FILE = "dev-issuer.json"  # a `broker dev init` workspace keeps its issuer here
 GOOGLE_ISSUER = "https://confidentialcomputing.googleapis.com"
 
 
@@ -63,6 +65,32 @@ class DevIssuer:
         self.issuer = issuer
         self._key = key or rsa.generate_private_key(public_exponent=65537, key_size=2048)
         self.kid = secrets.token_hex(20)
+
+    def save(self, path: Path) -> None:
+        """Keep this issuer (its key and ``kid``) in a private file of a ``broker dev``
+        workspace, so that tokens minted later verify against the JWKS written now."""
+        pem = self._key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ).decode("ascii")
+        path.write_text(json.dumps({"issuer": self.issuer, "kid": self.kid, "key": pem}))
+        path.chmod(0o600)
+
+    @classmethod
+    def load(cls, path: Path) -> DevIssuer:
+        """The issuer ``save`` kept (dev mode is implied: only ``broker dev`` writes these).
+
+        Raises:
+            ValueError: not such a file.
+        """
+        document = json.loads(path.read_text(encoding="utf-8"))
+        key = serialization.load_pem_private_key(document["key"].encode(), password=None)
+        if not isinstance(key, rsa.RSAPrivateKey):
+            raise ValueError(f"{path}: not a development issuer's RSA key")  # noqa: TRY004
+        issuer = cls(dev_mode=True, issuer=str(document["issuer"]), key=key)
+        issuer.kid = str(document["kid"])
+        return issuer
 
     def jwks(self) -> dict[str, Any]:
         entry = {
@@ -155,6 +183,13 @@ class DevTokenSource:
         self._issuer = issuer
         self._workload = workload
         self._clock = clock
+
+    @classmethod
+    def from_workspace(cls, workspace: Path, *, image: str, **workload: Any) -> DevTokenSource:
+        """Tokens from a ``broker dev init`` workspace's issuer, for a workload running
+        ``image`` (a ``sha256:…`` digest the workspace's policy allows)."""
+        issuer = DevIssuer.load(workspace / ISSUER_FILE)
+        return cls(issuer, Workload(image_digest=image, **workload), lambda: datetime.now(UTC))
 
     async def token(self, audience: str, nonces: Sequence[str]) -> str:
         return self._issuer.mint(

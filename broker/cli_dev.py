@@ -1,0 +1,122 @@
+"""``broker dev``: a development workspace a runner developer can use in five minutes.
+
+``broker dev init DIR`` lays out a broker on loopback (TLS with its own CA, the shipped policy
+allowing the given image digests for a key, a local KEK, a decision log) with a **persistent
+development issuer** (``DIR/dev-issuer.json``, private), creates the key, and says what to run.
+``broker dev token DIR --image … --nonce …`` mints a token from that issuer (for curl), and the
+SDK's ``DevTokenSource.from_workspace(DIR, image=…)`` does the same for ``BrokerClient``.
+
+DEVELOPMENT ONLY. The issuer is a ``*.invalid`` host, which a broker trusts only when it
+listens on loopback (``config.py``); ``dev token`` refuses a workspace whose broker does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from broker.config import is_development_issuer, is_loopback, load_settings, split_listen
+from broker.core.errors import ConfigError
+from broker.dev.issuer import DEV_ISSUER, ISSUER_FILE, DevIssuer, Workload
+from broker.dev.workspace import write_dev_workspace
+from broker.keys.factory import open_key_service
+from broker.keys.store.base import Purpose
+
+DEV_AUDIENCE = "https://broker.dev.invalid"
+
+
+def add_commands(commands: Any) -> None:
+    dev = commands.add_parser(
+        "dev", help="a development workspace on loopback (DEVELOPMENT ONLY)"
+    ).add_subparsers(required=True, metavar="ACTION")
+    init = dev.add_parser("init", help="lay out a loopback broker with a persistent dev issuer")
+    init.add_argument("workspace", type=Path, metavar="DIR")
+    init.add_argument(
+        "--image", action="append", required=True, help="an image digest (sha256:…) to allow"
+    )
+    init.add_argument("--key", default="models/dev", help="the key to create and allow")
+    init.add_argument("--port", type=int, default=8443, help="the loopback port to serve on")
+    init.set_defaults(run=_init)
+    token = dev.add_parser("token", help="mint a development token from a workspace's issuer")
+    token.add_argument("workspace", type=Path, metavar="DIR")
+    token.add_argument("--image", required=True, help="the workload's image digest")
+    token.add_argument("--nonce", action="append", required=True, help="eat_nonce (repeatable)")
+    token.add_argument("--audience", help="default: the workspace broker's [server] audience")
+    token.add_argument("--debug", action="store_true", help="a debug image (the policy denies it)")
+    token.set_defaults(run=_token)
+
+
+def _init(args: argparse.Namespace) -> int:
+    workspace: Path = args.workspace
+    if (workspace / "broker.toml").exists():
+        raise ConfigError("DIR", f"{workspace} already holds a workspace")
+    if not 0 < args.port < 65536:
+        raise ConfigError("--port", "must be 1..65535")
+    issuer = DevIssuer(dev_mode=True)
+    config = write_dev_workspace(
+        workspace,
+        issuer,
+        audience=DEV_AUDIENCE,
+        images={args.key: list(args.image)},
+        now=datetime.now(UTC),
+        server_extra={"listen": f"127.0.0.1:{args.port}"},
+    )
+    text = config.read_text(encoding="utf-8").replace('listen = "127.0.0.1:0"\n', "", 1)
+    config.write_text(text, encoding="utf-8")
+    issuer.save(workspace / ISSUER_FILE)
+    settings = load_settings(config, {})
+
+    async def create() -> None:
+        async with open_key_service(settings.keys, create_missing_kek=True) as keys:
+            await keys.create(args.key, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+
+    asyncio.run(create())
+    url = f"https://127.0.0.1:{args.port}"
+    print(
+        json.dumps(
+            {
+                "config": str(config),
+                "serve": f"broker serve --config {config}",
+                "url": url,
+                "ca": str(workspace / "tls" / "ca.pem"),
+                "audience": DEV_AUDIENCE,
+                "key": args.key,
+                "images": list(args.image),
+                "token_source": (
+                    f"DevTokenSource.from_workspace(Path({str(workspace)!r}), "
+                    f"image={args.image[0]!r})"
+                ),
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    workspace: Path = args.workspace
+    settings = load_settings(workspace / "broker.toml", {})
+    host, _ = split_listen(settings.server.listen)
+    if not is_loopback(host):
+        raise ConfigError("DIR", "the workspace's broker does not listen on loopback")
+    if not any(is_development_issuer(i.issuer) for i in settings.issuers):
+        raise ConfigError("DIR", "the workspace's broker does not trust a development issuer")
+    try:
+        issuer = DevIssuer.load(workspace / ISSUER_FILE)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError("DIR", f"no development issuer in {workspace}: {exc}") from exc
+    if issuer.issuer != DEV_ISSUER:
+        raise ConfigError("DIR", f"{workspace}'s issuer is not the development issuer")
+    print(
+        issuer.mint(
+            audience=args.audience or settings.server.audience,
+            nonces=list(args.nonce),
+            workload=Workload(image_digest=args.image, debug=args.debug),
+            now=datetime.now(UTC),
+        )
+    )
+    return 0
