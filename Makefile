@@ -20,7 +20,7 @@ K8S_OPENAPI := $(VENV)/k8s-openapi-$(KUBERNETES_VERSION).json
 SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
 REDIS := /usr/bin/redis-server
 
-.PHONY: demo test lint typecheck pytest policy-test bench soak clean postgresql deploy-tools
+.PHONY: demo test lint typecheck pytest policy-test bench soak clean postgresql deploy-tools deploy-check
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -68,6 +68,17 @@ $(FAKE_GCS): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_VERSION)
 
 deploy-tools: $(KUSTOMIZE) $(KUBECONFORM) $(K8S_OPENAPI)
+
+# Offline validation of the Kubernetes manifests (docs/deploy.md): render each overlay and check
+# every object against the schemas generated from Kubernetes' own OpenAPI document.
+K8S_SCHEMAS := $(VENV)/k8s-schemas-$(KUBERNETES_VERSION)
+deploy-check: deploy-tools
+	@test -d $(K8S_SCHEMAS) || $(BIN)/python -m tests.k8s_schemas $(K8S_OPENAPI) $(K8S_SCHEMAS)
+	for overlay in base overlays/production; do \
+	  $(KUSTOMIZE) build --load-restrictor LoadRestrictionsNone deploy/k8s/$$overlay \
+	  | $(KUBECONFORM) -strict -summary -schema-location '$(K8S_SCHEMAS)/{{ .ResourceKind }}{{ .KindSuffix }}.json' - \
+	  || exit 1; \
+	done
 
 $(KUSTOMIZE): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)

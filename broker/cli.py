@@ -1,4 +1,4 @@
-"""``broker`` command line: serve | demo | dev | keys | audit | policy | weights | verify.
+"""``broker`` command line: serve | status | demo | dev | keys | audit | policy | weights | verify.
 
 Exit codes: 0 success; 1 the command ran and the answer is "no" (a log that does not verify,
 failing policy tests, a demo step that did not happen); 2 bad usage or configuration.
@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from broker import cli_audit, cli_dev, cli_keys, cli_policy, cli_weights, offline
+from broker import cli_audit, cli_dev, cli_keys, cli_policy, cli_status, cli_weights, offline
 from broker.api.server import BrokerRunner
 from broker.api.services import POLICIES
 from broker.app import create_app, server_ssl_context
@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", type=Path, help="keep the demo's files here")
     demo.set_defaults(run=_demo)
     cli_dev.add_commands(commands)
+    cli_status.add_command(commands)
 
     keys = commands.add_parser("keys", help="manage data keys").add_subparsers(
         required=True, metavar="ACTION"

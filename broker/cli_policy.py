@@ -69,6 +69,7 @@ def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     check = command("check", "opa check --strict, structure rules, and an input-schema lint")
     check.add_argument("dir", type=Path)
+    check.add_argument("--strict", action="store_true", help="warnings fail the check (for CI)")
     check.set_defaults(run=_check)
     fmt = command("fmt", "opa fmt (rewrites files; --check only lists what would change)")
     fmt.add_argument("dir", type=Path)
@@ -117,6 +118,9 @@ def _check(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"warning: {warning}")
     print(f"input lint: {len(warnings)} warning(s)")
+    if warnings and args.strict:
+        print("error: --strict: warnings fail the check", file=sys.stderr)
+        return EXIT_NO
     return 0
 
 
@@ -170,7 +174,13 @@ def _test(args: argparse.Namespace) -> int:
         print((done.stdout + done.stderr).strip(), file=sys.stderr)
         return EXIT_NO
     if not results:
-        print((done.stdout + done.stderr).strip() or f"no tests in {args.dir}", file=sys.stderr)
+        problem = done.stderr.strip() if done.returncode not in (0, 2) else ""
+        print(
+            problem
+            or f"no tests in {args.dir}: add *_test.rego files (an untested policy is not "
+            "shippable)",
+            file=sys.stderr,
+        )
         return EXIT_NO
     entrypoints = {
         f"{r['package'].removeprefix('data.').replace('.', '/')}/{r['name']}": r for r in results

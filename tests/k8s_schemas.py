@@ -78,3 +78,16 @@ def generate(openapi: Path, out: Path, kinds: set[str] | None = None) -> list[Pa
             path.write_text(json.dumps(standalone))
             written.append(path)
     return written
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.k8s_schemas OPENAPI OUT``: the schemas ``make deploy-check`` uses."""
+    openapi, out = (Path(a) for a in argv)
+    print(f"{len(generate(openapi, out))} schemas in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -249,3 +249,56 @@ def test_confidential_space_launch_is_documented_and_the_runner_compiles(tmp_pat
     dockerfile = (DEPLOY / "confidential-space" / "Dockerfile").read_text()
     allowed = dockerfile.split('"tee.launch_policy.allow_env_override"="', 1)[1].split('"')[0]
     assert set(allowed.split(",")) >= {"BROKER_URL", "BROKER_AUDIENCE", "MODEL_KEY"}
+
+
+def install_steps(text: str) -> list[list[str]]:
+    """The ``install …`` steps of the unit's install comment, in order."""
+    steps = []
+    for line in text.splitlines():
+        command = line.removeprefix("#").strip().split("  #")[0].split()
+        if command[:1] == ["install"]:
+            steps.append(command)
+    return steps
+
+
+def test_the_systemd_install_steps_run_as_written(tmp_path: Path) -> None:
+    """The unit's and deploy.md's install steps, run in a scratch root: /etc/broker is made
+    before the file in it (the env file step used to fail on a fresh machine)."""
+    unit = (DEPLOY / "systemd" / "broker.service").read_text()
+    guide = (DEPLOY.parent / "docs" / "deploy.md").read_text()
+    steps = install_steps(unit)
+    assert steps
+    assert [" ".join(s) for s in steps] == [" ".join(s) for s in install_steps(guide)]
+    root = tmp_path / "root"
+    (root / "etc" / "systemd" / "system").mkdir(parents=True)
+    for step in steps:
+        command: list[str] = []
+        skip = False
+        for word in step:
+            if skip:  # owners need the broker user: the scratch run keeps the modes only
+                skip = False
+                continue
+            if word in ("-o", "-g"):
+                skip = True
+                continue
+            command.append(str(root) + word if word.startswith("/etc/") else word)
+        done = subprocess.run(
+            command, cwd=DEPLOY.parent, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, (command, done.stderr)
+    env = root / "etc" / "broker" / "broker.env"
+    assert oct(env.stat().st_mode & 0o777) == "0o640"
+    assert oct((root / "etc" / "broker").stat().st_mode & 0o777) == "0o750"
+
+
+def test_make_deploy_check_validates_the_manifests_offline() -> None:
+    done = subprocess.run(
+        ["make", "-s", "deploy-check"],
+        cwd=DEPLOY.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("Invalid: 0, Errors: 0, Skipped: 0") == 2

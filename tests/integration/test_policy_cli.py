@@ -48,6 +48,9 @@ def test_check_passes_and_lints_unknown_input_paths(tmp_path: Path) -> None:
     linted = run("policy", "check", str(policies))
     assert linted.returncode == 0
     assert "input.tee.workload.image_digst is not set by the broker" in linted.stdout
+    strict = run("policy", "check", "--strict", str(policies))  # what a CI job runs
+    assert strict.returncode == 1
+    assert "--strict: warnings fail the check" in strict.stderr
 
 
 def test_check_refuses_a_module_that_widens_access(tmp_path: Path) -> None:
@@ -82,6 +85,12 @@ def test_policy_test_runs_opa_and_the_broker_engine(tmp_path: Path) -> None:
     failed = run("policy", "test", str(policies))
     assert failed.returncode == 1
     assert "FAIL broker/failing_test/test_wrong" in failed.stdout
+    for test_file in policies.rglob("*_test.rego"):
+        test_file.unlink()
+    untested = run("policy", "test", str(policies))
+    assert untested.returncode == 1
+    assert untested.stdout == ""  # it used to print "[]"
+    assert "no tests in" in untested.stderr
 
 
 def test_eval_prints_the_decision_and_explains_it(tmp_path: Path) -> None:

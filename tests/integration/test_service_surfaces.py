@@ -18,6 +18,7 @@ from broker.config import load_settings
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
 from tests.integration.conftest import RunningBroker, write_statement_key
+from tests.support.cli import run
 from tests.support.constants import KEY
 
 
@@ -112,3 +113,37 @@ async def test_query_keys_without_a_statement_key_are_not_ready(start_broker: An
     error = json.loads(body)["error"]
     assert error["code"] == "not_ready"
     assert "no [keys] signing_key" in error["message"]
+    # What an operator's `broker status` says of the same broker.
+    ca = str(broker.workdir / "tls" / "ca.pem")
+    told = await asyncio.to_thread(run, "status", broker.url, "--ca", ca)
+    assert told.returncode == 1
+    report = json.loads(told.stdout)
+    assert (report["reachable"], report["ready"]) == (True, False)
+    assert "no [keys] signing_key" in report["problem"]
+    assert report["checks"]["policy"].startswith("sha256:")
+
+
+async def test_broker_status_reports_a_ready_broker_and_its_signed_log(
+    broker: RunningBroker,
+) -> None:
+    config = str(broker.workdir / "broker.toml")
+    key = (await asyncio.to_thread(run, "audit", "key", "--config", config)).stdout.strip()
+    ca = str(broker.workdir / "tls" / "ca.pem")
+    told = await asyncio.to_thread(run, "status", broker.url, "--ca", ca, "--key", key)
+    assert told.returncode == 0, told.stdout + told.stderr
+    report = json.loads(told.stdout)
+    assert report["ready"] is True
+    checks = report["checks"]
+    assert checks["policy"].startswith("sha256:")
+    assert checks["kek"] == "local (DEVELOPMENT ONLY)"
+    assert (checks["keys"], checks["nonces"], checks["checkpoints"]) == (
+        "sqlite",
+        "memory",  # the test workspace's single-process nonce store
+        "signed",
+    )
+    assert checks["audit_log"].endswith("records")
+    assert report["checkpoint"]["signature"] == "verified with --key"
+    assert report["checkpoint"]["origin"] == broker.settings.audit.origin
+    gone = await asyncio.to_thread(run, "status", "http://127.0.0.1:9", "--timeout", "2")
+    assert gone.returncode == 3
+    assert json.loads(gone.stdout)["reachable"] is False

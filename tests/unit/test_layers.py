@@ -72,6 +72,7 @@ LAYER_OF: dict[str, int] = {
     "broker.cli_audit_monitor": ENTRY,
     "broker.cli_dev": ENTRY,
     "broker.cli_docs": ENTRY,
+    "broker.cli_status": ENTRY,
     "broker.cli_keys": ENTRY,
     "broker.cli_keys_transfer": ENTRY,
     "broker.cli_policy": ENTRY,
