@@ -131,6 +131,12 @@ def test_a_changed_file_is_refused_and_leaves_no_plaintext(owner: dict[str, Any]
     assert "does not authenticate" in refused.stderr
     assert not out.exists()
     assert not Path(f"{out}.partial").exists()
+    records = [
+        json.loads(line) for line in (config.parent / "decisions.log").read_text().splitlines()
+    ]
+    result = [r for r in records if r.get("action") == "weights-decrypt-result"][-1]
+    assert result["outcome"] == "failed"  # a tampered file does not read as a success
+    assert "does not authenticate" in result["problem"]
 
 
 def test_disabled_or_query_keys_and_bad_input_are_refused(owner: dict[str, Any]) -> None:
