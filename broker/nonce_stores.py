@@ -20,10 +20,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from broker.config import NONCE_STORE_FORMS
 from broker.core.errors import ConfigError
 from broker.nonces import (
@@ -33,7 +29,7 @@ from broker.nonces import (
     StatelessNonceStore,
     reused_nonce,
     store_full,
-    store_unavailable,
+    unavailable,
 )
 
 log = logging.getLogger(__name__)
@@ -56,17 +52,16 @@ def open_spent_store(uri: str, *, capacity: int, timeout: float) -> SpentNonces:
         return SqliteSpentNonces(
             Path(uri.removeprefix("sqlite://")), capacity=capacity, timeout=timeout
         )
+    # The Redis and PostgreSQL clients load only where such a store is configured.
     if uri.startswith(("redis://", "rediss://")):
+        from broker.nonce_stores_shared import RedisSpentNonces  # noqa: PLC0415
+
         return RedisSpentNonces(uri, timeout=timeout)
     if uri.startswith(("postgresql://", "postgres://")):
+        from broker.nonce_stores_shared import PostgresSpentNonces  # noqa: PLC0415
+
         return PostgresSpentNonces(uri, timeout=timeout)
     raise ConfigError("nonces.store", NONCE_STORE_FORMS)
-
-
-def unavailable(kind: str, exc: BaseException) -> Exception:
-    """503 for the client; the cause (never a secret: no URL, no password) for the operator."""
-    log.warning("%s nonce store: %s: %s", kind, type(exc).__name__, str(exc)[:300])
-    return store_unavailable()
 
 
 _SCHEMA = """
@@ -157,120 +152,3 @@ class SqliteSpentNonces:
             (nonce, expires_at),
         ).rowcount
         return "ok" if inserted == 1 else "reused"
-
-
-class RedisSpentNonces:
-    """Replicas share a Redis database: ``SET broker:spent:<nonce> 1 NX EXAT <expiry>``, one
-    atomic command; Redis forgets the key when the nonce would have expired (memory bounded by
-    the release rate times the TTL)."""
-
-    PREFIX = "broker:spent:"
-
-    def __init__(self, url: str, *, timeout: float) -> None:
-        self._client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry_on_timeout=False,
-            decode_responses=False,
-            # No CLIENT SETINFO: it would read the package metadata (file I/O) on the event loop
-            # at each new connection.
-            driver_info=None,
-        )
-
-    async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
-        try:
-            created = await self._client.set(
-                self.PREFIX + nonce, b"1", nx=True, exat=int(expires_at.timestamp())
-            )
-        except (RedisError, OSError) as exc:
-            raise unavailable("redis", exc) from exc
-        if not created:
-            raise reused_nonce()
-
-    async def check(self) -> None:
-        try:
-            await self._client.ping()  # type: ignore[misc]
-        except (RedisError, OSError) as exc:
-            raise unavailable("redis", exc) from exc
-
-    async def close(self) -> None:
-        await self._client.aclose()
-
-
-_PG_SCHEMA = """
-CREATE TABLE IF NOT EXISTS broker_spent_nonces (
-    nonce text PRIMARY KEY,
-    expires_at timestamptz NOT NULL
-);
-CREATE INDEX IF NOT EXISTS broker_spent_nonces_expiry ON broker_spent_nonces (expires_at);
-"""
-_PG_SCHEMA_LOCK = 0x6E6F6E6365  # pg_advisory_xact_lock key: replicas create the table one at a time
-PG_PURGE_EVERY = 256  # delete expired rows on one spend in this many (each replica)
-
-
-class PostgresSpentNonces:
-    """Replicas share a PostgreSQL table ``broker_spent_nonces`` (created on first use).
-
-    A nonce is spent by one ``INSERT … ON CONFLICT DO NOTHING``: the unique index lets exactly one
-    of any concurrent inserts through. Expired rows are deleted now and then, by any replica.
-    """
-
-    def __init__(self, dsn: str, *, timeout: float) -> None:
-        self._dsn = dsn
-        self._timeout = timeout
-        self._pool: asyncpg.Pool | None = None
-        self._opening = asyncio.Lock()
-        self._spends = 0
-
-    async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
-        self._spends += 1
-        purge = self._spends % PG_PURGE_EVERY == 1
-
-        async def insert(db: asyncpg.Connection) -> str:
-            if purge:
-                await db.execute("DELETE FROM broker_spent_nonces WHERE expires_at <= $1", now)
-            status: str = await db.execute(
-                "INSERT INTO broker_spent_nonces (nonce, expires_at) VALUES ($1, $2) "
-                "ON CONFLICT (nonce) DO NOTHING",
-                nonce,
-                expires_at,
-            )
-            return status
-
-        if await self._run(insert) != "INSERT 0 1":
-            raise reused_nonce()
-
-    async def check(self) -> None:
-        async def ping(db: asyncpg.Connection) -> Any:
-            return await db.fetchval("SELECT 1")
-
-        await self._run(ping)
-
-    async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
-
-    async def _run(self, operation: Any) -> Any:
-        try:
-            async with asyncio.timeout(self._timeout):
-                pool = await self._open()
-                async with pool.acquire() as db:
-                    return await operation(db)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            raise unavailable("postgresql", exc) from exc
-
-    async def _open(self) -> asyncpg.Pool:
-        async with self._opening:
-            if self._pool is None:
-                # Connections open here and stay open: asyncpg reads ~/.pgpass and TLS files (a
-                # local stat) whenever it opens one, so that happens at start-up, not per request.
-                pool = await asyncpg.create_pool(
-                    self._dsn, min_size=4, max_size=4, max_inactive_connection_lifetime=0
-                )
-                async with pool.acquire() as db, db.transaction():
-                    await db.execute("SELECT pg_advisory_xact_lock($1)", _PG_SCHEMA_LOCK)
-                    await db.execute(_PG_SCHEMA)
-                self._pool = pool
-            return self._pool

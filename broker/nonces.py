@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import secrets
 import struct
@@ -48,6 +49,8 @@ MAX_NONCE_CHARS = 128
 RANDOM_BYTES = 15
 MAC_BYTES = 12
 MAC_CONTEXT = b"sealed-broker challenge v1\0"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -215,3 +218,9 @@ class MemorySpentNonces:
 
     async def close(self) -> None:
         return None
+
+
+def unavailable(kind: str, exc: BaseException) -> Exception:
+    """503 for the client; the cause (never a secret: no URL, no password) for the operator."""
+    log.warning("%s nonce store: %s: %s", kind, type(exc).__name__, str(exc)[:300])
+    return store_unavailable()
