@@ -15,6 +15,9 @@ library calls a release cannot avoid (parse, RS256, X25519 + AES-GCM, one Wasm e
 record hashed and written) and checks nothing, so the figures show how much of the gap is the
 broker's own work and how much the libraries' floor in one Python process.
 The load generator shares the machine: on 2 cores it competes with the workers for CPU.
+``single_*``: one release at a time (concurrency 1) — the request's p50/p99, each stage's as the
+broker reports it (``Server-Timing``), the floor server at concurrency 1, and an fsync'd append
+in the log's directory, all in the same run.
 
     make bench            # or: .venv/bin/python bench/release_bench.py --requests 2000
 """
@@ -176,6 +179,69 @@ async def measure(
     return main, wide
 
 
+async def measure_single(config: Path, issuer: DevIssuer, requests: int) -> dict[str, Any]:
+    """One release at a time (concurrency 1), as a runner asking for one key sees it: p50/p99 of
+    the request and of each stage the broker reports (``Server-Timing``, ``[server]
+    server_timing``), next to an fsync'd 600-byte append in the log's own directory."""
+    broker = Broker(config, 1, {"BROKER_SERVER_SERVER_TIMING": "true"})
+    stages: dict[str, list[float]] = {}
+    latencies: list[float] = []
+    try:
+        await wait_ready(broker.url + "/readyz")
+        warm = await prepare_releases(broker.url, issuer, 50)
+        await drive(broker.url + "/v1/release", warm, 1)
+        bodies = await prepare_releases(broker.url, issuer, requests)
+        async with aiohttp.ClientSession() as session:
+            for body in bodies:
+                sent = time.perf_counter()
+                async with session.post(broker.url + "/v1/release", json=body) as response:
+                    await response.read()
+                    if response.status != 200:
+                        raise SystemExit(f"single: HTTP {response.status}")
+                    timing = response.headers.get("Server-Timing", "")
+                latencies.append(time.perf_counter() - sent)
+                for part in filter(None, timing.split(",")):
+                    name, _, duration = part.strip().partition(";dur=")
+                    stages.setdefault(name, []).append(float(duration) / 1000)
+    finally:
+        broker.stop()
+    fsyncs = fsync_probe(config.parent, requests)
+
+    def p(values: list[float], fraction: float) -> float:
+        ordered = sorted(values)
+        return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1000, 3)
+
+    return {
+        "single_release_p50_ms": p(latencies, 0.5),
+        "single_release_p99_ms": p(latencies, 0.99),
+        "single_stages_p50_ms": {name: p(values, 0.5) for name, values in stages.items()},
+        "single_stages_p99_ms": {name: p(values, 0.99) for name, values in stages.items()},
+        "single_broker_accounted_p50_ms": round(
+            sum(p(values, 0.5) for values in stages.values()), 3
+        ),
+        "fsync_append_600b_p50_ms": p(fsyncs, 0.5),
+        "fsync_append_600b_p99_ms": p(fsyncs, 0.99),
+    }
+
+
+def fsync_probe(directory: Path, count: int) -> list[float]:
+    """``write`` + ``fsync`` of one 600-byte record, as the log appends, in ``directory``."""
+    path = directory / "fsync-probe.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    record = b"x" * 599 + b"\n"
+    times = []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            os.write(fd, record)
+            os.fsync(fd)
+            times.append(time.perf_counter() - started)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return times
+
+
 FLOOD_SECONDS = 5.0
 FLOOD_LIMIT = {"BROKER_SERVER_RATE_LIMIT_PER_IP": "50", "BROKER_SERVER_RATE_LIMIT_BURST": "50"}
 
@@ -278,6 +344,8 @@ async def main(requests: int, concurrency: int) -> None:
             echo.terminate()
             echo.wait(timeout=10)
         floor_run = await measure_floor(workdir, issuer, requests, concurrency)
+        floor_single = await measure_floor(workdir, issuer, min(requests, 500), 1)
+        single = await measure_single(config, issuer, min(requests, 500))
         one, one_wide = await measure(config, issuer, 1, requests, concurrency)
         two, two_wide = await measure(config, issuer, 2, requests, concurrency)
         flood_one = await measure_flood(config, issuer, 1)
@@ -305,6 +373,12 @@ async def main(requests: int, concurrency: int) -> None:
                 "under_challenge_flood_1_worker": flood_one,
                 "under_challenge_flood_2_workers": flood_two,
                 "decisions_logged": log_lines,
+                **single,
+                "single_floor_p50_ms": round(floor_single.percentile(0.5), 3),
+                "single_floor_p99_ms": round(floor_single.percentile(0.99), 3),
+                "single_release_vs_floor_p50": round(
+                    single["single_release_p50_ms"] / floor_single.percentile(0.5), 2
+                ),
             },
             indent=2,
         )

@@ -82,6 +82,9 @@ class ServerSettings:
     replica_id: str = field(default_factory=default_replica_id)
     # Processes serving the same port (SO_REUSEPORT) under one supervisor; 1: no supervisor.
     workers: int = 1
+    # A Server-Timing header on each release answer: where its time went, stage by stage
+    # (bench/release_bench.py --single). Off by default: timings are for the operator.
+    server_timing: bool = False
 
     @property
     def host(self) -> str:

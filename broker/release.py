@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -72,6 +72,7 @@ class ReleasedKey:
     algorithm: str = "AES-256"
     log_index: int = -1  # the decision record's leaf index
     leaf_hash: bytes = b""  # its RFC 6962 leaf hash: the runner can prove its inclusion
+    stages: tuple[tuple[str, float], ...] = ()  # (stage, seconds), in order: where the time went
 
 
 RELEASE_FIELDS = ("key", "nonce", "evidence", "runner_key")
@@ -120,6 +121,14 @@ class _Outcome:
     input_digest: str | None = None
     policy_input: dict[str, Any] | None = None
     error: BrokerError | None = None
+    stages: list[tuple[str, float]] = field(default_factory=list)
+    _mark: float = field(default_factory=time.perf_counter)
+
+    def lap(self, stage: str) -> None:
+        """The time since the previous lap (or the start) belongs to ``stage``."""
+        now = time.perf_counter()
+        self.stages.append((stage, now - self._mark))
+        self._mark = now
 
 
 class ReleaseService:
@@ -163,15 +172,17 @@ class ReleaseService:
         wrapped: str | None = None
         try:
             outcome.request = parse_release_request(unverified_body)
+            outcome.lap("parse")
             wrapped = await self._decide(outcome, outcome.request, now)
         except BrokerError as exc:
             outcome.error = exc
         except Exception:  # a bug: recorded, nothing released, details only in the server log
             log.exception("release %s: unexpected failure", outcome.decision_id)
             outcome.error = InternalFailure("internal error")
-        appended = await self._audit.append_entry(
-            self._safe_record(outcome, now=now, request_id=request_id)
-        )
+        record = self._safe_record(outcome, now=now, request_id=request_id)
+        outcome.lap("record")
+        appended = await self._audit.append_entry(record)
+        outcome.lap("log")
         result = _result(outcome)
         code = outcome.error.code.value if outcome.error else "ok"
         self._metrics.decisions.labels(result, code).inc()
@@ -190,17 +201,21 @@ class ReleaseService:
             algorithm=outcome.record.algorithm.value,
             log_index=appended.index,
             leaf_hash=appended.leaf_hash,
+            stages=tuple(outcome.stages),
         )
 
     async def _decide(self, outcome: _Outcome, request: ReleaseRequest, now: datetime) -> str:
         await self._nonces.consume(request.nonce, now)
+        outcome.lap("nonce")
         outcome.evidence = await self._verifier.verify(
             request.unverified_evidence,
             nonce=request.nonce,
             thumbprint=request.runner_key.thumbprint,
             now=now,
         )
+        outcome.lap("evidence")
         outcome.record = record = await self._keys.resolve(request.key, request.version)
+        outcome.lap("key")
         facts = RequestFacts(
             key=record.name,
             version=record.version,
@@ -218,10 +233,12 @@ class ReleaseService:
         outcome.input_digest = "sha256:" + hashlib.sha256(encoded).hexdigest()
         outcome.policy_input = policy_input
         outcome.decision = decision = await self._policy.evaluate(policy_input, encoded=encoded)
+        outcome.lap("policy")
         if not decision.allowed:
             raise PolicyDenied(decision.reasons, outcome.decision_id)
         dek = await self._keys.unwrap(record)
-        return wrap_to_runner(
+        outcome.lap("unwrap")
+        wrapped = wrap_to_runner(
             dek,
             request.runner_key,
             name=record.name,
@@ -229,6 +246,8 @@ class ReleaseService:
             decision_id=outcome.decision_id,
             mode=request.wrap,
         )
+        outcome.lap("wrap")
+        return wrapped
 
     def _safe_record(self, outcome: _Outcome, *, now: datetime, request_id: str) -> dict[str, Any]:
         """``_record``, and if building it fails (a bug), a minimal record and no release."""

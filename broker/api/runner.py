@@ -36,8 +36,14 @@ async def release(request: web.Request) -> web.Response:
     released = await request.app[RELEASE].release(
         body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
     )
+    headers = {}
+    if request.app[SETTINGS].server.server_timing:  # W3C Server-Timing, in milliseconds
+        headers["Server-Timing"] = ", ".join(
+            f"{stage};dur={seconds * 1000:.3f}" for stage, seconds in released.stages
+        )
     return web.json_response(
-        {
+        headers=headers,
+        data={
             "key": released.key,
             "version": released.version,
             "decision_id": released.decision_id,
@@ -46,5 +52,5 @@ async def release(request: web.Request) -> web.Response:
             "algorithm": released.algorithm,
             "log_index": released.log_index,
             "leaf_hash": base64.b64encode(released.leaf_hash).decode(),
-        }
+        },
     )

@@ -20,6 +20,7 @@ from broker.keys.store.base import Purpose
 from tests.integration.conftest import RunningBroker, write_statement_key
 from tests.support.cli import run
 from tests.support.constants import KEY
+from tests.support.processes import release_body
 
 
 async def get(broker: RunningBroker, path: str) -> tuple[int, str]:
@@ -147,3 +148,27 @@ async def test_broker_status_reports_a_ready_broker_and_its_signed_log(
     gone = await asyncio.to_thread(run, "status", "http://127.0.0.1:9", "--timeout", "2")
     assert gone.returncode == 3
     assert json.loads(gone.stdout)["reachable"] is False
+
+
+async def test_server_timing_says_where_a_release_spent_its_time(start_broker: Any) -> None:
+    """Opt-in (``[server] server_timing``): every stage of the release, in order, in ms."""
+    timed: RunningBroker = await start_broker(server_timing=True)
+    plain: RunningBroker = await start_broker()
+    for broker, expected in ((timed, True), (plain, False)):
+        async with aiohttp.ClientSession() as session:
+            body = await release_body(session, broker.url, broker.client_tls, broker.issuer)
+            async with session.post(
+                broker.url + "/v1/release", json=body, ssl=broker.client_tls
+            ) as response:
+                assert response.status == 200, await response.text()
+                header = response.headers.get("Server-Timing")
+        if not expected:
+            assert header is None  # off by default: timings are the operator's
+            continue
+        assert header is not None
+        stages = [part.split(";")[0].strip() for part in header.split(",")]
+        assert stages == [
+            "parse", "nonce", "evidence", "key", "policy", "unwrap", "wrap", "record", "log"
+        ]  # fmt: skip
+        durations = [float(part.split("dur=")[1]) for part in header.split(",")]
+        assert all(d >= 0 for d in durations)
