@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.segments import log_files
@@ -144,15 +144,15 @@ def _check_consistent(previous: Seen, new: Checkpoint, source: _Source) -> None:
         )
 
 
-class _Source:
-    def checkpoint(self) -> str:
-        raise NotImplementedError
+class _Source(Protocol):
+    """Where the monitor reads a log: a broker's public API, or a log on this machine."""
 
-    def consistency(self, first: int, second: int) -> list[bytes]:
-        raise NotImplementedError
+    def checkpoint(self) -> str: ...
+
+    def consistency(self, first: int, second: int) -> list[bytes]: ...
 
 
-class _Broker(_Source):
+class _Broker:
     """A broker's public audit API over HTTPS (loopback HTTP for development)."""
 
     def __init__(self, url: str, ca: Path | None, timeout: float) -> None:
@@ -182,7 +182,7 @@ class _Broker(_Source):
             raise Inconsistent("the consistency proof is malformed") from exc
 
 
-class _LocalLog(_Source):
+class _LocalLog:
     """A log on this machine: its checkpoint file, and proofs computed from its records."""
 
     def __init__(self, path: Path) -> None:
@@ -253,7 +253,6 @@ def _save_state(path: Path, seen: Seen) -> None:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    finally:  # after the rename this names nothing; after a failure, the half-written copy
         Path(temporary).unlink(missing_ok=True)
-        raise
     print(f"state: {path}", file=sys.stderr)

@@ -22,6 +22,7 @@ from broker.crypto import hpke, jwe
 from broker.crypto.checkpoint import NoteError, NoteVerifier, parse_checkpoint
 from broker.crypto.jwk import hybrid_jwk, public_jwk, thumbprint
 from broker.crypto.merkle import verify_inclusion
+from broker.crypto.weights import WeightsFormatError
 from broker.crypto.wrap import release_info
 
 MAX_RESPONSE_BYTES = 256 * 1024
@@ -182,20 +183,25 @@ class BrokerClient:
         source: str | Path,
         token_source: TokenSource,
         *,
+        expected_key: str | None = None,
         source_options: dict[str, Any] | None = None,
         **release_options: Any,
     ) -> ReleasedDek:
         """The key for this file: reads the encrypted file's header (path, ``https://`` or
         ``gs://``; no key needed) and releases exactly the key and version it was made with,
-        so that files made before a rotation keep opening. ``release_options`` go to
-        ``release`` (``gpu_source``, ``key_type``, ``wrap``).
+        so that files made before a rotation keep opening. ``expected_key``: refuse a file made
+        for another key (checked on the header that names the key released: one read).
+        ``release_options`` go to ``release`` (``gpu_source``, ``key_type``, ``wrap``).
 
         Raises:
-            WeightsFormatError: not an encrypted weights file, or its key id is malformed.
+            WeightsFormatError: not an encrypted weights file, its key id is malformed, or it
+                is not for ``expected_key``.
             SourceError: the file cannot be read.
             BrokerClientError: as ``release``.
         """
         name, version = await asyncio.to_thread(key_of_file, source, source_options or {})
+        if expected_key is not None and name != expected_key:
+            raise WeightsFormatError(f"{source} is for key {name!r}, not {expected_key!r}")
         return await self.release(name, token_source, version=version, **release_options)
 
     async def prove(

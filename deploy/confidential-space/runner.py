@@ -30,18 +30,13 @@ import sys
 
 from broker.client import BrokerClient, BrokerClientError, ConfidentialSpaceTokenSource
 from broker.client.tokens import LAUNCHER_SOCKET
-from broker.client.weights import SourceError, decrypt_to, key_of_file
+from broker.client.weights import SourceError, decrypt_to
 from broker.crypto.weights import WeightsFormatError
 
 DEFAULT_OUT = "/dev/shm/model.safetensors"  # noqa: S108 - tmpfs in a single-tenant TEE container
 
 
 async def fetch_and_decrypt(source: str, target: str) -> int:
-    expected = os.environ.get("MODEL_KEY")
-    if expected:
-        name, _ = await asyncio.to_thread(key_of_file, source, {})
-        if name != expected:
-            raise WeightsFormatError(f"{source} is for key {name!r}, not {expected!r}")
     tls = ssl.create_default_context(cafile=os.environ["BROKER_CA"])
     async with BrokerClient(
         os.environ["BROKER_URL"], ssl_context=tls, audience=os.environ["BROKER_AUDIENCE"]
@@ -50,7 +45,9 @@ async def fetch_and_decrypt(source: str, target: str) -> int:
         launcher = ConfidentialSpaceTokenSource(
             os.environ.get("TEE_LAUNCHER_SOCKET") or LAUNCHER_SOCKET
         )
-        released = await client.release_for(source, launcher)
+        released = await client.release_for(
+            source, launcher, expected_key=os.environ.get("MODEL_KEY") or None
+        )
     print(
         f"key {released.key}#{released.version} released: decision {released.decision_id}, "
         f"log index {released.log_index}"

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -37,15 +36,14 @@ from tests.support.issuers import dev_issuer
 from tests.support.processes import (
     ROOT,
     create_key_with_cli,
+    fake_gcs_server,
     free_port,
     release_body,
     stop_replicas,
     wait_ready,
-    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(240)
-FAKE_GCS = ROOT / ".venv" / "bin" / "fake-gcs-server"
 
 
 class BundleServer:
@@ -207,30 +205,10 @@ async def test_two_replicas_follow_one_bundle_server(
 
 @pytest.fixture
 def fake_gcs(tmp_path: Path) -> Iterator[tuple[int, Path]]:
-    if not FAKE_GCS.exists():
-        pytest.fail("fake-gcs-server is missing: `make test` builds it")
     seed = tmp_path / "gcs"
     (seed / "policies").mkdir(parents=True)
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            *(str(FAKE_GCS), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)),
-            *("-backend", "memory", "-data", str(seed), "-log-level", "error"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-    def accepts() -> bool:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-
-    try:
-        wait_until(accepts, what="fake-gcs-server")
+    with fake_gcs_server(seed) as port:
         yield port, seed
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def upload(port: int, data: bytes) -> None:

@@ -5,7 +5,6 @@ and releases the key version it was made with, so a file made before a rotation 
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,8 @@ import pytest
 from broker.client.weights import open_encrypted
 from broker.crypto.weights import WeightsFormatError
 from tests.integration.conftest import RunningBroker
-from tests.support.cli import run
 from tests.support.constants import KEY
+from tests.support.weights import sealed_before_a_rotation
 
 
 def read_plaintext(path: Path, dek: bytes, kid: str) -> bytes:
@@ -23,16 +22,7 @@ def read_plaintext(path: Path, dek: bytes, kid: str) -> bytes:
 
 
 async def test_release_for_opens_a_file_made_before_a_rotation(broker: RunningBroker) -> None:
-    config = str(broker.workdir / "broker.toml")
-    plain = os.urandom(200_000)
-    source, sealed = broker.workdir / "w.safetensors", broker.workdir / "w.safetensors.brkw"
-    await asyncio.to_thread(source.write_bytes, plain)
-    made = await asyncio.to_thread(
-        run, "weights", "encrypt", str(source), str(sealed), "--key", KEY, "--config", config
-    )
-    assert made.returncode == 0, made.stderr
-    rotated = await asyncio.to_thread(run, "keys", "rotate", KEY, "--config", config)
-    assert rotated.returncode == 0, rotated.stderr
+    sealed, plain = await sealed_before_a_rotation(broker.workdir, "w.safetensors", 200_000)
     async with broker.client() as client:
         newest = await client.release(KEY, broker.token_source())
         assert newest.version == 2
@@ -42,6 +32,17 @@ async def test_release_for_opens_a_file_made_before_a_rotation(broker: RunningBr
     assert (released.key, released.version) == (KEY, 1)
     kid = f"{released.key}#{released.version}"
     assert await asyncio.to_thread(read_plaintext, sealed, released.dek, kid) == plain
+
+
+async def test_release_for_refuses_a_file_for_another_key(broker: RunningBroker) -> None:
+    sealed, _ = await sealed_before_a_rotation(broker.workdir, "w.safetensors", 10_000)
+    async with broker.client() as client:
+        with pytest.raises(WeightsFormatError, match="not 'models/other'"):
+            await client.release_for(sealed, broker.token_source(), expected_key="models/other")
+        released = await client.release_for(sealed, broker.token_source(), expected_key=KEY)
+    assert (released.key, released.version) == (KEY, 1)
+    releases = [r for r in broker.records() if r.get("type") == "release"]
+    assert len(releases) == 1  # the refused file asked the broker for nothing
 
 
 async def test_release_for_refuses_a_file_that_is_not_encrypted(broker: RunningBroker) -> None:

@@ -20,9 +20,9 @@ from broker.client.tokens import TokenSourceError
 from broker.core.errors import ErrorCode, UpstreamError
 from broker.dev.issuer import DevIssuer, Workload
 from tests.integration.conftest import RunningBroker
-from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
 from tests.support.issuers import dev_issuer
+from tests.support.weights import sealed_before_a_rotation
 
 
 class FakeLauncher:
@@ -70,15 +70,7 @@ async def test_the_confidential_space_runner_decrypts_with_the_files_own_key(
     """deploy/confidential-space/runner.py as launched: environment only, the launcher's
     socket, the key version from the file's header, plaintext on tmpfs-like storage."""
     _, socket_path = launcher
-    config = str(broker.workdir / "broker.toml")
-    plain = os.urandom(150_000)
-    source, sealed = broker.workdir / "m.safetensors", broker.workdir / "m.safetensors.brkw"
-    await asyncio.to_thread(source.write_bytes, plain)
-    made = await asyncio.to_thread(
-        run, "weights", "encrypt", str(source), str(sealed), "--key", KEY, "--config", config
-    )
-    assert made.returncode == 0, made.stderr
-    await asyncio.to_thread(run, "keys", "rotate", KEY, "--config", config)  # file stays at #1
+    sealed, plain = await sealed_before_a_rotation(broker.workdir, "m.safetensors", 150_000)
     environ = {
         **os.environ,
         "BROKER_URL": broker.url,

@@ -14,10 +14,8 @@ import asyncio
 import io
 import json
 import os
-import socket
 import ssl
 import struct
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,10 +36,9 @@ from broker.client.weights import (
 )
 from broker.crypto.weights import WeightsFormatError, encrypt_stream
 from broker.dev.tls import make_dev_tls
-from tests.support.processes import free_port, wait_until
+from tests.support.processes import fake_gcs_server
 
 ROOT = Path(__file__).parents[2]
-FAKE_GCS = ROOT / ".venv" / "bin" / "fake-gcs-server"
 DEK = bytes(range(32))
 KID = "models/tiny#1"
 SEGMENT = 4096
@@ -77,37 +74,19 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def fake_gcs(files: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """fake-gcs-server on 127.0.0.1 with bucket ``weights`` holding the encrypted files."""
-    if not FAKE_GCS.exists():
-        pytest.fail("fake-gcs-server is missing: `make test` builds it")
     seed = tmp_path_factory.mktemp("gcs")
     (seed / "weights").mkdir()
     for path in files["dir"].glob("*.brkw"):
         (seed / "weights" / path.name).write_bytes(path.read_bytes())
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            *(str(FAKE_GCS), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)),
-            *("-backend", "memory", "-data", str(seed), "-log-level", "error"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-    def accepts() -> bool:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-
-    try:
-        wait_until(accepts, what="fake-gcs-server")
+    with fake_gcs_server(seed) as port:
         from google.auth.credentials import AnonymousCredentials  # noqa: PLC0415
         from google.cloud import storage  # type: ignore[attr-defined]  # noqa: PLC0415
 
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
-        yield storage.Client(project="test", credentials=AnonymousCredentials())  # type: ignore[no-untyped-call]
-    finally:
-        os.environ.pop("STORAGE_EMULATOR_HOST", None)
-        process.terminate()
-        process.wait(timeout=10)
+        try:
+            yield storage.Client(project="test", credentials=AnonymousCredentials())  # type: ignore[no-untyped-call]
+        finally:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ create), waiting for them, free loopback ports, and well-formed release requests
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -110,3 +111,33 @@ async def stop_replicas(replicas: list[subprocess.Popen[str]]) -> None:
     for process in replicas:
         _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
         assert process.returncode == 0, stderr[-2000:]
+
+
+FAKE_GCS = ROOT / ".venv" / "bin" / "fake-gcs-server"
+
+
+@contextlib.contextmanager
+def fake_gcs_server(seed: Path) -> Iterator[int]:
+    """fake-gcs-server on 127.0.0.1 serving ``seed`` (a directory per bucket); its port."""
+    if not FAKE_GCS.exists():
+        pytest.fail("fake-gcs-server is missing: `make test` builds it")
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            *(str(FAKE_GCS), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)),
+            *("-backend", "memory", "-data", str(seed), "-log-level", "error"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def accepts() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+
+    try:
+        wait_until(accepts, what="fake-gcs-server")
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
