@@ -6,10 +6,13 @@ signed checkpoints (``crypto/checkpoint.py``) commit to the whole log: truncatio
 recomputed chain and reordering are detected against any checkpoint an auditor holds. The chain
 stays as a cheap local check that names the first changed record without a checkpoint.
 
-Appends are group-committed: records arriving while a write is in flight share the next
-``write`` + ``fsync``. ``append`` returns only after the record is on disk; if writing fails,
-the log refuses every later append until a restart (the file's state is then unknown), and the
-caller must not release anything.
+Appends are group-committed: the appends of one event-loop turn are handed to one writer
+thread together, which takes every hand-over queued while its previous write was in flight
+and gives them one ``write`` + ``fsync``; the appenders' futures are resolved on their event
+loop in one callback (no executor, no task per batch: a single release pays one hand-over each
+way, measured in bench/release_bench.py). ``append`` returns only
+after the record is on disk; if writing fails, the log refuses every later append until a
+restart (the file's state is then unknown), and the caller must not release anything.
 
 Several processes may append to one log (broker workers, ``broker keys …`` commands): each batch
 is sealed and written under an exclusive ``flock`` after re-reading the chain head from the file,
@@ -24,6 +27,7 @@ import gc
 import json
 import logging
 import os
+import queue
 import stat
 import threading
 from array import array
@@ -38,6 +42,11 @@ from broker.core.errors import ErrorCode, UpstreamError
 from broker.crypto.merkle import MerkleTree, leaf_hash
 
 log = logging.getLogger(__name__)
+
+# A queued append: the entry, whether it is a policy_change written only if the log's last
+# policy differs, and the event loop and future that wait for it.
+_Queued = tuple[dict[str, Any], bool, asyncio.AbstractEventLoop, "asyncio.Future[Appended | None]"]
+WRITER_IDLE_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -58,11 +67,16 @@ class DecisionLog:
         self._lock_fd: int | None = None
         self._head = ChainHead(size=0, hash=GENESIS)
         self._known_head: ChainHead | None = None  # the head our last batch wrote (fast path)
-        # (entry, its future, whether it is a policy_change written only if the log's last
-        # policy differs)
-        self._pending: list[tuple[dict[str, Any], asyncio.Future[Appended | None], bool]] = []
         self._policy_digest: str | None = None  # new_digest of the log's last policy_change
-        self._writer: asyncio.Task[None] | None = None
+        # Appends waiting for the writer thread; None tells it to finish (close). The thread
+        # starts with the first append and ends when idle or closed (``_write_batches``).
+        self._queue: queue.SimpleQueue[list[_Queued] | None] = queue.SimpleQueue()
+        # Appends of the current event-loop turn, handed to the writer together at its end
+        # (one queue put and one thread wake-up for all of them: group commit starts here).
+        self._gathering: dict[asyncio.AbstractEventLoop, list[_Queued]] = {}
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()  # guards _thread, _closing and the queue's end
+        self._closing = False
         self._broken = False
         self.tree = MerkleTree()
         self._consumed: dict[int, int] = {}  # file inode -> bytes already hashed into the tree
@@ -212,8 +226,15 @@ class DecisionLog:
         return fd
 
     async def close(self) -> None:
-        if self._writer is not None:
-            await asyncio.shield(self._writer)
+        """Write every append already queued, then close the files."""
+        self._hand_over(asyncio.get_running_loop())  # this turn's appends go before the end
+        with self._thread_lock:
+            self._closing = True
+            writer = self._thread
+            if writer is not None:
+                self._queue.put(None)
+        if writer is not None:
+            await asyncio.to_thread(writer.join)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -253,51 +274,118 @@ class DecisionLog:
     async def _enqueue(self, entry: Mapping[str, Any], *, conditional: bool) -> Appended | None:
         if self._broken or self._fd is None:
             raise _unavailable()
-        future: asyncio.Future[Appended | None] = asyncio.get_running_loop().create_future()
-        self._pending.append((dict(entry), future, conditional))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._drain())
+        if self._closing:
+            raise _unavailable()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Appended | None] = loop.create_future()
+        gathering = self._gathering.get(loop)
+        if gathering is None:
+            self._gathering[loop] = gathering = []
+            loop.call_soon(self._hand_over, loop)
+        gathering.append((dict(entry), conditional, loop, future))
         return await asyncio.shield(future)
 
-    async def _drain(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending, []
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """At the end of the loop turn: give this turn's appends to the writer thread."""
+        gathered = self._gathering.pop(loop, None)
+        if not gathered:
+            return
+        with self._thread_lock:
+            self._queue.put(gathered)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._write_batches,
+                    name=f"decision-log-writer {self._path}",
+                    daemon=True,
+                )
+                self._thread.start()
+
+    def _write_batches(self) -> None:
+        """The writer thread: take what is queued (every loop turn's appends that arrived while
+        the previous write was in flight are one batch), seal, write and fsync it, then resolve
+        its futures on their event loops, one callback per loop. Idle for
+        ``WRITER_IDLE_SECONDS``, it ends (the next append starts another), so a log nobody
+        closes leaves no thread."""
+        while True:
             try:
-                head, appended = await asyncio.to_thread(
-                    self._seal_and_write, [(entry, conditional) for entry, _, conditional in batch]
+                first = self._queue.get(timeout=WRITER_IDLE_SECONDS)
+            except queue.Empty:
+                with self._thread_lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            if first is None:  # close(): everything queued before it is written
+                return
+            batch = list(first)
+            closing = False
+            while True:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.extend(more)
+            self._write_batch(batch)
+            if closing:
+                return
+
+    def _write_batch(self, batch: list[_Queued]) -> None:
+        results: list[Appended | None] | None = None
+        failure: BaseException | None = None
+        lines: list[bytes] = []
+        if self._broken:
+            failure = _unavailable()
+        else:
+            try:
+                self._head, results, lines = self._seal_and_write(
+                    [(entry, conditional) for entry, conditional, _, _ in batch]
                 )
             except (OSError, LogCorrupt) as exc:
                 log.critical("decision log write failed; refusing all releases: %s", exc)
                 self._broken = True
-                for _, future, _ in batch + self._pending:
-                    if not future.done():
-                        future.set_exception(_unavailable())
-                self._pending = []
-                return
-            self._head = head
-            written = [a for a in appended if a is not None]
-            if self._listeners and written:
-                lines = await asyncio.to_thread(
-                    self.read_lines, written[0].index, written[-1].index + 1
+                failure = _unavailable()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
+        for position, (_, _, loop, future) in enumerate(batch):
+            outcome = failure if results is None else results[position]
+            by_loop.setdefault(loop, []).append((future, outcome))
+        for loop, outcomes in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._resolve, outcomes, lines)
+            except RuntimeError:  # that loop is closed: nobody awaits these any more
+                log.warning(
+                    "decision log: %d appends finished after their loop closed", len(outcomes)
                 )
-                for listener in self._listeners:
-                    listener(lines)
-            for (_, future, _), result in zip(batch, appended, strict=True):
-                if not future.done():
-                    future.set_result(result)
+
+    def _resolve(self, outcomes: list[tuple[asyncio.Future[Any], Any]], lines: list[bytes]) -> None:
+        """On the event loop: hand the durable lines to the listeners, then wake the appenders
+        (a listener sees a record no later than its appender returns)."""
+        if lines:
+            for listener in self._listeners:
+                listener(lines)
+        for future, outcome in outcomes:
+            if future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
 
     def _seal_and_write(
         self, entries: list[tuple[dict[str, Any], bool]]
-    ) -> tuple[ChainHead, list[Appended | None]]:
+    ) -> tuple[ChainHead, list[Appended | None], list[bytes]]:
         """Under an exclusive lock: catch up with other writers, chain the batch to the head,
         write, fsync, and hash the new lines into the tree. A conditional ``policy_change``
-        naming the policy the log already names last is skipped (``None``)."""
+        naming the policy the log already names last is skipped (``None``). Returns the new
+        head, each entry's place, and the lines written (exactly the durable bytes)."""
         with self._mutex:
             return self._seal_and_write_locked(entries)
 
     def _seal_and_write_locked(
         self, entries: list[tuple[dict[str, Any], bool]]
-    ) -> tuple[ChainHead, list[Appended | None]]:
+    ) -> tuple[ChainHead, list[Appended | None], list[bytes]]:
         if self._fd is None or self._lock_fd is None:
             raise OSError("decision log is closed")
         # The lock is a file of its own: rotation replaces the active file under it.
@@ -356,7 +444,7 @@ class DecisionLog:
             self._committed = self.tree.size
             self._known_head = head
             self._policy_digest = policy_digest
-            return head, appended
+            return head, appended, lines
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
