@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+STARTED: web.RequestKey[float] = web.RequestKey("started", float)  # perf_counter at arrival
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
 
 HTTP_CODES: dict[int, ErrorCode] = {
@@ -46,7 +47,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     """Give each request an id, time it, and render every error the one way."""
     request_id = uuid.uuid4().hex
     request[REQUEST_ID] = request_id
-    started = time.perf_counter()
+    request[STARTED] = started = time.perf_counter()
     route = (
         request.match_info.route.resource.canonical
         if request.match_info.route.resource

@@ -168,7 +168,9 @@ async def test_server_timing_says_where_a_release_spent_its_time(start_broker: A
         assert header is not None
         stages = [part.split(";")[0].strip() for part in header.split(",")]
         assert stages == [
-            "parse", "nonce", "evidence", "key", "policy", "unwrap", "wrap", "record", "log"
+            "body", "parse", "nonce", "evidence", "key", "policy", "unwrap", "wrap", "record",
+            "log", "total",
         ]  # fmt: skip
         durations = [float(part.split("dur=")[1]) for part in header.split(",")]
         assert all(d >= 0 for d in durations)
+        assert durations[-1] >= sum(durations[:-1])  # the total covers every stage
