@@ -97,11 +97,12 @@ PYTEST_WORKERS ?= 3
 pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) postgresql deploy-tools
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal
 
-bench: $(STAMP) $(OPA)
+bench: $(STAMP) $(OPA) $(FAKE_GCS)
 	$(BIN)/python bench/release_bench.py
 	$(BIN)/python bench/policy_bench.py
 	$(BIN)/python bench/audit_bench.py
 	$(BIN)/python bench/weights_bench.py
+	$(BIN)/python bench/sources_bench.py
 
 # Not part of `make test`: a 20 s max run, then 2 minutes at 70 % of it (0 errors, RSS < +10 %).
 soak: $(STAMP) $(OPA)

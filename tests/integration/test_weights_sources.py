@@ -28,6 +28,7 @@ from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
 from broker.client.weights import (
+    READ_THREADS,
     EncryptedReader,
     SourceError,
     decrypt_to,
@@ -277,3 +278,92 @@ async def test_without_a_key_id_the_dek_alone_authenticates(
     dest = tmp_path / "blob.bin"
     await decrypt_to(sealed, dest, DEK)
     assert dest.read_bytes() == files["plain"]["blob"]
+
+
+@pytest.fixture
+async def tricky_https(
+    files: dict[str, Any], tmp_path: Path
+) -> AsyncIterator[tuple[str, ssl.SSLContext, set[Any]]]:
+    """An HTTPS server that redirects, redirects to plain HTTP, or answers more than the range
+    asked for; and the set of client addresses (one per connection) it served."""
+    tls = await asyncio.to_thread(make_dev_tls, tmp_path / "tls", now=datetime.now(UTC))
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(tls.server_cert, tls.server_key)
+    peers: set[Any] = set()
+
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+        peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPFound(f"/w/{request.match_info['name']}")
+
+    async def to_plain(request: web.Request) -> web.Response:
+        raise web.HTTPFound(f"http://127.0.0.1:9/w/{request.match_info['name']}")
+
+    async def oversized(request: web.Request) -> web.Response:
+        blob = (files["dir"] / "blob.brkw").read_bytes()
+        if request.method == "HEAD":
+            return web.Response(headers={"Content-Length": str(len(blob))})
+        first, _, last = request.headers["Range"].removeprefix("bytes=").partition("-")
+        return web.Response(status=206, body=blob[int(first) : int(last) + 100])
+
+    app = web.Application(middlewares=[count])
+    app.router.add_static("/w/", files["dir"])
+    app.router.add_get("/moved/{name}", moved)
+    app.router.add_get("/plain/{name}", to_plain)
+    app.router.add_route("*", "/oversized/blob.brkw", oversized)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_context)
+    await site.start()
+    port = runner.addresses[0][1]
+    context = ssl.create_default_context(cafile=str(tls.ca_cert))
+    yield f"https://127.0.0.1:{port}", context, peers
+    await runner.cleanup()
+
+
+async def test_sync_reads_keep_their_connections_alive(
+    files: dict[str, Any], tricky_https: tuple[str, ssl.SSLContext, set[Any]]
+) -> None:
+    """``open_encrypted(url).read()`` reuses one connection per reading thread (a TLS handshake
+    per segment cost two thirds of a plain download's rate, bench/sources_bench.py)."""
+    base, context, peers = tricky_https
+
+    def read_all() -> bytes:
+        with open_encrypted(f"{base}/w/blob.brkw", DEK, KID, ssl_context=context) as f:
+            return f.read()
+
+    assert await asyncio.to_thread(read_all) == files["plain"]["blob"]
+    segments = -(-len(files["plain"]["blob"]) // SEGMENT)
+    assert segments == 6
+    assert len(peers) <= 1 + min(segments, READ_THREADS)  # the header's, then one per thread
+    assert len(peers) < segments + 2  # without keep-alive: one per request (HEAD, header, 6)
+
+
+async def test_sync_reads_follow_https_redirects_only(
+    files: dict[str, Any], tricky_https: tuple[str, ssl.SSLContext, set[Any]]
+) -> None:
+    base, context, _ = tricky_https
+
+    def read(url: str) -> bytes:
+        with open_encrypted(url, DEK, KID, ssl_context=context) as f:
+            return f.read()
+
+    assert await asyncio.to_thread(read, f"{base}/moved/blob.brkw") == files["plain"]["blob"]
+    with pytest.raises(SourceError, match="redirected away from https"):
+        await asyncio.to_thread(read, f"{base}/plain/blob.brkw")
+
+
+async def test_a_range_answered_with_more_bytes_is_refused(
+    tricky_https: tuple[str, ssl.SSLContext, set[Any]],
+) -> None:
+    base, context, _ = tricky_https
+    source = open_source(f"{base}/oversized/blob.brkw", ssl_context=context)
+    try:
+        with pytest.raises(SourceError, match="answered 206"):
+            await asyncio.to_thread(source.read_range, 0, 100)
+    finally:
+        source.close()
