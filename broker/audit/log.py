@@ -347,6 +347,12 @@ class DecisionLog:
                 log.critical("decision log write failed; refusing all releases: %s", exc)
                 self._broken = True
                 failure = _unavailable()
+            except Exception:  # a bug (say, a record that cannot be sealed): the writer thread
+                # must not die with appenders waiting; the file's state is unknown, so the log
+                # stops as on a write failure (fail closed until a restart)
+                log.critical("decision log writer failed; refusing all releases", exc_info=True)
+                self._broken = True
+                failure = _unavailable()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
         for position, (_, _, loop, future) in enumerate(batch):
             outcome = failure if results is None else results[position]

@@ -184,6 +184,23 @@ async def test_write_failure_fails_closed_and_stays_closed() -> None:
     await log.close()
 
 
+async def test_a_record_the_writer_cannot_seal_stops_the_log_without_hanging(
+    tmp_path: Path,
+) -> None:
+    """A bug on the writer thread (here: NaN, which canonical JSON refuses) must not leave the
+    appender waiting forever: it and every later append get 503, as after a write failure."""
+    log = DecisionLog(tmp_path / "d.log")
+    await log.open()
+    await log.append({"n": 0})
+    with pytest.raises(UpstreamError) as caught:
+        await asyncio.wait_for(log.append({"n": float("nan")}), timeout=10)
+    assert caught.value.code is ErrorCode.AUDIT_LOG_UNAVAILABLE
+    with pytest.raises(UpstreamError):
+        await asyncio.wait_for(log.append({"n": 2}), timeout=10)
+    await log.close()
+    assert verify_file(tmp_path / "d.log").head.size == 1
+
+
 async def test_log_file_is_private(tmp_path: Path) -> None:
     path = tmp_path / "d.log"
     await write_log(path, 1)
