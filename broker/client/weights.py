@@ -149,16 +149,19 @@ class HttpsSource:
         """One request on this thread's kept-alive connection (a new TLS handshake per range
         held ``open_encrypted(…).read()`` to a third of a plain download), following up to
         ``MAX_REDIRECTS`` redirects to other ``https`` URLs (a CDN or a signed URL may
-        redirect). A connection the server closed is reopened once. At most ``limit`` + 1 bytes
-        of a body are read (a server cannot make us hold more); a connection with unread bytes
-        left is closed, never reused."""
+        redirect). The caller's headers (credentials, say) go to the URL's own origin only,
+        never to another a redirect names. A connection the server closed is reopened once. At
+        most ``limit`` + 1 bytes of a body are read (a server cannot make us hold more); a
+        connection with unread bytes left is closed, never reused."""
         url = self._url
+        origin = _origin(url)
         for _ in range(MAX_REDIRECTS + 1):
             parts = urlsplit(url)
             if parts.scheme != "https" or parts.hostname is None:
                 raise SourceError(f"{self.name}: redirected away from https")
             target = urlunsplit(("", "", parts.path or "/", parts.query, ""))
-            headers = {**self._headers, **extra}
+            own = self._headers if _origin(url) == origin else {}
+            headers = {**own, **extra}
             for attempt in (0, 1):
                 connection = self._connection(parts.hostname, parts.port or 443, fresh=attempt > 0)
                 try:
@@ -232,6 +235,11 @@ class HttpsSource:
             opened, self._opened = self._opened, []
         for connection in opened:
             connection.close()
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or 443
 
 
 def _gcs_errors() -> tuple[type[BaseException], ...]:

@@ -17,6 +17,7 @@ import os
 import ssl
 import struct
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -280,25 +281,36 @@ async def test_without_a_key_id_the_dek_alone_authenticates(
     assert dest.read_bytes() == files["plain"]["blob"]
 
 
+@dataclass
+class Tricky:
+    base: str
+    context: ssl.SSLContext
+    peers: set[Any]  # client addresses: one per connection
+    credentials: list[tuple[str, str | None]]  # (Host, Authorization) of every request
+
+
 @pytest.fixture
-async def tricky_https(
-    files: dict[str, Any], tmp_path: Path
-) -> AsyncIterator[tuple[str, ssl.SSLContext, set[Any]]]:
-    """An HTTPS server that redirects, redirects to plain HTTP, or answers more than the range
-    asked for; and the set of client addresses (one per connection) it served."""
+async def tricky_https(files: dict[str, Any], tmp_path: Path) -> AsyncIterator[Tricky]:
+    """An HTTPS server that redirects (to itself, to another origin, to plain HTTP) or answers
+    more than the range asked for, and records what each request brought."""
     tls = await asyncio.to_thread(make_dev_tls, tmp_path / "tls", now=datetime.now(UTC))
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_context.load_cert_chain(tls.server_cert, tls.server_key)
     peers: set[Any] = set()
+    credentials: list[tuple[str, str | None]] = []  # (Host, Authorization) of every request
 
     @web.middleware
     async def count(request: web.Request, handler: Any) -> web.StreamResponse:
         peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        credentials.append((request.host, request.headers.get("Authorization")))
         response: web.StreamResponse = await handler(request)
         return response
 
     async def moved(request: web.Request) -> web.Response:
         raise web.HTTPFound(f"/w/{request.match_info['name']}")
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        raise web.HTTPFound(f"https://localhost:{port}/w/{request.match_info['name']}")
 
     async def to_plain(request: web.Request) -> web.Response:
         raise web.HTTPFound(f"http://127.0.0.1:9/w/{request.match_info['name']}")
@@ -314,6 +326,7 @@ async def tricky_https(
     app.router.add_static("/w/", files["dir"])
     app.router.add_get("/moved/{name}", moved)
     app.router.add_get("/plain/{name}", to_plain)
+    app.router.add_get("/elsewhere/{name}", elsewhere)
     app.router.add_route("*", "/oversized/blob.brkw", oversized)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -321,16 +334,16 @@ async def tricky_https(
     await site.start()
     port = runner.addresses[0][1]
     context = ssl.create_default_context(cafile=str(tls.ca_cert))
-    yield f"https://127.0.0.1:{port}", context, peers
+    yield Tricky(f"https://127.0.0.1:{port}", context, peers, credentials)
     await runner.cleanup()
 
 
 async def test_sync_reads_keep_their_connections_alive(
-    files: dict[str, Any], tricky_https: tuple[str, ssl.SSLContext, set[Any]]
+    files: dict[str, Any], tricky_https: Tricky
 ) -> None:
     """``open_encrypted(url).read()`` reuses one connection per reading thread (a TLS handshake
     per segment cost two thirds of a plain download's rate, bench/sources_bench.py)."""
-    base, context, peers = tricky_https
+    base, context, peers = tricky_https.base, tricky_https.context, tricky_https.peers
 
     def read_all() -> bytes:
         with open_encrypted(f"{base}/w/blob.brkw", DEK, KID, ssl_context=context) as f:
@@ -344,9 +357,9 @@ async def test_sync_reads_keep_their_connections_alive(
 
 
 async def test_sync_reads_follow_https_redirects_only(
-    files: dict[str, Any], tricky_https: tuple[str, ssl.SSLContext, set[Any]]
+    files: dict[str, Any], tricky_https: Tricky
 ) -> None:
-    base, context, _ = tricky_https
+    base, context = tricky_https.base, tricky_https.context
 
     def read(url: str) -> bytes:
         with open_encrypted(url, DEK, KID, ssl_context=context) as f:
@@ -357,10 +370,37 @@ async def test_sync_reads_follow_https_redirects_only(
         await asyncio.to_thread(read, f"{base}/plain/blob.brkw")
 
 
-async def test_a_range_answered_with_more_bytes_is_refused(
-    tricky_https: tuple[str, ssl.SSLContext, set[Any]],
+async def test_credentials_are_not_sent_to_another_origin_a_redirect_names(
+    files: dict[str, Any], tricky_https: Tricky, tmp_path: Path
 ) -> None:
-    base, context, _ = tricky_https
+    base, context = tricky_https.base, tricky_https.context
+
+    def read() -> bytes:
+        headers = {"Authorization": "Bearer for-127.0.0.1-only"}
+        url = f"{base}/elsewhere/blob.brkw"  # -> https://localhost:PORT/w/blob.brkw
+        with open_encrypted(url, DEK, KID, ssl_context=context, headers=headers) as f:
+            return f.read()
+
+    assert await asyncio.to_thread(read) == files["plain"]["blob"]
+    dest = tmp_path / "blob.bin"  # the async path (aiohttp) too
+    await decrypt_to(
+        f"{base}/elsewhere/blob.brkw",
+        dest,
+        DEK,
+        KID,
+        ssl_context=context,
+        headers={"Authorization": "Bearer for-127.0.0.1-only"},
+    )
+    assert dest.read_bytes() == files["plain"]["blob"]
+    by_host: dict[str, set[str | None]] = {}
+    for host, auth in tricky_https.credentials:
+        by_host.setdefault(host.split(":")[0], set()).add(auth)
+    assert by_host["127.0.0.1"] == {"Bearer for-127.0.0.1-only"}  # the URL's own origin
+    assert by_host["localhost"] == {None}  # the origin a redirect named
+
+
+async def test_a_range_answered_with_more_bytes_is_refused(tricky_https: Tricky) -> None:
+    base, context = tricky_https.base, tricky_https.context
     source = open_source(f"{base}/oversized/blob.brkw", ssl_context=context)
     try:
         with pytest.raises(SourceError, match="answered 206"):
