@@ -13,6 +13,8 @@ KUBECONFORM_VERSION := v0.7.0
 KUBERNETES_VERSION := v1.34.4
 FAKE_GCS_VERSION := v1.56.1
 FAKE_GCS := $(BIN)/fake-gcs-server
+# An independent DPoP implementation (panva's dpop, Node) makes proofs for tests/unit/test_dpop.py
+DPOP_INTEROP := tests/interop/dpop/node_modules/.installed
 KUSTOMIZE := $(BIN)/kustomize
 KUBECONFORM := $(BIN)/kubeconform
 K8S_OPENAPI := $(VENV)/k8s-openapi-$(KUBERNETES_VERSION).json
@@ -31,7 +33,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) $(OPA)
 	$(BIN)/broker demo
 
-test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) postgresql deploy-tools lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) postgresql deploy-tools lint typecheck policy-test pytest
 
 # The layer contract (docs/architecture.md) is part of lint: an import up the layers fails here.
 lint: $(STAMP)
@@ -64,6 +66,9 @@ $(OPA): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/open-policy-agent/opa@$(OPA_VERSION)
 
 # A Cloud Storage emulator for the runner SDK's gs:// source (the tests start it on loopback).
+$(DPOP_INTEROP): tests/interop/dpop/package-lock.json
+	cd tests/interop/dpop && npm ci --no-audit --no-fund --silent && touch node_modules/.installed
+
 $(FAKE_GCS): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_VERSION)
 
@@ -94,7 +99,7 @@ policy-test: $(STAMP) $(OPA)
 
 # Three workers on two cores: much of the suite waits on broker processes, OPA and disks.
 PYTEST_WORKERS ?= 3
-pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) postgresql deploy-tools
+pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) postgresql deploy-tools
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 bench: $(STAMP) $(OPA) $(FAKE_GCS)

@@ -67,6 +67,9 @@ class ErrorCode(StrEnum):
     NONCE_MISSING = "nonce_missing"
     NONCE_MISMATCH = "nonce_mismatch"
     KEY_BINDING_MISMATCH = "key_binding_mismatch"
+    # proof of possession (DPoP, RFC 9449) of the key an attestation result is bound to
+    DPOP_PROOF_INVALID = "dpop_proof_invalid"
+    DPOP_NONCE_REQUIRED = "use_dpop_nonce"  # RFC 9449 §8's name: retry with DPoP-Nonce
     # admin authentication
     UNAUTHORIZED = "unauthorized"
     # keys

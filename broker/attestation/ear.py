@@ -1,0 +1,178 @@
+"""EAT Attestation Results (EAR, draft-ietf-rats-ear-04): what ``POST /v1/attest`` answers.
+
+An EAR says what the broker concluded about a runner's evidence, per attester, without the
+evidence itself (digests only): the overall and per-submodule ``ear_status`` (AR4SI tiers:
+``none`` < ``affirming`` < ``warning`` < ``contraindicated``), each submodule's
+trustworthiness vector and the appraisal policies that produced it. Two claims make it ours:
+
+* ``cnf.jwk`` (RFC 7800): the runner's proof-of-possession key. The EAR is not a bearer
+  token: each use comes with a DPoP proof by that key (``crypto/dpop.py``).
+* ``CLAIM`` (a private claim, RFC 7519 §4.3): the runner's encryption key (keys released on
+  this EAR are wrapped to it), the digest and epoch of the policy that appraised it, and the
+  evidence digests.
+
+Submodule labels follow Trustee's scheme: ``cpu0`` for the CPU TEE, ``gpu0``, ``gpu1``, … for
+GPUs in the order the evidence lists them. ``legacy=True`` writes the names Veraison's library
+and Trustee's policies read (``ear.status``, ``ear.trustworthiness-vector``,
+``ear.appraisal-policy-id``, ``ear.verifier-id``, profile ``tag:github.com,2023:veraison/ear``).
+
+Pure: ``ear_claims`` builds the claims set from values, ``sign_ear`` makes the compact JWS with
+a signing function (the result-signing key lives where KEKs live: a file, Cloud KMS or PKCS#11).
+``tests/unit/test_ear.py`` checks the claims against a JSON Schema written from the draft's
+CDDL and verifies the signature with two JOSE libraries we do not sign with.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from broker.core.encoding import b64url_encode
+
+EAR_PROFILE = "tag:ietf.org,2026:rats/ear#04"
+LEGACY_PROFILE = "tag:github.com,2023:veraison/ear"
+MEDIA_TYPE = f'application/eat+jwt; eat_profile="{EAR_PROFILE}"'
+JWT_TYPE = "eat+jwt"
+CLAIM = "urn:sealed-runner-broker:attestation"  # our one private claim (keys, policy, digests)
+STATUSES = ("none", "affirming", "warning", "contraindicated")  # AR4SI tiers, best to worst
+VECTOR_CLAIMS = (
+    "instance-identity",
+    "configuration",
+    "executables",
+    "file-system",
+    "hardware",
+    "runtime-opaque",
+    "storage-opaque",
+    "sourced-data",
+)
+MAX_TTL = timedelta(seconds=900)
+
+
+@dataclass(frozen=True)
+class Submod:
+    """One attester's appraisal: its label (``cpu0``, ``gpu0``…), tier and vector."""
+
+    label: str
+    status: str
+    vector: Mapping[str, int] = field(default_factory=dict)  # AR4SI claim -> value (-128..127)
+    policy_ids: Sequence[str] = ()
+
+
+def status_of(value: int) -> str:
+    """The AR4SI tier of one trustworthiness value (draft-ietf-rats-ar4si §2.3.2)."""
+    magnitude = abs(value)
+    if magnitude <= 1:
+        return "none"
+    if magnitude <= 31:
+        return "affirming"
+    if magnitude <= 95:
+        return "warning"
+    return "contraindicated"
+
+
+def overall_status(submods: Sequence[Submod]) -> str:
+    """The least favourable tier of any submodule (``none`` without one)."""
+    return max((s.status for s in submods), key=STATUSES.index, default="none")
+
+
+def ear_claims(
+    *,
+    issuer: str,
+    audience: str,
+    jti: str,
+    now: datetime,
+    ttl: timedelta,
+    not_after: datetime | None,
+    nonce: str,
+    verifier_build: str,
+    submods: Sequence[Submod],
+    pop_jwk: Mapping[str, str],
+    encryption_jwk: Mapping[str, str],
+    policy_digest: str,
+    evidence_digests: Mapping[str, str],
+    legacy: bool = False,
+) -> dict[str, Any]:
+    """The claims set. ``exp`` is ``now + ttl`` (at most ``MAX_TTL``) and never later than
+    ``not_after``, the earliest expiry of any token or collateral the appraisal used.
+
+    Raises:
+        ValueError: an unknown tier or vector claim, a duplicate label, a TTL out of range, or
+            evidence that had already expired (``not_after`` not after ``now``).
+    """
+    if not timedelta(0) < ttl <= MAX_TTL:
+        raise ValueError(f"an EAR lives 1..{int(MAX_TTL.total_seconds())} s")
+    labels = [s.label for s in submods]
+    if not submods or len(set(labels)) != len(labels):
+        raise ValueError("an EAR needs one submodule per attester, each labelled once")
+    for submod in submods:
+        if submod.status not in STATUSES:
+            raise ValueError(f"unknown EAR status {submod.status!r}")
+        unknown = sorted(set(submod.vector) - set(VECTOR_CLAIMS))
+        if unknown:
+            raise ValueError(f"unknown trustworthiness claims: {', '.join(unknown)}")
+    expires = now + ttl if not_after is None else min(now + ttl, not_after)
+    if expires <= now:
+        raise ValueError("the evidence expires before an EAR could be used")
+    names = _LEGACY if legacy else _CURRENT
+    return {
+        "eat_profile": LEGACY_PROFILE if legacy else EAR_PROFILE,
+        "iss": issuer,
+        "aud": audience,
+        "jti": jti,
+        "iat": int(now.timestamp()),
+        "exp": int(expires.timestamp()),
+        "eat_nonce": nonce,
+        names["verifier"]: {"developer": issuer, "build": verifier_build},
+        names["status"]: overall_status(submods),
+        "submods": {
+            s.label: {
+                names["status"]: s.status,
+                **({names["vector"]: dict(s.vector)} if s.vector else {}),
+                **(_policy_ids(s.policy_ids, legacy) if s.policy_ids else {}),
+            }
+            for s in submods
+        },
+        "cnf": {"jwk": dict(pop_jwk)},
+        CLAIM: {
+            "encryption_key": dict(encryption_jwk),
+            "policy_digest": policy_digest,
+            "evidence_digests": dict(evidence_digests),
+        },
+    }
+
+
+def sign_ear(claims: Mapping[str, Any], *, kid: str, sign: Callable[[bytes], bytes]) -> str:
+    """The compact JWS (ES256) of ``claims``; ``sign`` returns the raw R || S signature of the
+    signing input (the result-signing key's, wherever it lives)."""
+    header = {"alg": "ES256", "kid": kid, "typ": JWT_TYPE}
+    signing_input = f"{_segment(header)}.{_segment(claims)}"
+    signature = sign(signing_input.encode("ascii"))
+    if len(signature) != 64:
+        raise ValueError("an ES256 signature is 64 bytes (R || S)")
+    return f"{signing_input}.{b64url_encode(signature)}"
+
+
+_CURRENT = {
+    "verifier": "ear_verifier_id",
+    "status": "ear_status",
+    "vector": "ear_trustworthiness_vector",
+}
+_LEGACY = {
+    "verifier": "ear.verifier-id",
+    "status": "ear.status",
+    "vector": "ear.trustworthiness-vector",
+}
+
+
+def _policy_ids(ids: Sequence[str], legacy: bool) -> dict[str, Any]:
+    # Veraison's library carries one policy id per submodule; the draft a list
+    return (
+        {"ear.appraisal-policy-id": ids[0]} if legacy else {"ear_appraisal_policy_ids": list(ids)}
+    )
+
+
+def _segment(value: Mapping[str, Any]) -> str:
+    return b64url_encode(json.dumps(value, separators=(",", ":"), sort_keys=True).encode())
