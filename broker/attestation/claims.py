@@ -19,6 +19,7 @@ from broker.attestation.gca import VerifiedGcaToken
 from broker.attestation.ita import VerifiedItaToken, tdx_claims
 from broker.attestation.nvidia.local import VerifiedGpuReport
 from broker.attestation.nvidia.nras import VerifiedNrasResult
+from broker.core.protocol import ATTEST_KIND
 
 SCHEMA = "broker.input/v1"
 
@@ -111,6 +112,31 @@ def build_input(
             "version": request.version,
             "purpose": request.purpose,
             "runner_key_thumbprint": request.runner_key_thumbprint,
+        },
+        "tee": dict(tee),
+        "gpus": [dict(gpu) for gpu in gpus],
+        "claims": {name: dict(values) for name, values in raw_claims.items()},
+        "time": now.isoformat(),
+    }
+
+
+def build_attest_input(
+    *,
+    runner_key_thumbprint: str,
+    pop_key_thumbprint: str,
+    tee: Mapping[str, Any],
+    raw_claims: Mapping[str, Mapping[str, Any]],
+    now: datetime,
+    gpus: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The policy input of an attestation (``data.broker.attest``): the release input's shape
+    without a key, with ``request.kind`` = ``attest`` and both runner keys' thumbprints."""
+    return {
+        "schema": SCHEMA,
+        "request": {
+            "kind": ATTEST_KIND,
+            "runner_key_thumbprint": runner_key_thumbprint,
+            "pop_key_thumbprint": pop_key_thumbprint,
         },
         "tee": dict(tee),
         "gpus": [dict(gpu) for gpu in gpus],

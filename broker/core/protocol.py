@@ -11,3 +11,9 @@ class Algorithm(StrEnum):
     AES_256 = "AES-256"  # a 32-byte data key
     HPKE_X25519 = "HPKE-X25519"  # RFC 9180 DHKEM(X25519) private key (32 bytes)
     HPKE_MLKEM768_X25519 = "HPKE-MLKEM768-X25519"  # ML-KEM-768 seed (64) || X25519 (32)
+
+
+# ``input.request.kind`` of an attestation's policy input (``POST /v1/attest``): the policy
+# engines evaluate ``data.broker.attest`` for it and ``data.broker.release`` for every other
+# input. Only the broker writes the policy input, so a runner cannot choose the package.
+ATTEST_KIND = "attest"

@@ -20,16 +20,25 @@ import aiohttp
 from opa_client.opa_async import AsyncOpaClient
 
 from broker.core.errors import ErrorCode, UpstreamError
+from broker.core.protocol import ATTEST_KIND
 from broker.policy.engine import Decision
 
 log = logging.getLogger(__name__)
 RELEASE_PATH = "broker/release"
+ATTEST_PATH = "broker/attest"
+
+
+def policy_path(policy_input: Mapping[str, Any]) -> str:
+    """The package the input is for, as the Wasm engine's wrapper chooses it (``build.py``)."""
+    request = policy_input.get("request")
+    attesting = isinstance(request, Mapping) and request.get("kind") == ATTEST_KIND
+    return ATTEST_PATH if attesting else RELEASE_PATH
 
 
 class _Client(AsyncOpaClient):  # type: ignore[misc]
     async def decide(self, policy_input: Mapping[str, Any]) -> Any:
-        """``POST /v1/data/broker/release``; OPA's error body is kept for the log."""
-        url = f"{self.root_url}/data/{RELEASE_PATH}"
+        """``POST /v1/data/broker/release`` (or ``…/attest``); OPA's error body is kept."""
+        url = f"{self.root_url}/data/{policy_path(policy_input)}"
         async with self._request("POST", url, json={"input": dict(policy_input)}) as response:
             body = await response.json(content_type=None)
             if response.status != 200:

@@ -17,11 +17,13 @@ import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from broker.attestation.claims import build_attest_input
 from broker.core.errors import UpstreamError
 from broker.policy.build import compile_policy_dir
 from broker.policy.opa_server import OpaServerEngine
@@ -263,3 +265,53 @@ async def test_wasm_engine_agrees_with_the_opa_server(engines: Pair) -> None:
         f"{json.dumps(d)[:300]}\n  wasm {w.allowed} {w.reasons}\n  opa  {o.allowed} {o.reasons}"
         for d, w, o in disagreements[:5]
     )
+
+
+def attest_inputs() -> Iterator[dict[str, Any]]:
+    """Attestation inputs (``request.kind`` = ``attest``: ``data.broker.attest``), each TEE
+    field wrong or missing, and ``kind`` itself odd (then ``data.broker.release`` decides)."""
+
+    def base() -> dict[str, Any]:  # the broker's own builder, with the release base's TEE
+        release = base_input()
+        return build_attest_input(
+            runner_key_thumbprint="e",
+            pop_key_thumbprint="p",
+            tee=release["tee"],
+            raw_claims={},
+            gpus=release["gpus"],
+            now=datetime(2026, 12, 1, tzinfo=UTC),
+        )
+
+    yield base()
+    for field in [f for f in FIELDS if f.startswith("tee")]:
+        for value in [MISSING, *WRONG]:
+            changed = base()
+            _set(changed, field, value)
+            yield changed
+    for value in [MISSING, *WRONG, "release", "Attest", "attest ", ["attest"]]:
+        changed = base()
+        _set(changed, "request.kind", value)
+        yield changed
+
+
+@pytest.mark.parametrize("engines", [None], ids=["shipped"], indirect=True)
+@pytest.mark.timeout(180)
+async def test_both_engines_send_attestations_to_the_attest_policy(engines: Pair) -> None:
+    inputs = list(attest_inputs())
+    disagreements = []
+    allowed = []
+    for document in inputs:
+        wasm = await engines.wasm.evaluate(copy.deepcopy(document))
+        opa = await engines.opa.evaluate(copy.deepcopy(document))
+        if wasm.allowed:
+            allowed.append(document)
+        if (wasm.allowed, wasm.reasons) != (opa.allowed, opa.reasons):
+            disagreements.append((document, wasm, opa))
+    assert not disagreements, "\n".join(
+        f"{json.dumps(d)[:300]}\n  wasm {w.allowed} {w.reasons}\n  opa  {o.allowed} {o.reasons}"
+        for d, w, o in disagreements[:5]
+    )
+    assert inputs[0] in allowed  # the attest policy allows the base attestation...
+    assert all(d["request"].get("kind") == "attest" for d in allowed)  # ...and only attestations
+    release_of_it = await engines.wasm.evaluate({**inputs[0], "request": {"kind": "release"}})
+    assert not release_of_it.allowed  # the same evidence without a key: the release policy denies

@@ -126,6 +126,33 @@ def test_policy_without_release_package_refused(tmp_path: Path) -> None:
     assert "must be package broker.release" in caught.value.message
 
 
+def test_the_attest_module_must_be_package_broker_attest(tmp_path: Path) -> None:
+    main_module(tmp_path).write_text("package broker.release\nimport rego.v1\nallow := true\n")
+    attest = tmp_path / "broker" / "attest.rego"
+    attest.write_text("package broker.release\nimport rego.v1\nreasons := set()\n")
+    with pytest.raises(ConfigError) as caught:
+        wasm_engine(tmp_path)
+    assert "must be package broker.attest" in caught.value.message
+
+
+async def test_release_and_attest_inputs_reach_their_own_package(tmp_path: Path) -> None:
+    """An attest policy that allows everything does not allow a release, and the reverse: the
+    wrapper routes on ``request.kind``, which only the broker writes."""
+    main_module(tmp_path).write_text("package broker.release\nimport rego.v1\nallow := false\n")
+    (tmp_path / "broker" / "attest.rego").write_text(
+        "package broker.attest\nimport rego.v1\nallow := true\n"
+    )
+    engine = wasm_engine(tmp_path)
+    assert (await engine.evaluate({"request": {"kind": "attest"}})).allowed is True
+    for other in ({"request": {"key": "k"}}, {"request": {"kind": "Attest"}}, {}):
+        assert (await engine.evaluate(other)).allowed is False
+    main_module(tmp_path).write_text("package broker.release\nimport rego.v1\nallow := true\n")
+    (tmp_path / "broker" / "attest.rego").unlink()  # no attest policy: no attestation passes
+    engine = wasm_engine(tmp_path)
+    assert (await engine.evaluate({"request": {"key": "k"}})).allowed is True
+    assert (await engine.evaluate({"request": {"kind": "attest"}})).allowed is False
+
+
 def test_compile_error_is_opas_message_verbatim(tmp_path: Path) -> None:
     main_module(tmp_path).write_text(
         "package broker.release\nimport rego.v1\nallow if { input.x = }\n"
