@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from broker.api.middleware import METRICS, request_context
 from broker.api.routes import register
 from broker.api.services import (
+    ATTESTATIONS,
     CHECKPOINTS,
     CLOCK,
     DECISIONS,
@@ -37,11 +38,13 @@ from broker.api.services import (
     RELEASE,
     SETTINGS,
     STATEMENTS,
+    Attestations,
     Clock,
     NoCheckpoints,
     Readiness,
     StatementKey,
 )
+from broker.attest import AttestService, ResultSigner
 from broker.attestation.jwks import JwksError
 from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
 from broker.attestation.nvidia.sources import (
@@ -64,6 +67,8 @@ from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
 from broker.keys.factory import open_key_service
 from broker.nonce_stores import open_nonce_store
+from broker.nonces import NonceStore
+from broker.policy.engine import PolicyEngine
 from broker.policy.manager import PolicyManager
 from broker.policy.workers import WorkerGroup
 from broker.release import ReleaseService
@@ -128,15 +133,24 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         policies = PolicyManager(settings.policy, metrics, clock=clock, workers=group)
         engine = await policies.open(audit.append, audit.append_policy_change, session=session)
         stack.push_async_callback(policies.close)
+        verifier, mask_key = await _verifier_and_mask_key(settings, session)
         release = ReleaseService(
             nonces=nonces,
-            verifier=await _evidence_verifier(settings, session),
+            verifier=verifier,
             keys=keys,
             policy=engine,
             audit=audit,
             metrics=metrics,
             mask=settings.audit.mask,
-            mask_key=await asyncio.to_thread(load_or_create_mask_key, _mask_key_path(settings)),
+            mask_key=mask_key,
+        )
+        attestations = await _attestations(
+            settings,
+            nonces=nonces,
+            verifier=verifier,
+            policy=engine,
+            audit=audit,
+            mask_key=mask_key,
         )
         statements = StatementKey(await _statement_signer(settings))
         publisher = await _checkpoints(settings, audit, session, stack)
@@ -145,6 +159,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
             "nonces": _store_kind(settings.nonces.store),
             "checkpoints": "signed" if publisher else "off (no signing_key)",
+            "attestations": "on" if attestations.service else "off",
         }
         app[NONCES] = nonces
         app[DECISIONS] = audit
@@ -153,6 +168,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         app[POLICY] = engine
         app[RELEASE] = release
         app[STATEMENTS] = statements
+        app[ATTESTATIONS] = attestations
         app[CHECKPOINTS] = publisher if publisher is not None else NoCheckpoints()
         app[READINESS] = Readiness(
             facts=facts,
@@ -163,11 +179,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             nonces=nonces,
             statements=statements,
         )
-        background = [asyncio.create_task(policies.watch(), name="policy-watch")]
-        if publisher is not None:
-            background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
-        if sink is not None:
-            background.append(asyncio.create_task(sink.run(), name="audit-sink"))
+        background = _background(policies, publisher, sink)
         log.info("broker ready: %s", {"policy": engine.digest, **facts})
         try:
             yield
@@ -260,6 +272,57 @@ def _gpu_sources(settings: Settings, session: aiohttp.ClientSession) -> GpuSourc
         else NoOcsp()
     )
     return GpuSources(rims=rims, ocsp=ocsp)
+
+
+def _background(
+    policies: PolicyManager, publisher: CheckpointPublisher | None, sink: AuditSink | None
+) -> list[asyncio.Task[None]]:
+    """The service's own tasks: policy reloads, checkpoints, the audit stream."""
+    background = [asyncio.create_task(policies.watch(), name="policy-watch")]
+    if publisher is not None:
+        background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
+    if sink is not None:
+        background.append(asyncio.create_task(sink.run(), name="audit-sink"))
+    return background
+
+
+async def _verifier_and_mask_key(
+    settings: Settings, session: aiohttp.ClientSession
+) -> tuple[EvidenceVerifier, bytes]:
+    """The evidence verifier and the key that masks record fields: releases and attestations
+    share both."""
+    mask_key = await asyncio.to_thread(load_or_create_mask_key, _mask_key_path(settings))
+    return await _evidence_verifier(settings, session), mask_key
+
+
+async def _attestations(
+    settings: Settings,
+    *,
+    nonces: NonceStore,
+    verifier: EvidenceVerifier,
+    policy: PolicyEngine,
+    audit: DecisionLog,
+    mask_key: bytes,
+) -> Attestations:
+    """``POST /v1/attest`` with its result-signing key, when ``[attest] enabled``."""
+    path = settings.attest.signing_key
+    if not settings.attest.enabled:
+        return Attestations(None)
+    if path is None:
+        raise ConfigError("attest.signing_key", "attest needs a result-signing key")
+    return Attestations(
+        AttestService(
+            settings=settings.attest,
+            issuer=settings.server.audience,
+            nonces=nonces,
+            verifier=verifier,
+            policy=policy,
+            audit=audit,
+            signer=await asyncio.to_thread(ResultSigner.from_pem, path),
+            mask_key=mask_key,
+            mask=settings.audit.mask,
+        )
+    )
 
 
 async def _statement_signer(settings: Settings) -> ec.EllipticCurvePrivateKey | None:

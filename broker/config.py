@@ -31,6 +31,7 @@ ISSUER_KINDS = frozenset({"gca", "ita", "nras"})
 # Signature algorithms each kind of issuer uses when the entry does not list its own.
 MAX_WORKERS = 64
 EVENT_LOOPS = ("uvloop", "asyncio")
+MAX_EAR_TTL_SECONDS = 900  # attestation results live at most this long (issue 19)
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
@@ -227,6 +228,17 @@ ADMIN_ROLES = frozenset({"key-admin", "policy-admin", "auditor"})
 
 
 @dataclass(frozen=True)
+class AttestSettings:
+    """``POST /v1/attest``: attestation results (EAR) bound to the runner's keys (docs/api.md).
+    Off by default; releases on a result are not wired yet (issue 19)."""
+
+    enabled: bool = False
+    signing_key: Path | None = None  # EC P-256 PEM that signs results (published at JWKS)
+    ttl_seconds: int = 300  # 1..900; never past the first expiry of the evidence used
+    legacy_names: bool = False  # Veraison's dotted claim names and profile
+
+
+@dataclass(frozen=True)
 class Settings:
     server: ServerSettings
     issuers: tuple[IssuerSettings, ...]
@@ -236,6 +248,7 @@ class Settings:
     nvidia: NvidiaSettings = field(default_factory=NvidiaSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
     nonces: NonceSettings = field(default_factory=NonceSettings)
+    attest: AttestSettings = field(default_factory=AttestSettings)
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -301,7 +314,7 @@ def settings_from_mapping(
         ConfigError: naming the first bad key.
     """
     env = os.environ if environ is None else environ
-    known = {"server", "issuers", "policy", "keys", "audit", "nvidia", "admin", "nonces"}
+    known = {"server", "issuers", "policy", "keys", "audit", "nvidia", "admin", "nonces", "attest"}
     for key in raw:
         if key not in known:
             raise ConfigError(key, "unknown section")
@@ -329,6 +342,7 @@ def settings_from_mapping(
     admin = config_table(AdminSettings, "admin", {"admin": admin_raw}, env, base_dir)
     admin = AdminSettings(token_sha256=admin.token_sha256, tokens=_admin_tokens(token_tables))
     issuers = _issuers(raw.get("issuers", []), base_dir)
+    attest = config_table(AttestSettings, "attest", raw, env, base_dir)
     settings = Settings(
         server=server,
         issuers=issuers,
@@ -338,6 +352,7 @@ def settings_from_mapping(
         nvidia=nvidia,
         admin=admin,
         nonces=nonces,
+        attest=attest,
     )
     _validate(settings)
     return settings
@@ -405,6 +420,7 @@ def _validate(settings: Settings) -> None:
             raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     _validate_nvidia(settings.nvidia)
     _validate_nonces(settings.nonces)
+    _validate_attest(settings.attest)
     if settings.server.workers > 1 and settings.nonces.store == "memory":
         raise ConfigError(
             "nonces.store",
@@ -459,6 +475,13 @@ def _validate_audit(audit: AuditSettings) -> None:
             return
         if not _url_allowed(audit.sink):
             raise ConfigError("audit.sink", "syslog://HOST:PORT or https://… (http on loopback)")
+
+
+def _validate_attest(attest: AttestSettings) -> None:
+    if not 1 <= attest.ttl_seconds <= MAX_EAR_TTL_SECONDS:
+        raise ConfigError("attest.ttl_seconds", f"must be 1..{MAX_EAR_TTL_SECONDS}")
+    if attest.enabled and attest.signing_key is None:
+        raise ConfigError("attest.signing_key", "attest needs a result-signing key (EC P-256 PEM)")
 
 
 def _validate_nonces(nonces: NonceSettings) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker.attestation.ear import MEDIA_TYPE as EAR_MEDIA_TYPE
 from broker.core.errors import ErrorCode
 from broker.core.fields import MAX_VERSION
 from broker.core.protocol import Algorithm
@@ -104,6 +105,28 @@ SCHEMAS: dict[str, Any] = {
             "audience": {"type": "string"},
         },
         ["nonce", "expires_at", "audience"],
+    ),
+    "AttestRequest": _object(
+        {
+            "nonce": {"type": "string", "minLength": 1, "maxLength": MAX_NONCE_CHARS},
+            "evidence": {
+                "type": "object",
+                "minProperties": 1,
+                "description": "as for a release; binds attestation_thumbprint(runner_key, "
+                "pop_key) where a release binds the runner key's thumbprint",
+            },
+            "runner_key": {
+                "type": "object",
+                "description": "the encryption key keys are wrapped to (a release's runner_key)",
+                "required": ["kty"],
+            },
+            "pop_key": {
+                "type": "object",
+                "description": "public EC P-256 JWK: the result's cnf.jwk (DPoP proofs)",
+                "required": ["kty"],
+            },
+        },
+        ["nonce", "evidence", "runner_key", "pop_key"],
     ),
     "ReleaseRequest": _object(
         {
@@ -327,6 +350,29 @@ def openapi_document() -> dict[str, Any]:
                         "200": _json(_ref("Release"), "released"),
                         **_errors(400, 401, 403, 404, 408, 409, 413, 415),
                     },
+                }
+            },
+            "/v1/attest": {
+                "post": {
+                    "summary": "verify evidence once; an attestation result (EAR) bound to "
+                    "the runner's keys (404 while [attest] is off)",
+                    "tags": ["runner"],
+                    "requestBody": _body(_ref("AttestRequest")),
+                    "responses": {
+                        "201": {
+                            "description": "the signed EAR (compact JWS)",
+                            "headers": {"Location": {"schema": {"type": "string"}}},
+                            "content": {EAR_MEDIA_TYPE: {"schema": {"type": "string"}}},
+                        },
+                        **_errors(400, 401, 403, 404, 408, 413, 415),
+                    },
+                }
+            },
+            "/.well-known/jwks.json": {
+                "get": {
+                    "summary": "JWKS of the keys that sign attestation results",
+                    "tags": ["runner"],
+                    "responses": {"200": _json(_ref("Jwks"), "keys"), **_errors()},
                 }
             },
             "/v1/keys/{name}/public": {

@@ -51,6 +51,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/openapi.json", health.openapi, Permission.PUBLIC),
     Route("POST", "/v1/challenge", runner.challenge, Permission.RUNNER, rate_limited=True),
     Route("POST", "/v1/release", runner.release, Permission.RUNNER, rate_limited=True),
+    Route("POST", "/v1/attest", runner.attest, Permission.RUNNER, rate_limited=True),
+    Route("GET", "/.well-known/jwks.json", runner.result_keys, Permission.PUBLIC),
     Route(
         "GET", "/v1/keys/{name:[a-z0-9][a-z0-9._/-]*}/public", query.public_key, Permission.PUBLIC
     ),

@@ -9,7 +9,9 @@ from aiohttp import web
 
 from broker.api.body import read_json_object
 from broker.api.middleware import REQUEST_ID, STARTED
-from broker.api.services import CLOCK, NONCES, RELEASE, SETTINGS
+from broker.api.services import ATTESTATIONS, CLOCK, NONCES, RELEASE, SETTINGS
+from broker.attest import ATTEST_FIELDS
+from broker.attestation.ear import MEDIA_TYPE
 from broker.release import RELEASE_FIELDS, RELEASE_OPTIONAL
 
 
@@ -60,3 +62,27 @@ async def release(request: web.Request) -> web.Response:
             "leaf_hash": base64.b64encode(released.leaf_hash).decode(),
         },
     )
+
+
+async def attest(request: web.Request) -> web.Response:
+    """Verify evidence once and answer an attestation result (EAR) bound to the runner's keys:
+    ``201``, the signed EAR as ``application/eat+jwt``, ``Location`` naming it."""
+    service = request.app[ATTESTATIONS].require()
+    body = await read_json_object(request, required=ATTEST_FIELDS)
+    attested = await service.attest(body, now=request.app[CLOCK](), request_id=request[REQUEST_ID])
+    return web.Response(
+        status=201,
+        body=attested.token.encode("ascii"),
+        headers={
+            "Content-Type": MEDIA_TYPE,
+            "Location": f"/v1/attestations/{attested.jti}",
+            "Cache-Control": "no-store",
+        },
+    )
+
+
+async def result_keys(request: web.Request) -> web.Response:
+    """``/.well-known/jwks.json``: the keys that verify this broker's attestation results
+    (none while ``[attest]`` is off)."""
+    service = request.app[ATTESTATIONS].service
+    return web.json_response(service.signer.jwks() if service is not None else {"keys": []})

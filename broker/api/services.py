@@ -15,6 +15,7 @@ from typing import Protocol
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from broker.attest import AttestService
 from broker.audit.log import DecisionLog
 from broker.config import Settings
 from broker.core.errors import ErrorCode, NotFound, UpstreamError
@@ -63,6 +64,22 @@ class StatementKey:
                 code=ErrorCode.NOT_FOUND,
             )
         return self.key
+
+
+@dataclass(frozen=True)
+class Attestations:
+    """``POST /v1/attest`` when ``[attest] enabled``; otherwise its routes answer 404."""
+
+    service: AttestService | None
+
+    def require(self) -> AttestService:
+        """Raises ``NotFound``: attestation results are off here (not a failing dependency)."""
+        if self.service is None:
+            raise NotFound(
+                "this broker issues no attestation results ([attest] enabled is false)",
+                code=ErrorCode.NOT_FOUND,
+            )
+        return self.service
 
 
 @dataclass(frozen=True)
@@ -128,3 +145,4 @@ RELEASE: web.AppKey[ReleaseService] = web.AppKey("release", ReleaseService)
 CHECKPOINTS: web.AppKey[Checkpoints] = web.AppKey("checkpoints")
 STATEMENTS: web.AppKey[StatementKey] = web.AppKey("statements", StatementKey)
 READINESS: web.AppKey[Readiness] = web.AppKey("readiness", Readiness)
+ATTESTATIONS: web.AppKey[Attestations] = web.AppKey("attestations", Attestations)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from typing import Any
 
+from broker.core.encoding import b64url_encode
 from broker.core.errors import AttestationError, ErrorCode
 
 MAX_EAT_NONCES = 16
@@ -82,3 +84,16 @@ def binding_digest(nonce: str, thumbprint: str) -> bytes:
 
 def same_bytes(left: bytes, right: bytes) -> bool:
     return hmac.compare_digest(left, right)
+
+
+def attestation_thumbprint(encryption_thumbprint: str, pop_thumbprint: str) -> str:
+    """What an attestation's evidence binds in the runner-key slot (``POST /v1/attest``): both
+    runner keys at once, as base64url(SHA-256) of the canonical JSON
+    ``{"encryption_key": <thumbprint>, "pop_key": <thumbprint>}`` — 43 characters, like one
+    key's thumbprint, so every evidence kind binds it the way it binds a release's key."""
+    document = json.dumps(
+        {"encryption_key": encryption_thumbprint, "pop_key": pop_thumbprint},
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+    return b64url_encode(hashlib.sha256(document.encode("ascii")).digest())

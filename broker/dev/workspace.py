@@ -50,9 +50,8 @@ def write_dev_workspace(
     issuer.write_jwks(workdir / "jwks.json")
     policies = workdir / "policies" / "broker"
     policies.mkdir(parents=True, exist_ok=True)
-    (policies / "release.rego").write_bytes(
-        (SHIPPED_POLICIES / "broker" / "release.rego").read_bytes()
-    )
+    for module in ("release.rego", "attest.rego"):  # the shipped policies, tests aside
+        (policies / module).write_bytes((SHIPPED_POLICIES / "broker" / module).read_bytes())
     data = json.loads((SHIPPED_POLICIES / "broker" / "data.json").read_text(encoding="utf-8"))
     data["images"] = {name: list(digests) for name, digests in images.items()}
     data["gpu_keys"] = dict(gpu_keys or {})

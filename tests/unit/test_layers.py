@@ -65,6 +65,7 @@ LAYER_OF: dict[str, int] = {
     "broker.api": ENTRY,
     "broker.app": ENTRY,
     "broker.release": ENTRY,
+    "broker.attest": ENTRY,
     "broker.offline": ENTRY,
     "broker.demo": ENTRY,
     "broker.supervisor": ENTRY,

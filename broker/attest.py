@@ -1,0 +1,296 @@
+"""``POST /v1/attest``: verify a runner's evidence once and answer an attestation result (EAR,
+``attestation/ear.py``) bound to two keys the runner made inside the TEE: a P-256
+proof-of-possession key (``cnf.jwk``: every later use comes with a DPoP proof by it) and an
+encryption key (keys released on the result are wrapped to it). Issue 19; releasing keys on a
+result is not wired yet.
+
+Order, as for a release (``release.py``): the body's shape; the nonce, spent atomically; the
+evidence, bound to the nonce and to ``attestation_thumbprint(encryption key, PoP key)``; the
+attestation policy (``data.broker.attest``, same bundle); then the EAR is signed, its record
+appended durably, and only then answered. Every request whose body parsed ends in exactly one
+``attestation`` record (``allow``, ``deny`` or ``error``); the whole sequence is shielded from
+the client hanging up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+from broker.attestation.claims import build_attest_input
+from broker.attestation.ear import Submod, ear_claims, sign_ear, status_of
+from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evidence_digests
+from broker.audit.log import DecisionLog
+from broker.audit.mask import masked
+from broker.config import AttestSettings
+from broker.core.binding import attestation_thumbprint
+from broker.core.encoding import canonical
+from broker.core.errors import BrokerError, ConfigError, ErrorCode, InputError, PolicyDenied
+from broker.core.fields import string_field
+from broker.crypto.jwk import RunnerKey, parse_runner_key, public_jwk, thumbprint
+from broker.nonces import MAX_NONCE_CHARS, NonceStore
+from broker.policy.engine import Decision, PolicyEngine
+
+log = logging.getLogger(__name__)
+ATTEST_FIELDS = ("nonce", "evidence", "runner_key", "pop_key")
+VERIFIER_BUILD = "sealed-runner-broker"
+
+
+class ResultSigner:
+    """The key that signs attestation results: an EC P-256 PEM file (development and tests; a
+    KMS or PKCS#11 key is issue 19's next step). Its public half is served at
+    ``/.well-known/jwks.json``."""
+
+    def __init__(self, key: ec.EllipticCurvePrivateKey) -> None:
+        if key.curve.name != "secp256r1":
+            raise ConfigError("attest.signing_key", "must be an EC P-256 private key")
+        self._key = key
+        self.jwk = public_jwk(key.public_key())
+        self.kid = thumbprint(self.jwk)
+
+    @classmethod
+    def from_pem(cls, path: Path) -> ResultSigner:
+        """Raises: ConfigError naming the key when the file is unreadable or not P-256."""
+        try:
+            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(
+                "attest.signing_key", f"not a readable PEM private key: {path}"
+            ) from exc
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ConfigError("attest.signing_key", "must be an EC P-256 private key")
+        return cls(key)
+
+    def sign(self, data: bytes) -> bytes:
+        """ES256: R || S of the signing input."""
+        r, s = decode_dss_signature(self._key.sign(data, ec.ECDSA(hashes.SHA256())))
+        return r.to_bytes(32, "big") + s.to_bytes(32, "big")
+
+    def jwks(self) -> dict[str, Any]:
+        return {"keys": [{**self.jwk, "kid": self.kid, "alg": "ES256", "use": "sig"}]}
+
+
+@dataclass(frozen=True)
+class AttestRequest:
+    nonce: str
+    unverified_evidence: Mapping[str, Any]
+    encryption_key: RunnerKey
+    pop_key: RunnerKey
+
+    @property
+    def binding(self) -> str:
+        return attestation_thumbprint(self.encryption_key.thumbprint, self.pop_key.thumbprint)
+
+
+def parse_attest_request(unverified_body: Mapping[str, Any]) -> AttestRequest:
+    """The body's fields, typed; the evidence stays unverified.
+
+    Raises:
+        InputError: ``bad_request`` or ``runner_key_invalid`` naming the field.
+    """
+    pop = parse_runner_key(unverified_body.get("pop_key"))
+    if pop.jwk.get("kty") != "EC" or pop.jwk.get("crv") != "P-256":
+        raise InputError(
+            "pop_key must be an EC P-256 public key", code=ErrorCode.RUNNER_KEY_INVALID
+        )
+    return AttestRequest(
+        nonce=string_field(unverified_body, "nonce", max_chars=MAX_NONCE_CHARS),
+        unverified_evidence=unverified_body.get("evidence"),  # type: ignore[arg-type]
+        encryption_key=parse_runner_key(unverified_body.get("runner_key")),
+        pop_key=pop,
+    )
+
+
+@dataclass(frozen=True)
+class Attested:
+    token: str  # the signed EAR (compact JWS)
+    jti: str
+    expires_at: datetime
+    log_index: int
+
+
+@dataclass
+class _Outcome:
+    jti: str
+    unverified_body: Mapping[str, Any]
+    request: AttestRequest | None = None
+    evidence: VerifiedEvidence | None = None
+    decision: Decision | None = None
+    input_digest: str | None = None
+    policy_input: dict[str, Any] | None = None
+    submods: list[Submod] = field(default_factory=list)
+    expires_at: datetime | None = None
+    error: BrokerError | None = None
+
+
+class AttestService:
+    def __init__(
+        self,
+        *,
+        settings: AttestSettings,
+        issuer: str,
+        nonces: NonceStore,
+        verifier: EvidenceVerifier,
+        policy: PolicyEngine,
+        audit: DecisionLog,
+        signer: ResultSigner,
+        mask_key: bytes,
+        mask: tuple[str, ...] = (),
+    ) -> None:
+        self._settings = settings
+        self._issuer = issuer
+        self._nonces = nonces
+        self._verifier = verifier
+        self._policy = policy
+        self._audit = audit
+        self.signer = signer
+        self._mask_key = mask_key
+        self._mask = mask
+
+    async def attest(
+        self, unverified_body: Mapping[str, Any], *, now: datetime, request_id: str
+    ) -> Attested:
+        """Verify, decide, sign, log; cancellation of the caller does not interrupt it.
+
+        Raises:
+            BrokerError: the specific reason, after the decision was logged.
+        """
+        task = asyncio.ensure_future(self._attest(unverified_body, now=now, request_id=request_id))
+        return await asyncio.shield(task)
+
+    async def _attest(
+        self, unverified_body: Mapping[str, Any], *, now: datetime, request_id: str
+    ) -> Attested:
+        outcome = _Outcome(jti=str(uuid.uuid4()), unverified_body=unverified_body)
+        token: str | None = None
+        try:
+            outcome.request = parse_attest_request(unverified_body)
+            token = await self._decide(outcome, outcome.request, now)
+        except BrokerError as exc:
+            outcome.error = exc
+        except Exception:  # a bug: recorded, nothing answered but internal_error
+            log.exception("attestation %s: unexpected failure", outcome.jti)
+            outcome.error = BrokerError("internal error")
+        appended = await self._audit.append_entry(self._record(outcome, now, request_id))
+        if outcome.error is not None:
+            outcome.error.details["log_index"] = appended.index
+            raise outcome.error
+        if token is None or outcome.expires_at is None:
+            raise RuntimeError("attestation finished without a result")
+        return Attested(token, outcome.jti, outcome.expires_at, appended.index)
+
+    async def _decide(self, outcome: _Outcome, request: AttestRequest, now: datetime) -> str:
+        await self._nonces.consume(request.nonce, now)
+        outcome.evidence = evidence = await self._verifier.verify(
+            request.unverified_evidence, nonce=request.nonce, thumbprint=request.binding, now=now
+        )
+        policy_input = build_attest_input(
+            runner_key_thumbprint=request.encryption_key.thumbprint,
+            pop_key_thumbprint=request.pop_key.thumbprint,
+            tee=evidence.tee,
+            raw_claims=evidence.raw_claims,
+            gpus=evidence.gpus,
+            now=now,
+        )
+        encoded = canonical(policy_input)
+        outcome.input_digest = "sha256:" + hashlib.sha256(encoded).hexdigest()
+        outcome.policy_input = policy_input
+        outcome.decision = decision = await self._policy.evaluate(policy_input, encoded=encoded)
+        if not decision.allowed:
+            raise PolicyDenied(decision.reasons, outcome.jti)
+        outcome.submods = appraisal(evidence, decision.policy_digest)
+        claims = ear_claims(
+            issuer=self._issuer,
+            audience=self._issuer,
+            jti=outcome.jti,
+            now=now,
+            ttl=timedelta(seconds=self._settings.ttl_seconds),
+            not_after=earliest_expiry(evidence),
+            nonce=request.nonce,
+            verifier_build=VERIFIER_BUILD,
+            submods=outcome.submods,
+            pop_jwk=request.pop_key.jwk,
+            encryption_jwk=request.encryption_key.jwk,
+            policy_digest=decision.policy_digest,
+            evidence_digests=evidence_digests(request.unverified_evidence),
+            legacy=self._settings.legacy_names,
+        )
+        outcome.expires_at = datetime.fromtimestamp(claims["exp"], UTC)
+        return sign_ear(claims, kid=self.signer.kid, sign=self.signer.sign)
+
+    def _record(self, outcome: _Outcome, now: datetime, request_id: str) -> dict[str, Any]:
+        request, error, decision = outcome.request, outcome.error, outcome.decision
+        result = "allow" if error is None else ("deny" if error.status < 500 else "error")
+        return {
+            "type": "attestation",
+            "decision_id": outcome.jti,
+            "jti": outcome.jti,
+            "request_id": request_id,
+            "time": now.isoformat(),
+            "result": result,
+            "code": error.code.value if error else None,
+            "message": error.message if error else None,
+            "reasons": [] if decision is None else list(decision.reasons),
+            "policy_digest": self._policy.digest if decision is None else decision.policy_digest,
+            "input_digest": outcome.input_digest,
+            "runner_key_thumbprint": request.encryption_key.thumbprint if request else None,
+            "pop_key_thumbprint": request.pop_key.thumbprint if request else None,
+            "evidence_digests": evidence_digests(outcome.unverified_body.get("evidence")),
+            "identity": None if outcome.evidence is None else dict(outcome.evidence.identity),
+            "submods": {s.label: s.status for s in outcome.submods},
+            "expires_at": None if outcome.expires_at is None else outcome.expires_at.isoformat(),
+            "input": None
+            if outcome.policy_input is None
+            else masked(
+                outcome.policy_input,
+                (*self._mask, *(decision.mask if decision is not None else ())),
+                self._mask_key,
+            ),
+        }
+
+
+def appraisal(evidence: VerifiedEvidence, policy_digest: str) -> list[Submod]:
+    """One submodule per attester, labelled as Trustee labels them (``cpu0``, ``gpu0``…), with
+    AR4SI values from what the pipeline verified: 2 (affirming) where a check held, 96
+    (contraindicated) where it did not, absent where nothing was checked."""
+    tee = evidence.tee
+    cpu = {
+        "instance-identity": 2,  # a token signed by a configured issuer, bound to this request
+        "hardware": 2 if tee.get("technology") not in (None, "none", "unknown") else 96,
+        "configuration": 2 if tee.get("debug") is False and tee.get("secure_boot") is True else 96,
+    }
+    submods = [Submod("cpu0", _worst(cpu), cpu, [policy_digest])]
+    for index, gpu in enumerate(evidence.gpus):
+        vector = {
+            "hardware": 2 if gpu.get("cert_chain") == "valid" else 96,
+            "configuration": 2 if gpu.get("cc_mode") == "on" and gpu.get("debug") is False else 96,
+            "executables": 2 if gpu.get("measurements") == "match" else 96,
+        }
+        submods.append(Submod(f"gpu{index}", _worst(vector), vector, [policy_digest]))
+    return submods
+
+
+def earliest_expiry(evidence: VerifiedEvidence) -> datetime | None:
+    """The first ``exp`` among the verified tokens: a result never outlives its evidence."""
+    expiries = [
+        claims["exp"]
+        for claims in evidence.raw_claims.values()
+        if isinstance(claims, Mapping) and isinstance(claims.get("exp"), int | float)
+    ]
+    return datetime.fromtimestamp(min(expiries), UTC) if expiries else None
+
+
+def _worst(vector: Mapping[str, int]) -> str:
+    order = ("none", "affirming", "warning", "contraindicated")
+    return max((status_of(v) for v in vector.values()), key=order.index, default="none")

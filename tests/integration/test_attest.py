@@ -1,0 +1,159 @@
+"""``POST /v1/attest`` against a live broker (issue 19): evidence verified once, an EAR bound to
+both runner keys, signed by the key ``/.well-known/jwks.json`` publishes, verified here with
+PyJWT (not the code that signs it); every outcome leaves one ``attestation`` record."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jwt
+
+from broker.attestation.ear import CLAIM, EAR_PROFILE, MEDIA_TYPE
+from broker.client.sdk import new_ephemeral_key
+from broker.core.binding import attestation_thumbprint
+from broker.crypto.jwk import public_jwk, thumbprint
+from tests.integration.conftest import RunningBroker, write_statement_key
+from tests.support.constants import ALLOWED
+
+ATTEST_TOML = '[attest]\nenabled = true\nsigning_key = "ear-signing.pem"\nttl_seconds = 120\n'
+
+
+def with_result_key(workdir: Path) -> None:
+    write_statement_key(workdir / "ear-signing.pem")  # an EC P-256 PEM
+
+
+async def attest_broker(start_broker: Callable[..., Any]) -> RunningBroker:
+    broker: RunningBroker = await start_broker(
+        extra_toml=ATTEST_TOML, workdir_setup=with_result_key
+    )
+    return broker
+
+
+async def attest_body(
+    session: aiohttp.ClientSession,
+    broker: RunningBroker,
+    *,
+    digest: str = ALLOWED,
+    bind: Callable[[str, str], str] = attestation_thumbprint,
+) -> dict[str, Any]:
+    async with session.post(broker.url + "/v1/challenge", json={}, ssl=broker.client_tls) as r:
+        challenge = await r.json()
+    pop = public_jwk(new_ephemeral_key("EC-P256").public_key())
+    encryption = public_jwk(new_ephemeral_key("X25519").public_key())
+    binding = bind(thumbprint(encryption), thumbprint(pop))
+    token = await broker.token_source(digest).token(
+        challenge["audience"], [challenge["nonce"], binding]
+    )
+    return {
+        "nonce": challenge["nonce"],
+        "evidence": {"gca": token},
+        "runner_key": encryption,
+        "pop_key": pop,
+    }
+
+
+async def post(
+    session: aiohttp.ClientSession, broker: RunningBroker, body: dict[str, Any]
+) -> tuple[int, str, dict[str, str]]:
+    async with session.post(
+        broker.url + "/v1/attest", json=body, ssl=broker.client_tls
+    ) as response:
+        return response.status, await response.text(), dict(response.headers)
+
+
+async def test_an_attestation_result_verifies_with_the_published_key(
+    start_broker: Callable[..., Any],
+) -> None:
+    broker = await attest_broker(start_broker)
+    async with aiohttp.ClientSession() as session:
+        body = await attest_body(session, broker)
+        status, text, headers = await post(session, broker, body)
+        assert status == 201, text
+        assert headers["Content-Type"] == MEDIA_TYPE
+        async with session.get(
+            broker.url + "/.well-known/jwks.json", ssl=broker.client_tls
+        ) as response:
+            jwks = await response.json()
+    header = jwt.get_unverified_header(text)
+    (key,) = [k for k in jwks["keys"] if k["kid"] == header["kid"]]
+    claims = jwt.decode(
+        text,
+        jwt.PyJWK(key).key,
+        algorithms=["ES256"],
+        audience=broker.settings.server.audience,
+        issuer=broker.settings.server.audience,
+    )
+    assert claims["eat_profile"] == EAR_PROFILE
+    assert claims["cnf"]["jwk"] == body["pop_key"]
+    assert claims[CLAIM]["encryption_key"] == body["runner_key"]
+    assert claims["submods"]["cpu0"]["ear_status"] == "affirming"
+    assert claims["ear_status"] == "affirming"
+    assert claims["eat_nonce"] == body["nonce"]
+    assert 0 < claims["exp"] - claims["iat"] <= 120
+    assert headers["Location"] == f"/v1/attestations/{claims['jti']}"
+    assert body["evidence"]["gca"] not in json.dumps(claims)  # digests only, never evidence
+    assert claims[CLAIM]["evidence_digests"]["gca"].startswith("sha256:")
+    (record,) = [r for r in broker.records() if r.get("type") == "attestation"]
+    assert record["result"] == "allow"
+    assert record["jti"] == claims["jti"]
+    assert record["pop_key_thumbprint"] == thumbprint(body["pop_key"])
+    assert record["submods"] == {"cpu0": "affirming"}
+
+
+async def test_evidence_bound_to_one_key_gets_no_result(start_broker: Callable[..., Any]) -> None:
+    """A token bound as for a release (the encryption key's thumbprint alone) does not bind the
+    proof-of-possession key: refused, so a result always names keys the TEE chose together."""
+    broker = await attest_broker(start_broker)
+    async with aiohttp.ClientSession() as session:
+        body = await attest_body(session, broker, bind=lambda encryption, pop: encryption)
+        status, text, _ = await post(session, broker, body)
+    assert status == 401, text
+    assert json.loads(text)["error"]["code"] == "key_binding_mismatch"
+    (record,) = [r for r in broker.records() if r.get("type") == "attestation"]
+    assert record["result"] == "deny"
+    assert record["code"] == "key_binding_mismatch"
+
+
+async def test_the_attestation_policy_decides_and_says_why(
+    start_broker: Callable[..., Any],
+) -> None:
+    broker = await attest_broker(start_broker)
+    async with aiohttp.ClientSession() as session:
+        body = await attest_body(session, broker, digest="sha256:" + "9" * 64)
+        status, text, _ = await post(session, broker, body)
+        replay_status, replay, _ = await post(session, broker, body)  # the nonce is spent
+    assert status == 403, text
+    error = json.loads(text)["error"]
+    assert error["code"] == "policy_denied"
+    assert any("is not allowed for any key" in r for r in error["reasons"])
+    assert replay_status == 401
+    assert json.loads(replay)["error"]["code"] == "nonce_reused"
+    records = [r for r in broker.records() if r.get("type") == "attestation"]
+    assert [r["result"] for r in records] == ["deny", "deny"]
+    assert records[0]["reasons"] == error["reasons"]
+
+
+async def test_a_pop_key_must_be_p256(start_broker: Callable[..., Any]) -> None:
+    broker = await attest_broker(start_broker)
+    async with aiohttp.ClientSession() as session:
+        body = await attest_body(session, broker)
+        body["pop_key"] = public_jwk(new_ephemeral_key("X25519").public_key())
+        status, text, _ = await post(session, broker, body)
+    assert status == 400, text
+    assert json.loads(text)["error"]["code"] == "runner_key_invalid"
+
+
+async def test_attestation_results_are_off_by_default(broker: RunningBroker) -> None:
+    async with aiohttp.ClientSession() as session:
+        status, text, _ = await post(session, broker, {"nonce": "n"})
+        async with session.get(
+            broker.url + "/.well-known/jwks.json", ssl=broker.client_tls
+        ) as response:
+            jwks = await response.json()
+    assert status == 404, text
+    assert json.loads(text)["error"]["code"] == "not_found"
+    assert jwks == {"keys": []}
