@@ -182,7 +182,7 @@ class AttestService:
         except Exception:  # a bug: recorded, nothing answered but internal_error
             log.exception("attestation %s: unexpected failure", outcome.jti)
             outcome.error = BrokerError("internal error")
-        appended = await self._audit.append_entry(self._record(outcome, now, request_id))
+        appended = await self._audit.append_entry(self._safe_record(outcome, now, request_id))
         if outcome.error is not None:
             outcome.error.details["log_index"] = appended.index
             raise outcome.error
@@ -228,6 +228,23 @@ class AttestService:
         )
         outcome.expires_at = datetime.fromtimestamp(claims["exp"], UTC)
         return sign_ear(claims, kid=self.signer.kid, sign=self.signer.sign)
+
+    def _safe_record(self, outcome: _Outcome, now: datetime, request_id: str) -> dict[str, Any]:
+        """``_record``; if building it fails (a bug), a minimal record and no result."""
+        try:
+            return self._record(outcome, now, request_id)
+        except Exception:
+            log.exception("attestation %s: building the record failed", outcome.jti)
+            outcome.error = BrokerError("internal error")
+            return {
+                "type": "attestation",
+                "decision_id": outcome.jti,
+                "jti": outcome.jti,
+                "request_id": request_id,
+                "time": now.isoformat(),
+                "result": "error",
+                "code": ErrorCode.INTERNAL.value,
+            }
 
     def _record(self, outcome: _Outcome, now: datetime, request_id: str) -> dict[str, Any]:
         request, error, decision = outcome.request, outcome.error, outcome.decision
