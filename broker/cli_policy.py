@@ -274,7 +274,10 @@ def _replay(args: argparse.Namespace) -> int:
         "skipped": 0,
     }
     for record in _records(args.log):
-        if record.get("type") != "release" or (args.key and record.get("key") != args.key):
+        # both policies: an attestation's input says so itself (request.kind, written by the
+        # broker), and the engine reads data.broker.attest for it; attestations name no key
+        kind = record.get("type")
+        if kind not in ("release", "attestation") or (args.key and record.get("key") != args.key):
             continue
         if since is not None and _time(str(record.get("time"))) < since:
             continue
@@ -295,7 +298,7 @@ def _replay(args: argparse.Namespace) -> int:
             summary["allow_to_deny" if old_allow else "deny_to_allow"] += 1
         else:
             summary["reasons_changed"] += 1
-        changed = {k: record.get(k) for k in ("decision_id", "time", "key")}
+        changed = {k: record.get(k) for k in ("type", "decision_id", "time", "key")}
         changed["old"] = {"allow": old_allow, "reasons": old_reasons}
         changed["new"] = {"allow": new.allowed, "reasons": list(new.reasons)}
         print(json.dumps(changed))

@@ -111,6 +111,14 @@ def test_eval_prints_the_decision_and_explains_it(tmp_path: Path) -> None:
     assert "Enter data.broker.release" in explained.stderr  # OPA's own trace
 
 
+def attestation_input(digest: str) -> dict[str, object]:
+    """``good_input``'s TEE running ``digest``, as an attestation's input (``request.kind``)."""
+    document = json.loads(json.dumps(good_input()))
+    document["request"] = {"kind": "attest"}
+    document["tee"]["workload"]["image_digest"] = digest
+    return dict(document)
+
+
 def test_replay_reports_changed_decisions(tmp_path: Path) -> None:
     policies = policy_copy(tmp_path, example=True)
     log = tmp_path / "decisions.log"
@@ -124,6 +132,10 @@ def test_replay_reports_changed_decisions(tmp_path: Path) -> None:
         {"type": "release", "decision_id": "d3", "time": "2026-11-22T10:00:00+00:00",
          "key": "models/llama", "result": "deny", "code": "token_expired", "input": None},
         {"type": "policy_change", "time": "2026-11-22T11:00:00+00:00"},
+        # an attestation the attest policy allowed; the candidate's images list it for no key
+        {"type": "attestation", "decision_id": "a1", "time": "2026-11-23T10:00:00+00:00",
+         "result": "allow", "reasons": [],
+         "input": attestation_input("sha256:" + "9" * 64)},
     ]  # fmt: skip
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     data = json.loads((policies / "broker" / "data.json").read_text())
@@ -134,10 +146,14 @@ def test_replay_reports_changed_decisions(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     summary = lines[-1]["summary"]
     assert summary == {
-        "decisions": 2, "unchanged": 0, "allow_to_deny": 1, "deny_to_allow": 1,
+        "decisions": 3, "unchanged": 0, "allow_to_deny": 2, "deny_to_allow": 1,
         "reasons_changed": 0, "skipped": 1,
     }  # fmt: skip
     changed = {line["decision_id"]: line for line in lines[:-1]}
+    assert changed["a1"]["type"] == "attestation"  # decided by data.broker.attest
+    assert changed["a1"]["new"]["reasons"] == [
+        "image sha256:" + "9" * 64 + " is not allowed for any key"
+    ]
     assert changed["d1"]["new"]["reasons"] == [
         "models/mistral: needs a GPU in confidential-computing mode"
     ]
