@@ -55,6 +55,7 @@ from broker.attestation.nvidia.sources import (
 )
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
+from broker.attestation_stores import open_attestation_store
 from broker.audit.log import DecisionLog
 from broker.audit.mask import load_or_create_mask_key
 from broker.audit.publisher import CheckpointPublisher
@@ -146,6 +147,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         )
         attestations = await _attestations(
             settings,
+            stack,
             nonces=nonces,
             verifier=verifier,
             policy=engine,
@@ -297,6 +299,7 @@ async def _verifier_and_mask_key(
 
 async def _attestations(
     settings: Settings,
+    stack: AsyncExitStack,
     *,
     nonces: NonceStore,
     verifier: EvidenceVerifier,
@@ -310,6 +313,9 @@ async def _attestations(
         return Attestations(None)
     if path is None:
         raise ConfigError("attest.signing_key", "attest needs a result-signing key")
+    signer = await asyncio.to_thread(ResultSigner.from_pem, path)
+    store = open_attestation_store(settings.nonces.store, timeout=settings.nonces.timeout_seconds)
+    stack.push_async_callback(store.close)
     return Attestations(
         AttestService(
             settings=settings.attest,
@@ -318,7 +324,8 @@ async def _attestations(
             verifier=verifier,
             policy=policy,
             audit=audit,
-            signer=await asyncio.to_thread(ResultSigner.from_pem, path),
+            signer=signer,
+            store=store,
             mask_key=mask_key,
             mask=settings.audit.mask,
         )

@@ -31,12 +31,20 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from broker.attestation.claims import build_attest_input
 from broker.attestation.ear import Submod, ear_claims, sign_ear, status_of
 from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evidence_digests
+from broker.attestation.stored import AttestationEntry, AttestationStore
 from broker.audit.log import DecisionLog
 from broker.audit.mask import masked
 from broker.config import AttestSettings
 from broker.core.binding import attestation_thumbprint
 from broker.core.encoding import canonical
-from broker.core.errors import BrokerError, ConfigError, ErrorCode, InputError, PolicyDenied
+from broker.core.errors import (
+    BrokerError,
+    ConfigError,
+    ErrorCode,
+    InputError,
+    NotFound,
+    PolicyDenied,
+)
 from broker.core.fields import string_field
 from broker.crypto.jwk import RunnerKey, parse_runner_key, public_jwk, thumbprint
 from broker.nonces import MAX_NONCE_CHARS, NonceStore
@@ -145,10 +153,12 @@ class AttestService:
         policy: PolicyEngine,
         audit: DecisionLog,
         signer: ResultSigner,
+        store: AttestationStore,
         mask_key: bytes,
         mask: tuple[str, ...] = (),
     ) -> None:
         self._settings = settings
+        self.store = store
         self._issuer = issuer
         self._nonces = nonces
         self._verifier = verifier
@@ -227,7 +237,45 @@ class AttestService:
             legacy=self._settings.legacy_names,
         )
         outcome.expires_at = datetime.fromtimestamp(claims["exp"], UTC)
-        return sign_ear(claims, kid=self.signer.kid, sign=self.signer.sign)
+        token = sign_ear(claims, kid=self.signer.kid, sign=self.signer.sign)
+        # stored before the record is written: a result is usable only once both exist, and a
+        # store that fails makes this an error record and a 503, never a result nobody can use
+        await self.store.put(
+            AttestationEntry(
+                jti=outcome.jti,
+                expires_at=outcome.expires_at,
+                encryption_jwk=request.encryption_key.jwk,
+                pop_thumbprint=request.pop_key.thumbprint,
+                policy_input=policy_input,
+            )
+        )
+        return token
+
+    async def status(self, jti: str, now: datetime) -> AttestationEntry:
+        """Raises: NotFound when unknown or expired; UpstreamError when the store is down."""
+        entry = await self.store.get(jti, now)
+        if entry is None:
+            raise NotFound("no such attestation (unknown or expired)")
+        return entry
+
+    async def revoke(self, jti: str, *, reason: str, who: str, now: datetime) -> AttestationEntry:
+        """Revoke in the shared store (every worker and replica refuses it from now on), then
+        log who did it and why (the first revocation's reason stays).
+
+        Raises: NotFound, UpstreamError."""
+        entry = await self.store.revoke(jti, reason, now)
+        if entry is None:
+            raise NotFound("no such attestation (unknown or expired)")
+        await self._audit.append_entry(
+            {
+                "type": "attestation_revoked",
+                "jti": jti,
+                "time": now.isoformat(),
+                "who": who,
+                "reason": entry.reason,
+            }
+        )
+        return entry
 
     def _safe_record(self, outcome: _Outcome, now: datetime, request_id: str) -> dict[str, Any]:
         """``_record``; if building it fails (a bug), a minimal record and no result."""

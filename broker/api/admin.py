@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from broker.api.body import read_json_object
-from broker.api.services import CLOCK, KEYS, POLICIES, SETTINGS
+from broker.api.body import read_json_object, string_field
+from broker.api.services import ATTESTATIONS, CLOCK, KEYS, POLICIES, SETTINGS
+from broker.attestation.stored import MAX_REASON_CHARS
 from broker.core.errors import Conflict, ErrorCode, Unauthorized, UpstreamError
 from broker.keys import admin
 
@@ -139,3 +140,15 @@ async def reload_policy(request: web.Request) -> web.Response:
             silent_workers=list(reloaded.silent),
         )
     return web.json_response(reloaded.describe())
+
+
+async def revoke_attestation(request: web.Request) -> web.Response:
+    """``POST /v1/admin/attestations/{jti}/revoke`` (role ``key-admin``): no key is released on
+    that result any more, by any worker or replica; logged with who and why."""
+    service = request.app[ATTESTATIONS].require()
+    body = await read_json_object(request, required=("reason",))
+    reason = string_field(body, "reason", max_chars=MAX_REASON_CHARS)
+    entry = await service.revoke(
+        request.match_info["jti"], reason=reason, who=request[ADMIN_WHO], now=request.app[CLOCK]()
+    )
+    return web.json_response({"jti": entry.jti, "status": entry.status, "reason": entry.reason})

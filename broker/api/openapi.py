@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.attestation.ear import MEDIA_TYPE as EAR_MEDIA_TYPE
+from broker.attestation.stored import MAX_REASON_CHARS
 from broker.core.errors import ErrorCode
 from broker.core.fields import MAX_VERSION
 from broker.core.protocol import Algorithm
@@ -127,6 +128,18 @@ SCHEMAS: dict[str, Any] = {
             },
         },
         ["nonce", "evidence", "runner_key", "pop_key"],
+    ),
+    "Attestation": _object(
+        {
+            "jti": {"type": "string"},
+            "status": {"type": "string", "enum": ["active", "revoked"]},
+            "reason": {"type": ["string", "null"]},
+            "expires_at": {"type": "string", "format": "date-time"},
+        },
+        ["jti", "status", "reason"],
+    ),
+    "Revocation": _object(
+        {"reason": {"type": "string", "minLength": 1, "maxLength": MAX_REASON_CHARS}}, ["reason"]
     ),
     "ReleaseRequest": _object(
         {
@@ -284,6 +297,13 @@ def _admin(summary: str, body: str | None, ok: tuple[int, str], *errors: int) ->
 
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (a fresh dict each call)."""
+    jti = {
+        "name": "jti",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": "^[0-9a-f-]{36}$"},
+        "description": "the result's jti (its attestation record's decision_id)",
+    }
     public_name = {
         "name": "name",
         "in": "path",
@@ -366,6 +386,29 @@ def openapi_document() -> dict[str, Any]:
                         },
                         **_errors(400, 401, 403, 404, 408, 413, 415),
                     },
+                }
+            },
+            "/v1/attestations/{jti}": {
+                "get": {
+                    "summary": "an attestation result's status (active or revoked, and why)",
+                    "tags": ["runner"],
+                    "parameters": [jti],
+                    "responses": {
+                        "200": _json(_ref("Attestation"), "the status"),
+                        **_errors(404),
+                    },
+                }
+            },
+            "/v1/admin/attestations/{jti}/revoke": {
+                "post": {
+                    **_admin(
+                        "revoke an attestation result in the shared store; logged",
+                        "Revocation",
+                        (200, "Attestation"),
+                        400,
+                        404,
+                    ),
+                    "parameters": [jti],
                 }
             },
             "/.well-known/jwks.json": {

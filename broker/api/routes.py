@@ -54,6 +54,13 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/attest", runner.attest, Permission.RUNNER, rate_limited=True),
     Route("GET", "/.well-known/jwks.json", runner.result_keys, Permission.PUBLIC),
     Route(
+        "GET",
+        "/v1/attestations/{jti:[0-9a-f-]+}",
+        runner.attestation_status,
+        Permission.PUBLIC,
+        rate_limited=True,
+    ),
+    Route(
         "GET", "/v1/keys/{name:[a-z0-9][a-z0-9._/-]*}/public", query.public_key, Permission.PUBLIC
     ),
     Route("GET", "/v1/statement-keys", query.statement_keys, Permission.PUBLIC),
@@ -64,6 +71,12 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/admin/keys/enable", admin.enable_version, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/keys/destroy", admin.destroy_version, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/policy/reload", admin.reload_policy, Permission.POLICY_ADMIN),
+    Route(
+        "POST",
+        "/v1/admin/attestations/{jti:[0-9a-f-]+}/revoke",
+        admin.revoke_attestation,
+        Permission.KEY_ADMIN,
+    ),
     # Hashes only: public (a runner proves its own decision, monitors need no credential).
     Route("GET", "/v1/log/key", log.key, Permission.PUBLIC, rate_limited=True),
     Route("GET", "/v1/log/checkpoint", log.checkpoint, Permission.PUBLIC, rate_limited=True),

@@ -12,6 +12,7 @@ from broker.api.middleware import REQUEST_ID, STARTED
 from broker.api.services import ATTESTATIONS, CLOCK, NONCES, RELEASE, SETTINGS
 from broker.attest import ATTEST_FIELDS
 from broker.attestation.ear import MEDIA_TYPE
+from broker.attestation.stored import AttestationEntry
 from broker.release import RELEASE_FIELDS, RELEASE_OPTIONAL
 
 
@@ -86,3 +87,20 @@ async def result_keys(request: web.Request) -> web.Response:
     (none while ``[attest]`` is off)."""
     service = request.app[ATTESTATIONS].service
     return web.json_response(service.signer.jwks() if service is not None else {"keys": []})
+
+
+async def attestation_status(request: web.Request) -> web.Response:
+    """``GET /v1/attestations/{jti}``: whether a result may still be used (``active``) or was
+    revoked, and why; 404 once it expired."""
+    service = request.app[ATTESTATIONS].require()
+    entry = await service.status(request.match_info["jti"], request.app[CLOCK]())
+    return web.json_response(_describe(entry))
+
+
+def _describe(entry: AttestationEntry) -> dict[str, object]:
+    return {
+        "jti": entry.jti,
+        "status": entry.status,
+        "reason": entry.reason,
+        "expires_at": entry.expires_at.isoformat().replace("+00:00", "Z"),
+    }

@@ -4,6 +4,7 @@ PyJWT (not the code that signs it); every outcome leaves one ``attestation`` rec
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import jwt
+import pytest
 
 from broker.attestation.ear import CLAIM, EAR_PROFILE, MEDIA_TYPE
 from broker.client.sdk import new_ephemeral_key
@@ -157,3 +159,55 @@ async def test_attestation_results_are_off_by_default(broker: RunningBroker) -> 
     assert status == 404, text
     assert json.loads(text)["error"]["code"] == "not_found"
     assert jwks == {"keys": []}
+
+
+ADMIN_TOKEN = "attest-admin-token-0123456789"
+
+
+@pytest.mark.parametrize("deployment", ["process", "workers"], indirect=True)
+async def test_a_revocation_is_seen_by_every_worker_and_logged(
+    start_broker: Callable[..., Any],
+) -> None:
+    """Revoked through one worker (key-admin), seen through any: the status lives in the shared
+    store ([nonces] store: SQLite for --workers 2), and the revocation is a log record."""
+    broker: RunningBroker = await start_broker(
+        extra_toml=ATTEST_TOML,
+        workdir_setup=with_result_key,
+        environ={"BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest()},
+    )
+    tls = broker.client_tls
+    async with aiohttp.ClientSession() as session:
+        status, token, _ = await post(session, broker, await attest_body(session, broker))
+        assert status == 201, token
+        jti = jwt.decode(token, options={"verify_signature": False})["jti"]
+        states = []
+        for _ in range(6):  # several connections: with two workers, both answer
+            async with (
+                aiohttp.ClientSession() as other,
+                other.get(f"{broker.url}/v1/attestations/{jti}", ssl=tls) as response,
+            ):
+                states.append((response.status, (await response.json())["status"]))
+        assert set(states) == {(200, "active")}
+        revoke_url = f"{broker.url}/v1/admin/attestations/{jti}/revoke"
+        async with session.post(revoke_url, json={"reason": "x"}, ssl=tls) as response:
+            assert response.status == 401  # no credential, no revocation
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with session.post(
+            revoke_url, json={"reason": "image withdrawn"}, headers=headers, ssl=tls
+        ) as response:
+            assert response.status == 200, await response.text()
+            assert (await response.json())["status"] == "revoked"
+        for _ in range(6):
+            async with (
+                aiohttp.ClientSession() as other,
+                other.get(f"{broker.url}/v1/attestations/{jti}", ssl=tls) as response,
+            ):
+                seen = await response.json()
+            assert (seen["status"], seen["reason"]) == ("revoked", "image withdrawn")
+        async with session.get(
+            f"{broker.url}/v1/attestations/00000000-0000-0000-0000-000000000000", ssl=tls
+        ) as response:
+            assert response.status == 404
+    (revocation,) = [r for r in broker.records() if r.get("type") == "attestation_revoked"]
+    assert (revocation["jti"], revocation["reason"]) == (jti, "image withdrawn")
+    assert revocation["who"]

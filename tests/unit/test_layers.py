@@ -56,6 +56,8 @@ LAYER_OF: dict[str, int] = {
     "broker.keys.transfer": ADAPTER,
     "broker.nonces": DOMAIN,
     "broker.nonce_stores": ADAPTER,
+    "broker.attestation_stores": ADAPTER,
+    "broker.attestation_stores_shared": ADAPTER,
     "broker.nonce_stores_shared": ADAPTER,
     "broker.cloud": ADAPTER,
     "broker.config": ADAPTER,

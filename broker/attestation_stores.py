@@ -1,0 +1,157 @@
+"""Where attestations live while they may be used (issue 19): the record a release on an EAR
+will be decided from, and its status, shared by every worker and replica that may see the EAR.
+
+The store is the nonce store's (``[nonces] store``): ``memory`` (one process), ``sqlite:///PATH``
+(one host), ``redis://…`` and ``postgresql://…`` (replicas) — the same sharing an EAR needs as a
+nonce. An entry holds the attestation's policy input (unmasked: the release policy decides on
+it; claims, never evidence or key material), the runner's encryption key and PoP key thumbprint,
+its expiry, and its status (``active`` or ``revoked`` with a reason). Entries are forgotten when
+they expire. A revocation is one write every replica reads on its next lookup.
+
+Any failure to get an answer is ``503`` (``nonce_store_unavailable``, the store's code): never an
+attestation treated as active.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from broker.attestation.stored import (
+    AttestationEntry,
+    AttestationStore,
+    revoked_entry,
+    unavailable,
+)
+
+
+class MemoryAttestations:
+    """One process (``[nonces] store = "memory"``)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, AttestationEntry] = {}
+
+    async def put(self, entry: AttestationEntry) -> None:
+        now = datetime.now(UTC)
+        self._entries = {k: v for k, v in self._entries.items() if v.expires_at > now}
+        self._entries[entry.jti] = entry
+
+    async def get(self, jti: str, now: datetime) -> AttestationEntry | None:
+        entry = self._entries.get(jti)
+        return entry if entry is not None and entry.expires_at > now else None
+
+    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
+        entry = await self.get(jti, now)
+        if entry is None:
+            return None
+        self._entries[jti] = revoked = revoked_entry(entry, reason)
+        return revoked
+
+    async def close(self) -> None:
+        self._entries.clear()
+
+
+class SqliteAttestations:
+    """Processes on one host share the nonce store's SQLite file (table ``attestations``);
+    calls run on one dedicated thread with its own connection."""
+
+    def __init__(self, path: Path, *, timeout: float) -> None:
+        self._path = path
+        self._timeout = timeout
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attest-sqlite")
+        self._connection: sqlite3.Connection | None = None
+
+    async def put(self, entry: AttestationEntry) -> None:
+        def insert(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM attestations WHERE expires_at <= ?", (time.time(),))
+            db.execute(
+                "INSERT INTO attestations (jti, expires_at, body) VALUES (?, ?, ?)",
+                (entry.jti, entry.expires_at.timestamp(), entry.to_json()),
+            )
+
+        await self._run(insert)
+
+    async def get(self, jti: str, now: datetime) -> AttestationEntry | None:
+        def select(db: sqlite3.Connection) -> str | None:
+            row = db.execute(
+                "SELECT body FROM attestations WHERE jti = ? AND expires_at > ?",
+                (jti, now.timestamp()),
+            ).fetchone()
+            return None if row is None else str(row[0])
+
+        body = await self._run(select)
+        return None if body is None else AttestationEntry.from_json(body)
+
+    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
+        def update(db: sqlite3.Connection) -> str | None:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                row = db.execute(
+                    "SELECT body FROM attestations WHERE jti = ? AND expires_at > ?",
+                    (jti, now.timestamp()),
+                ).fetchone()
+                if row is None:
+                    db.execute("COMMIT")
+                    return None
+                body = revoked_entry(AttestationEntry.from_json(row[0]), reason).to_json()
+                db.execute("UPDATE attestations SET body = ? WHERE jti = ?", (body, jti))
+                db.execute("COMMIT")
+                return body
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+        body = await self._run(update)
+        return None if body is None else AttestationEntry.from_json(body)
+
+    async def close(self) -> None:
+        def shut() -> None:
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, shut)
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, operation: Any) -> Any:
+        def call() -> Any:
+            return operation(self._db())
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        except (sqlite3.Error, OSError) as exc:
+            raise unavailable("sqlite", exc) from exc
+
+    def _db(self) -> sqlite3.Connection:
+        if self._connection is None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self._path, timeout=self._timeout, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(
+                "CREATE TABLE IF NOT EXISTS attestations (jti TEXT PRIMARY KEY, "
+                "expires_at REAL NOT NULL, body TEXT NOT NULL) WITHOUT ROWID;"
+            )
+            self._connection = db
+        return self._connection
+
+
+def open_attestation_store(uri: str, *, timeout: float) -> AttestationStore:
+    """The store ``[nonces] store`` names (validated by the config loader)."""
+    if uri == "memory":
+        return MemoryAttestations()
+    if uri.startswith("sqlite:///"):
+        return SqliteAttestations(Path(uri.removeprefix("sqlite://")), timeout=timeout)
+    # The Redis and PostgreSQL clients load only where such a store is configured.
+    if uri.startswith(("redis://", "rediss://")):
+        from broker.attestation_stores_shared import RedisAttestations  # noqa: PLC0415
+
+        return RedisAttestations(uri, timeout=timeout)
+    from broker.attestation_stores_shared import PostgresAttestations  # noqa: PLC0415
+
+    return PostgresAttestations(uri, timeout=timeout)

@@ -1,0 +1,168 @@
+"""Attestation stores replicas share: Redis and PostgreSQL (``attestation_stores.py`` opens
+them; their clients load only when one is configured)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, WatchError
+
+from broker.attestation.stored import AttestationEntry, revoked_entry, unavailable
+
+
+class RedisAttestations:
+    """``broker:attestation:<jti>`` holds the entry's JSON and expires with it (``EXAT``); a
+    revocation rewrites it under ``WATCH`` (optimistic), keeping the expiry."""
+
+    PREFIX = "broker:attestation:"
+
+    def __init__(self, url: str, *, timeout: float) -> None:
+        self._client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry_on_timeout=False,
+            decode_responses=False,
+            driver_info=None,  # no CLIENT SETINFO: no package metadata read on the loop
+        )
+
+    async def put(self, entry: AttestationEntry) -> None:
+        try:
+            await self._client.set(
+                self.PREFIX + entry.jti,
+                entry.to_json().encode(),
+                exat=int(entry.expires_at.timestamp()) + 1,
+            )
+        except (RedisError, OSError) as exc:
+            raise unavailable("redis", exc) from exc
+
+    async def get(self, jti: str, now: datetime) -> AttestationEntry | None:
+        try:
+            body = await self._client.get(self.PREFIX + jti)
+        except (RedisError, OSError) as exc:
+            raise unavailable("redis", exc) from exc
+        if body is None:
+            return None
+        entry = AttestationEntry.from_json(body)
+        return entry if entry.expires_at > now else None
+
+    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
+        key = self.PREFIX + jti
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        await pipe.watch(key)
+                        body = await pipe.get(key)
+                        if body is None:
+                            return None
+                        entry = AttestationEntry.from_json(body)
+                        if entry.expires_at <= now:
+                            return None
+                        revoked = revoked_entry(entry, reason)
+                        pipe.multi()  # type: ignore[no-untyped-call]
+                        pipe.set(key, revoked.to_json().encode(), keepttl=True)
+                        await pipe.execute()
+                        return revoked
+                    except WatchError:  # another revocation got there first: read it again
+                        continue
+        except (RedisError, OSError) as exc:
+            raise unavailable("redis", exc) from exc
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+_PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS broker_attestations (
+    jti text PRIMARY KEY,
+    expires_at timestamptz NOT NULL,
+    body text NOT NULL
+);
+CREATE INDEX IF NOT EXISTS broker_attestations_expiry ON broker_attestations (expires_at);
+"""
+_PG_SCHEMA_LOCK = 0x6174746573  # pg_advisory_xact_lock key: one replica creates the table
+
+
+class PostgresAttestations:
+    """Replicas share ``broker_attestations`` (created on first use); a revocation is one
+    ``UPDATE … WHERE`` under a row lock."""
+
+    def __init__(self, dsn: str, *, timeout: float) -> None:
+        self._dsn = dsn
+        self._timeout = timeout
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+
+    async def put(self, entry: AttestationEntry) -> None:
+        async def insert(db: asyncpg.Connection) -> None:
+            await db.execute("DELETE FROM broker_attestations WHERE expires_at <= now()")
+            await db.execute(
+                "INSERT INTO broker_attestations (jti, expires_at, body) VALUES ($1, $2, $3)",
+                entry.jti,
+                entry.expires_at,
+                entry.to_json(),
+            )
+
+        await self._run(insert)
+
+    async def get(self, jti: str, now: datetime) -> AttestationEntry | None:
+        async def select(db: asyncpg.Connection) -> Any:
+            return await db.fetchval(
+                "SELECT body FROM broker_attestations WHERE jti = $1 AND expires_at > $2",
+                jti,
+                now,
+            )
+
+        body = await self._run(select)
+        return None if body is None else AttestationEntry.from_json(body)
+
+    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
+        async def update(db: asyncpg.Connection) -> Any:
+            async with db.transaction():
+                body = await db.fetchval(
+                    "SELECT body FROM broker_attestations WHERE jti = $1 AND expires_at > $2 "
+                    "FOR UPDATE",
+                    jti,
+                    now,
+                )
+                if body is None:
+                    return None
+                revoked = revoked_entry(AttestationEntry.from_json(body), reason).to_json()
+                await db.execute(
+                    "UPDATE broker_attestations SET body = $2 WHERE jti = $1", jti, revoked
+                )
+                return revoked
+
+        body = await self._run(update)
+        return None if body is None else AttestationEntry.from_json(body)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def _run(self, operation: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._timeout):
+                pool = await self._open()
+                async with pool.acquire() as db:
+                    return await operation(db)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+            raise unavailable("postgresql", exc) from exc
+
+    async def _open(self) -> asyncpg.Pool:
+        async with self._opening:
+            if self._pool is None:
+                pool = await asyncpg.create_pool(
+                    self._dsn, min_size=1, max_size=2, max_inactive_connection_lifetime=0
+                )
+                async with pool.acquire() as db, db.transaction():
+                    await db.execute("SELECT pg_advisory_xact_lock($1)", _PG_SCHEMA_LOCK)
+                    await db.execute(_PG_SCHEMA)
+                self._pool = pool
+            return self._pool

@@ -1,0 +1,137 @@
+"""The attestation store's contract on every backend, against real servers where there is one
+(redis-server and PostgreSQL on loopback): put, get, revoke (the first reason stays), expiry,
+two clients of one store (replicas) seeing each other's revocation, and 503 when the store is
+down — never an attestation treated as active."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from broker.attestation.stored import ACTIVE, REVOKED, AttestationEntry, AttestationStore
+from broker.attestation_stores import open_attestation_store
+from broker.core.errors import ErrorCode, UpstreamError
+
+NOW = datetime.now(UTC)
+
+
+def entry(expires_in: float = 300) -> AttestationEntry:
+    return AttestationEntry(
+        jti=secrets.token_hex(8),
+        expires_at=NOW + timedelta(seconds=expires_in),
+        encryption_jwk={"kty": "OKP", "crv": "X25519", "x": "x" * 43},
+        pop_thumbprint="p" * 43,
+        policy_input={"request": {"kind": "attest"}, "tee": {"debug": False}},
+    )
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis", "postgresql"])
+async def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 'nonces.db'}"
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    if request.param == "postgresql":  # a fresh database on the session's server
+        server = str(request.getfixturevalue("postgresql_url"))
+        name = f"attest_{secrets.token_hex(6)}"
+        admin = await asyncpg.connect(server)
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await admin.close()
+        return urlunsplit(urlsplit(server)._replace(path=f"/{name}"))
+    return "memory"
+
+
+@pytest.fixture
+async def stores(uri: str) -> AsyncIterator[Callable[[], AttestationStore]]:
+    """Opens clients of the store ``uri`` names (two of them: two replicas)."""
+    opened: list[AttestationStore] = []
+
+    def open_one() -> AttestationStore:
+        store = open_attestation_store(uri, timeout=5)
+        opened.append(store)
+        return store
+
+    yield open_one
+    for store in opened:
+        await store.close()
+
+
+async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore]) -> None:
+    store = stores()
+    live, short = entry(), entry(expires_in=1)
+    await store.put(live)
+    await store.put(short)
+    got = await store.get(live.jti, NOW)
+    assert got == live
+    assert got is not None
+    assert got.status == ACTIVE
+    revoked = await store.revoke(live.jti, "policy v2 denies it", NOW)
+    assert revoked is not None
+    assert (revoked.status, revoked.reason) == (
+        REVOKED,
+        "policy v2 denies it",
+    )
+    again = await store.revoke(live.jti, "a later reason", NOW)
+    assert again is not None
+    assert again.reason == "policy v2 denies it"  # the first reason stays
+    assert await store.get("unknown", NOW) is None
+    assert await store.revoke("unknown", "x", NOW) is None
+    assert await store.get(short.jti, NOW + timedelta(seconds=2)) is None  # expired
+    assert await store.revoke(short.jti, "x", NOW + timedelta(seconds=2)) is None
+
+
+async def test_a_revocation_is_seen_by_every_client(
+    uri: str, stores: Callable[[], AttestationStore]
+) -> None:
+    if uri == "memory":
+        pytest.skip("memory is one process's store by definition")
+    first, second = stores(), stores()
+    shared = entry()
+    await first.put(shared)
+    assert (await second.get(shared.jti, NOW)) == shared
+    await second.revoke(shared.jti, "revoked by an admin", NOW)
+    seen = await first.get(shared.jti, NOW)
+    assert seen is not None
+    assert seen.status == REVOKED
+
+
+async def test_concurrent_revocations_keep_one_reason(
+    uri: str, stores: Callable[[], AttestationStore]
+) -> None:
+    store = stores()
+    shared = entry()
+    await store.put(shared)
+    clients = [store] * 8 if uri == "memory" else [stores() for _ in range(8)]  # replicas
+    results = await asyncio.gather(
+        *(client.revoke(shared.jti, f"reason {i}", NOW) for i, client in enumerate(clients))
+    )
+    reasons = {r.reason for r in results if r is not None}
+    final = await store.get(shared.jti, NOW)
+    assert final is not None
+    assert final.reason in reasons
+    assert len(reasons) == 1  # whoever won, everyone read the same first reason
+
+
+async def test_a_store_that_does_not_answer_is_503(tmp_path: Path) -> None:
+    for uri in ("redis://127.0.0.1:9/0", "postgresql://broker@127.0.0.1:9/none"):
+        store = open_attestation_store(uri, timeout=1)
+        try:
+            with pytest.raises(UpstreamError) as caught:
+                await store.get("x", NOW)
+            assert caught.value.code is ErrorCode.NONCE_STORE_UNAVAILABLE
+        finally:
+            await store.close()
+    (tmp_path / "dir.db").mkdir()  # a directory where the SQLite file should be
+    store = open_attestation_store(f"sqlite://{tmp_path / 'dir.db'}", timeout=1)
+    with pytest.raises(UpstreamError):
+        await store.put(entry())
+    await store.close()
