@@ -34,11 +34,21 @@ def entry(expires_in: float = 300) -> AttestationEntry:
 
 @pytest.fixture(params=["memory", "sqlite", "redis", "postgresql"])
 async def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
+    return await store_uri(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["sqlite", "redis", "postgresql"])
+async def shared_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The stores several processes or replicas share (memory is one process's)."""
+    return await store_uri(request.param, request, tmp_path)
+
+
+async def store_uri(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if kind == "sqlite":
         return f"sqlite://{tmp_path / 'nonces.db'}"
-    if request.param == "redis":
+    if kind == "redis":
         return str(request.getfixturevalue("redis_url"))
-    if request.param == "postgresql":  # a fresh database on the session's server
+    if kind == "postgresql":  # a fresh database on the session's server
         server = str(request.getfixturevalue("postgresql_url"))
         name = f"attest_{secrets.token_hex(6)}"
         admin = await asyncpg.connect(server)
@@ -89,17 +99,16 @@ async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore])
     assert await store.revoke(short.jti, "x", NOW + timedelta(seconds=2)) is None
 
 
-async def test_a_revocation_is_seen_by_every_client(
-    uri: str, stores: Callable[[], AttestationStore]
-) -> None:
-    if uri == "memory":
-        pytest.skip("memory is one process's store by definition")
-    first, second = stores(), stores()
+async def test_a_revocation_is_seen_by_every_client(shared_uri: str) -> None:
+    first = open_attestation_store(shared_uri, timeout=5)
+    second = open_attestation_store(shared_uri, timeout=5)
     shared = entry()
     await first.put(shared)
     assert (await second.get(shared.jti, NOW)) == shared
     await second.revoke(shared.jti, "revoked by an admin", NOW)
     seen = await first.get(shared.jti, NOW)
+    await first.close()
+    await second.close()
     assert seen is not None
     assert seen.status == REVOKED
 
