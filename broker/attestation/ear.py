@@ -17,7 +17,9 @@ and Trustee's policies read (``ear.status``, ``ear.trustworthiness-vector``,
 ``ear.appraisal-policy-id``, ``ear.verifier-id``, profile ``tag:github.com,2023:veraison/ear``).
 
 Pure: ``ear_claims`` builds the claims set from values, ``sign_ear`` makes the compact JWS with
-a signing function (the result-signing key lives where KEKs live: a file, Cloud KMS or PKCS#11).
+a signing function (the result-signing key lives where KEKs live: a file, Cloud KMS or PKCS#11),
+``verify_ear`` checks one presented back (our key by ``kid``, ``typ``, audience, times, a P-256
+``cnf.jwk``) for a release on it.
 ``tests/unit/test_ear.py`` checks the claims against a JSON Schema written from the draft's
 CDDL and verifies the signature with two JOSE libraries we do not sign with.
 """
@@ -27,10 +29,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric import ec
+
 from broker.core.encoding import b64url_encode
+from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto import jose
+from broker.crypto.jwk import thumbprint
 
 EAR_PROFILE = "tag:ietf.org,2026:rats/ear#04"
 LEGACY_PROFILE = "tag:github.com,2023:veraison/ear"
@@ -171,6 +178,72 @@ def _policy_ids(ids: Sequence[str], legacy: bool) -> dict[str, Any]:
     # Veraison's library carries one policy id per submodule; the draft a list
     return (
         {"ear.appraisal-policy-id": ids[0]} if legacy else {"ear_appraisal_policy_ids": list(ids)}
+    )
+
+
+@dataclass(frozen=True)
+class PresentedEar:
+    """An EAR this broker signed, verified: what a release on it needs."""
+
+    jti: str
+    pop_thumbprint: str  # RFC 7638 thumbprint of ``cnf.jwk``: DPoP proofs must be by this key
+    expires_at: datetime
+    claims: Mapping[str, Any]
+
+
+def verify_ear(
+    token: Any,
+    *,
+    keys: Mapping[str, ec.EllipticCurvePublicKey],
+    audience: str,
+    now: datetime,
+) -> PresentedEar:
+    """Verify a presented EAR: signed ES256 by one of this broker's result keys (chosen by
+    ``kid``; ``keys`` holds the current and any previous key still within a TTL), typed
+    ``eat+jwt``, for ``audience`` (``iss`` and ``aud``), not expired, at most ``MAX_TTL`` long,
+    bound to a P-256 ``cnf.jwk``. The one JWS verifier (``crypto/jose.py``) checks signature and
+    times; nothing else in the token is trusted before it has.
+
+    Raises:
+        AttestationError: ``token_*`` codes naming the check that failed.
+    """
+    if not isinstance(token, str) or not token:
+        raise AttestationError("an attestation result is required")
+    header = jose.parse_header_with_kid(token, ("ES256",))
+    if header.fields.get("typ") != JWT_TYPE:
+        raise AttestationError(f"not an attestation result (typ must be {JWT_TYPE})")
+    key = keys.get(str(header.kid))
+    if key is None:
+        raise AttestationError(
+            "the result was not signed by this broker's result key",
+            code=ErrorCode.TOKEN_KEY_UNKNOWN,
+        )
+    claims = jose.verify_jws(
+        token,
+        header,
+        key,
+        now=now,
+        leeway=timedelta(seconds=5),
+        required_claims=("exp", "iat", "jti", "iss", "aud", "cnf"),
+        max_lifetime=MAX_TTL,
+    ).claims
+    if claims.get("iss") != audience or claims.get("aud") != audience:
+        raise AttestationError(
+            "the result was issued for another broker", code=ErrorCode.AUDIENCE_MISMATCH
+        )
+    cnf = claims.get("cnf")
+    jwk = cnf.get("jwk") if isinstance(cnf, Mapping) else None
+    if not isinstance(jwk, Mapping) or jwk.get("kty") != "EC" or jwk.get("crv") != "P-256":
+        raise AttestationError("the result names no P-256 proof-of-possession key")
+    jti = claims.get("jti")
+    if not isinstance(jti, str) or not jti:
+        raise AttestationError("the result has no jti", code=ErrorCode.TOKEN_CLAIM_INVALID)
+    members = {name: str(jwk.get(name)) for name in ("crv", "kty", "x", "y")}
+    return PresentedEar(
+        jti=jti,
+        pop_thumbprint=thumbprint(members),
+        expires_at=datetime.fromtimestamp(float(claims["exp"]), UTC),
+        claims=claims,
     )
 
 

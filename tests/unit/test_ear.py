@@ -4,6 +4,7 @@ two JOSE libraries the broker does not sign with (PyJWT and jwcrypto)."""
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -27,8 +28,10 @@ from broker.attestation.ear import (
     overall_status,
     sign_ear,
     status_of,
+    verify_ear,
 )
-from broker.crypto.jwk import public_jwk
+from broker.core.errors import AttestationError
+from broker.crypto.jwk import public_jwk, thumbprint
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 AUDIENCE = "https://broker.example"
@@ -218,3 +221,71 @@ def test_legacy_names_for_veraison_and_trustee_policies() -> None:
     assert cpu["ear.appraisal-policy-id"] == "sha256:" + "a" * 64
     assert "ear.verifier-id" in claims
     assert "ear_status" not in json.dumps(claims)
+
+
+def signed(key: ec.EllipticCurvePrivateKey, claims: dict[str, Any], **header: Any) -> str:
+    """``sign_ear``'s token, or one with the header changed (alg swaps, typ, kid)."""
+    token = sign_ear(claims, kid=header.pop("kid", "ear-1"), sign=raw_signer(key))
+    if not header:
+        return token
+    head, body, signature = token.split(".")
+    fields = {**json.loads(_b64d(head)), **header}
+    return f"{_b64e(json.dumps(fields).encode())}.{body}.{signature}"
+
+
+def _b64e(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _b64d(segment: str) -> bytes:
+    return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+
+
+def test_a_presented_ear_verifies_and_names_its_pop_key(
+    signing_key: ec.EllipticCurvePrivateKey,
+) -> None:
+    claims = claims_for()
+    presented = verify_ear(
+        signed(signing_key, claims),
+        keys={"ear-1": signing_key.public_key()},
+        audience=AUDIENCE,
+        now=NOW + timedelta(seconds=10),
+    )
+    assert presented.jti == claims["jti"]
+    pop = claims["cnf"]["jwk"]
+    assert presented.pop_thumbprint == thumbprint({k: pop[k] for k in ("crv", "kty", "x", "y")})
+    assert presented.expires_at == NOW + timedelta(seconds=300)
+
+
+def test_hostile_presented_ears_are_refused(signing_key: ec.EllipticCurvePrivateKey) -> None:
+    """An EAR from another broker's key, alg swaps, another audience, expired, too long, no
+    PoP key, tampered: each refused with the code of the check that failed."""
+    keys = {"ear-1": signing_key.public_key()}
+    other = ec.generate_private_key(ec.SECP256R1())
+    good = claims_for()
+    head, _, signature = signed(signing_key, good).split(".")
+    tampered_body = _b64e(json.dumps({**good, "aud": "https://elsewhere.example"}).encode())
+    long_lived = {**good, "exp": good["iat"] + 3600}
+    no_cnf = {k: v for k, v in good.items() if k != "cnf"}
+    other_audience = {**good, "aud": "https://b.example"}
+    rsa_cnf = {**good, "cnf": {"jwk": {"kty": "RSA"}}}
+    cases: list[tuple[str, str, datetime, str]] = [
+        ("another broker, unknown kid", signed(other, good, kid="ear-9"), NOW, "token_key_unknown"),
+        ("another key, our kid", signed(other, good), NOW, "token_signature_invalid"),
+        ("alg none", signed(signing_key, good, alg="none"), NOW, "token_algorithm_forbidden"),
+        ("alg HS256", signed(signing_key, good, alg="HS256"), NOW, "token_algorithm_forbidden"),
+        ("alg ES384", signed(signing_key, good, alg="ES384"), NOW, "token_algorithm_forbidden"),
+        ("typ JWT", signed(signing_key, good, typ="JWT"), NOW, "token_malformed"),
+        ("jwk header", signed(signing_key, good, jwk={"kty": "EC"}), NOW, "token_header_forbidden"),
+        ("other audience", signed(signing_key, other_audience), NOW, "audience_mismatch"),
+        ("expired", signed(signing_key, good), NOW + timedelta(seconds=400), "token_expired"),
+        ("lives too long", signed(signing_key, long_lived), NOW, "token_claim_invalid"),
+        ("no cnf", signed(signing_key, no_cnf), NOW, "token_claim_missing"),
+        ("cnf RSA", signed(signing_key, rsa_cnf), NOW, "token_malformed"),
+        ("tampered", f"{head}.{tampered_body}.{signature}", NOW, "token_signature_invalid"),
+        ("not a token", "x.y", NOW, "token_malformed"),
+    ]  # fmt: skip
+    for name, token, now, code in cases:
+        with pytest.raises(AttestationError) as caught:
+            verify_ear(token, keys=keys, audience=AUDIENCE, now=now)
+        assert (caught.value.status, caught.value.code.value) == (401, code), name
