@@ -44,7 +44,7 @@ from broker.api.services import (
     Readiness,
     StatementKey,
 )
-from broker.attest import AttestService, ResultSigner
+from broker.attest import AttestService, LocalResultSigner, ResultSigner
 from broker.attestation.jwks import JwksError
 from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
 from broker.attestation.nvidia.sources import (
@@ -288,6 +288,23 @@ def _background(
     return background
 
 
+async def _result_signer(settings: Settings, key: str, stack: AsyncExitStack) -> ResultSigner:
+    """``[attest] signing_key``: a Cloud KMS key version, or a PEM file (development)."""
+    if key.startswith("cloudkms:"):
+        # The KMS client loads only where a KMS result key is configured (start-up time).
+        from broker.attest_kms import KmsResultSigner  # noqa: PLC0415
+
+        signer = KmsResultSigner(
+            key,
+            endpoint=settings.keys.kms_endpoint,
+            timeout_seconds=settings.keys.upstream_timeout_seconds,
+        )
+        await signer.open()
+        stack.push_async_callback(signer.close)
+        return signer
+    return await asyncio.to_thread(LocalResultSigner.from_pem, Path(key))
+
+
 async def _verifier_and_mask_key(
     settings: Settings, session: aiohttp.ClientSession
 ) -> tuple[EvidenceVerifier, bytes]:
@@ -313,7 +330,7 @@ async def _attestations(
         return Attestations(None)
     if path is None:
         raise ConfigError("attest.signing_key", "attest needs a result-signing key")
-    signer = await asyncio.to_thread(ResultSigner.from_pem, path)
+    signer = await _result_signer(settings, path, stack)
     store = open_attestation_store(settings.nonces.store, timeout=settings.nonces.timeout_seconds)
     stack.push_async_callback(store.close)
     return Attestations(

@@ -22,14 +22,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
 from broker.attestation.claims import build_attest_input
-from broker.attestation.ear import Submod, ear_claims, sign_ear, status_of
+from broker.attestation.ear import Submod, compact, ear_claims, signing_input, status_of
 from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evidence_digests
 from broker.attestation.stored import AttestationEntry, AttestationStore
 from broker.audit.log import DecisionLog
@@ -55,10 +55,31 @@ ATTEST_FIELDS = ("nonce", "evidence", "runner_key", "pop_key")
 VERIFIER_BUILD = "sealed-runner-broker"
 
 
-class ResultSigner:
-    """The key that signs attestation results: an EC P-256 PEM file (development and tests; a
-    KMS or PKCS#11 key is issue 19's next step). Its public half is served at
-    ``/.well-known/jwks.json``."""
+class ResultSigner(Protocol):
+    """What signs attestation results (ES256); its public half is at ``/.well-known/jwks.json``."""
+
+    @property
+    def kid(self) -> str:
+        """The RFC 7638 thumbprint of ``jwk``: the EAR header's ``kid``."""
+        ...
+
+    @property
+    def jwk(self) -> Mapping[str, str]: ...
+
+    async def sign(self, data: bytes) -> bytes:
+        """R || S of ``data``."""
+        ...
+
+    def jwks(self) -> dict[str, Any]: ...
+
+
+def result_jwks(jwk: Mapping[str, str], kid: str) -> dict[str, Any]:
+    return {"keys": [{**jwk, "kid": kid, "alg": "ES256", "use": "sig"}]}
+
+
+class LocalResultSigner:
+    """An EC P-256 PEM file (``[attest] signing_key = "PATH"``): development and tests; in
+    production the key lives in Cloud KMS (``attest_kms.py``)."""
 
     def __init__(self, key: ec.EllipticCurvePrivateKey) -> None:
         if key.curve.name != "secp256r1":
@@ -68,7 +89,7 @@ class ResultSigner:
         self.kid = thumbprint(self.jwk)
 
     @classmethod
-    def from_pem(cls, path: Path) -> ResultSigner:
+    def from_pem(cls, path: Path) -> LocalResultSigner:
         """Raises: ConfigError naming the key when the file is unreadable or not P-256."""
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
@@ -80,13 +101,13 @@ class ResultSigner:
             raise ConfigError("attest.signing_key", "must be an EC P-256 private key")
         return cls(key)
 
-    def sign(self, data: bytes) -> bytes:
-        """ES256: R || S of the signing input."""
+    async def sign(self, data: bytes) -> bytes:
+        """ES256: R || S of the signing input (a local key: microseconds, on the loop)."""
         r, s = decode_dss_signature(self._key.sign(data, ec.ECDSA(hashes.SHA256())))
         return r.to_bytes(32, "big") + s.to_bytes(32, "big")
 
     def jwks(self) -> dict[str, Any]:
-        return {"keys": [{**self.jwk, "kid": self.kid, "alg": "ES256", "use": "sig"}]}
+        return result_jwks(self.jwk, self.kid)
 
 
 @dataclass(frozen=True)
@@ -237,7 +258,8 @@ class AttestService:
             legacy=self._settings.legacy_names,
         )
         outcome.expires_at = datetime.fromtimestamp(claims["exp"], UTC)
-        token = sign_ear(claims, kid=self.signer.kid, sign=self.signer.sign)
+        text = signing_input(claims, kid=self.signer.kid)
+        token = compact(text, await self.signer.sign(text.encode("ascii")))
         # stored before the record is written: a result is usable only once both exist, and a
         # store that fails makes this an error record and a 503, never a result nobody can use
         await self.store.put(

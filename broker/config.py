@@ -233,7 +233,7 @@ class AttestSettings:
     Off by default; releases on a result are not wired yet (issue 19)."""
 
     enabled: bool = False
-    signing_key: Path | None = None  # EC P-256 PEM that signs results (published at JWKS)
+    signing_key: str | None = None  # EC P-256 PEM path, or cloudkms:…/cryptoKeyVersions/N
     ttl_seconds: int = 300  # 1..900; never past the first expiry of the evidence used
     legacy_names: bool = False  # Veraison's dotted claim names and profile
 
@@ -343,6 +343,8 @@ def settings_from_mapping(
     admin = AdminSettings(token_sha256=admin.token_sha256, tokens=_admin_tokens(token_tables))
     issuers = _issuers(raw.get("issuers", []), base_dir)
     attest = config_table(AttestSettings, "attest", raw, env, base_dir)
+    if attest.signing_key and not attest.signing_key.startswith("cloudkms:"):  # a file
+        attest = replace(attest, signing_key=str(resolve_path(base_dir, attest.signing_key)))
     settings = Settings(
         server=server,
         issuers=issuers,

@@ -151,15 +151,24 @@ def ear_claims(
     }
 
 
-def sign_ear(claims: Mapping[str, Any], *, kid: str, sign: Callable[[bytes], bytes]) -> str:
-    """The compact JWS (ES256) of ``claims``; ``sign`` returns the raw R || S signature of the
-    signing input (the result-signing key's, wherever it lives)."""
-    header = {"alg": "ES256", "kid": kid, "typ": JWT_TYPE}
-    signing_input = f"{_segment(header)}.{_segment(claims)}"
-    signature = sign(signing_input.encode("ascii"))
+def signing_input(claims: Mapping[str, Any], *, kid: str) -> str:
+    """The JWS signing input (header ``alg`` ES256, ``kid``, ``typ`` eat+jwt, then the claims)."""
+    return f"{_segment({'alg': 'ES256', 'kid': kid, 'typ': JWT_TYPE})}.{_segment(claims)}"
+
+
+def compact(signing_input_text: str, signature: bytes) -> str:
+    """The compact JWS of a signing input and its raw ES256 signature (R || S)."""
     if len(signature) != 64:
         raise ValueError("an ES256 signature is 64 bytes (R || S)")
-    return f"{signing_input}.{b64url_encode(signature)}"
+    return f"{signing_input_text}.{b64url_encode(signature)}"
+
+
+def sign_ear(claims: Mapping[str, Any], *, kid: str, sign: Callable[[bytes], bytes]) -> str:
+    """The compact JWS (ES256) of ``claims``; ``sign`` returns the raw R || S signature of the
+    signing input (a key in this process; a KMS or HSM key signs through ``signing_input`` and
+    ``compact`` with an awaited call)."""
+    text = signing_input(claims, kid=kid)
+    return compact(text, sign(text.encode("ascii")))
 
 
 _CURRENT = {

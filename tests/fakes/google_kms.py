@@ -18,8 +18,9 @@ from typing import Any
 import google_crc32c
 import grpc
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.hazmat.primitives.asymmetric.utils import Prehashed
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.cloud import kms_v1
 
@@ -48,11 +49,16 @@ class FakeKms:
         self.corrupt_ciphertext = False
         self.skip_verification = False
         self.calls: list[str] = []
-        self.signing_keys: dict[str, ed25519.Ed25519PrivateKey] = {}  # version name -> key
+        # version name -> key: Ed25519 (checkpoints) or EC P-256 (attestation results)
+        self.signing_keys: dict[str, ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey] = {}
 
     def create_signing_key(self, version_name: str) -> None:
         """An EC_SIGN_ED25519 key version (``…/cryptoKeys/K/cryptoKeyVersions/N``)."""
         self.signing_keys[version_name] = ed25519.Ed25519PrivateKey.generate()
+
+    def create_ec_signing_key(self, version_name: str) -> None:
+        """An EC_SIGN_P256_SHA256 key version: it signs a SHA-256 digest, DER-encoded."""
+        self.signing_keys[version_name] = ec.generate_private_key(ec.SECP256R1())
 
     def create_key(self, name: str) -> None:
         self.keys[name] = FakeKey(versions=[AESGCM.generate_key(bit_length=256)])
@@ -173,16 +179,31 @@ class FakeKms:
         pem = key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
+        algorithms = kms_v1.CryptoKeyVersion.CryptoKeyVersionAlgorithm
         return kms_v1.PublicKey(
             pem=pem.decode(),
             pem_crc32c=crc(pem),
-            algorithm=kms_v1.CryptoKeyVersion.CryptoKeyVersionAlgorithm.EC_SIGN_ED25519,
+            algorithm=algorithms.EC_SIGN_P256_SHA256
+            if isinstance(key, ec.EllipticCurvePrivateKey)
+            else algorithms.EC_SIGN_ED25519,
             name=request.name,
         )
 
     async def _sign(self, request: kms_v1.AsymmetricSignRequest, context: Any) -> Any:
         key = await self._signing_key(context, request.name, "AsymmetricSign")
         raw = kms_v1.AsymmetricSignRequest.pb(request)
+        if isinstance(key, ec.EllipticCurvePrivateKey):  # EC_SIGN_P256_SHA256: a digest, DER
+            digest = bytes(request.digest.sha256)
+            if len(digest) != 32:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest.sha256 is required")
+            await _check(context, raw, "digest_crc32c", digest)
+            der = key.sign(digest, ec.ECDSA(Prehashed(hashes.SHA256())))
+            return kms_v1.AsymmetricSignResponse(
+                signature=der,
+                signature_crc32c=crc(der),
+                verified_digest_crc32c=raw.HasField("digest_crc32c") and not self.skip_verification,
+                name=request.name,
+            )
         await _check(context, raw, "data_crc32c", request.data)
         signature = key.sign(bytes(request.data))  # PureEdDSA over the data itself
         return kms_v1.AsymmetricSignResponse(

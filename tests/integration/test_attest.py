@@ -211,3 +211,43 @@ async def test_a_revocation_is_seen_by_every_worker_and_logged(
     (revocation,) = [r for r in broker.records() if r.get("type") == "attestation_revoked"]
     assert (revocation["jti"], revocation["reason"]) == (jti, "image withdrawn")
     assert revocation["who"]
+
+
+RESULT_VERSION = (
+    "projects/broker-test/locations/global/keyRings/broker/cryptoKeys/results/cryptoKeyVersions/1"
+)
+
+
+async def test_results_signed_by_a_cloud_kms_key(
+    start_broker: Callable[..., Any], fake_kms: Any
+) -> None:
+    """The result key in Cloud KMS (the real google-cloud-kms client over gRPC to a loopback
+    KMS): the EAR verifies with the version's public key, as the JWKS publishes it."""
+    fake_kms.create_ec_signing_key(RESULT_VERSION)
+    broker: RunningBroker = await start_broker(
+        extra_toml=ATTEST_TOML.replace('"ear-signing.pem"', f'"cloudkms:{RESULT_VERSION}"'),
+        environ={
+            "BROKER_KEYS_KMS_ENDPOINT": fake_kms.endpoint,
+            "BROKER_KEYS_UPSTREAM_TIMEOUT_SECONDS": "2",
+        },
+    )
+    async with aiohttp.ClientSession() as session:
+        status, token, _ = await post(session, broker, await attest_body(session, broker))
+        assert status == 201, token
+        async with session.get(
+            broker.url + "/.well-known/jwks.json", ssl=broker.client_tls
+        ) as response:
+            (published,) = (await response.json())["keys"]
+        fake_kms.unavailable = True  # the KMS is down: no result, an error record, 503
+        down, text, _ = await post(session, broker, await attest_body(session, broker))
+    kms_public = fake_kms.signing_keys[RESULT_VERSION].public_key()
+    claims = jwt.decode(
+        token, kms_public, algorithms=["ES256"], audience=broker.settings.server.audience
+    )
+    assert jwt.get_unverified_header(token)["kid"] == published["kid"]
+    assert jwt.PyJWK(published).key.public_numbers() == kms_public.public_numbers()
+    assert "AsymmetricSign" in fake_kms.calls
+    assert down == 503, text
+    results = [r["result"] for r in broker.records() if r.get("type") == "attestation"]
+    assert results == ["allow", "error"]
+    assert claims["jti"]

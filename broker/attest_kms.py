@@ -1,0 +1,111 @@
+"""Attestation results signed by a Cloud KMS key version (``EC_SIGN_P256_SHA256``): the result
+key never leaves the KMS. ``[attest] signing_key = "cloudkms:projects/P/locations/L/keyRings/R/
+cryptoKeys/K/cryptoKeyVersions/N"``; the endpoint is ``[keys] kms_endpoint``. The digest and the
+signature carry CRC32C checksums, checked both ways as for the KEK, and every signature is
+verified with the version's public key before it is used."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, decode_dss_signature
+from google.api_core.client_options import ClientOptions
+from google.cloud import kms_v1
+from google.cloud.kms_v1.services.key_management_service.transports.grpc_asyncio import (
+    KeyManagementServiceGrpcAsyncIOTransport,
+)
+
+from broker.attest import result_jwks
+from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
+from broker.core.errors import ConfigError, ErrorCode, UpstreamError
+from broker.crypto.jwk import public_jwk, thumbprint
+
+KMS_PREFIX = "cloudkms:"
+
+
+def _unavailable(message: str) -> UpstreamError:
+    return UpstreamError(f"result signing key: {message}", code=ErrorCode.KEK_UNAVAILABLE)
+
+
+class KmsResultSigner:
+    def __init__(self, uri: str, *, endpoint: str, timeout_seconds: float) -> None:
+        version = uri.removeprefix(KMS_PREFIX)
+        if "/cryptoKeyVersions/" not in version or not version.startswith("projects/"):
+            raise ConfigError("attest.signing_key", "cloudkms: needs a full cryptoKeyVersions name")
+        self._version = version
+        self._endpoint = endpoint
+        self._timeout = timeout_seconds
+        self._client: Any = None
+        self._public: ec.EllipticCurvePublicKey | None = None
+        self.jwk: dict[str, str] = {}
+        self.kid = ""
+
+    async def open(self) -> None:
+        """Connect and read the version's public key (it must be EC P-256).
+
+        Raises:
+            UpstreamError / ConfigError.
+        """
+        transport = await grpc_transport(KeyManagementServiceGrpcAsyncIOTransport, self._endpoint)
+        self._client = kms_v1.KeyManagementServiceAsyncClient(
+            transport=transport, client_options=ClientOptions(api_endpoint=self._endpoint)
+        )
+        answer = await self._call("get_public_key", kms_v1.GetPublicKeyRequest(name=self._version))
+        pem = answer.pem.encode()
+        if crc32c(pem) != answer.pem_crc32c:
+            raise _unavailable("the public key was corrupted in transit")
+        key = serialization.load_pem_public_key(pem)
+        if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
+            raise ConfigError(
+                "attest.signing_key", "the KMS key version is not EC_SIGN_P256_SHA256"
+            )
+        self._public = key
+        self.jwk = public_jwk(key)
+        self.kid = thumbprint(self.jwk)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await close_client(client)
+
+    def jwks(self) -> dict[str, Any]:
+        return result_jwks(self.jwk, self.kid)
+
+    async def sign(self, data: bytes) -> bytes:
+        """R || S of ``data``: the KMS signs its SHA-256 digest.
+
+        Raises:
+            UpstreamError: ``kek_unavailable`` when the KMS does not answer, a checksum fails or
+                the signature does not verify with the version's public key.
+        """
+        if self._public is None:
+            raise _unavailable("not opened")
+        digest = hashlib.sha256(data).digest()
+        answer = await self._call(
+            "asymmetric_sign",
+            kms_v1.AsymmetricSignRequest(
+                name=self._version,
+                digest=kms_v1.Digest(sha256=digest),
+                digest_crc32c=crc32c(digest),
+            ),
+        )
+        if not answer.verified_digest_crc32c:
+            raise _unavailable("the service did not verify the digest checksum")
+        der = bytes(answer.signature)
+        if crc32c(der) != answer.signature_crc32c:
+            raise _unavailable("the signature was corrupted in transit")
+        try:
+            self._public.verify(der, digest, ec.ECDSA(Prehashed(hashes.SHA256())))
+        except InvalidSignature as exc:
+            raise _unavailable("the signature does not verify with the key's public half") from exc
+        r, s = decode_dss_signature(der)
+        return r.to_bytes(32, "big") + s.to_bytes(32, "big")
+
+    async def _call(self, method: str, request: Any) -> Any:
+        return await call(
+            self._client, method, request, deadline_seconds=self._timeout, unavailable=_unavailable
+        )
