@@ -29,7 +29,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
 from broker.attestation.claims import build_attest_input
-from broker.attestation.ear import Submod, compact, ear_claims, signing_input, status_of
+from broker.attestation.ear import (
+    Submod,
+    compact,
+    ear_claims,
+    signing_input,
+    status_of,
+    worst_status,
+)
 from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evidence_digests
 from broker.attestation.stored import AttestationEntry, AttestationStore
 from broker.audit.log import DecisionLog
@@ -161,6 +168,7 @@ class _Outcome:
     submods: list[Submod] = field(default_factory=list)
     expires_at: datetime | None = None
     error: BrokerError | None = None
+    evidence_digests: dict[str, str] = field(default_factory=dict)
 
 
 class AttestService:
@@ -203,7 +211,11 @@ class AttestService:
     async def _attest(
         self, unverified_body: Mapping[str, Any], *, now: datetime, request_id: str
     ) -> Attested:
-        outcome = _Outcome(jti=str(uuid.uuid4()), unverified_body=unverified_body)
+        outcome = _Outcome(
+            jti=str(uuid.uuid4()),
+            unverified_body=unverified_body,
+            evidence_digests=evidence_digests(unverified_body.get("evidence")),
+        )
         token: str | None = None
         try:
             outcome.request = parse_attest_request(unverified_body)
@@ -254,7 +266,7 @@ class AttestService:
             pop_jwk=request.pop_key.jwk,
             encryption_jwk=request.encryption_key.jwk,
             policy_digest=decision.policy_digest,
-            evidence_digests=evidence_digests(request.unverified_evidence),
+            evidence_digests=outcome.evidence_digests,
             legacy=self._settings.legacy_names,
         )
         outcome.expires_at = datetime.fromtimestamp(claims["exp"], UTC)
@@ -333,7 +345,7 @@ class AttestService:
             "input_digest": outcome.input_digest,
             "runner_key_thumbprint": request.encryption_key.thumbprint if request else None,
             "pop_key_thumbprint": request.pop_key.thumbprint if request else None,
-            "evidence_digests": evidence_digests(outcome.unverified_body.get("evidence")),
+            "evidence_digests": outcome.evidence_digests,
             "identity": None if outcome.evidence is None else dict(outcome.evidence.identity),
             "submods": {s.label: s.status for s in outcome.submods},
             "expires_at": None if outcome.expires_at is None else outcome.expires_at.isoformat(),
@@ -357,14 +369,14 @@ def appraisal(evidence: VerifiedEvidence, policy_digest: str) -> list[Submod]:
         "hardware": 2 if tee.get("technology") not in (None, "none", "unknown") else 96,
         "configuration": 2 if tee.get("debug") is False and tee.get("secure_boot") is True else 96,
     }
-    submods = [Submod("cpu0", _worst(cpu), cpu, [policy_digest])]
+    submods = [Submod("cpu0", _tier(cpu), cpu, [policy_digest])]
     for index, gpu in enumerate(evidence.gpus):
         vector = {
             "hardware": 2 if gpu.get("cert_chain") == "valid" else 96,
             "configuration": 2 if gpu.get("cc_mode") == "on" and gpu.get("debug") is False else 96,
             "executables": 2 if gpu.get("measurements") == "match" else 96,
         }
-        submods.append(Submod(f"gpu{index}", _worst(vector), vector, [policy_digest]))
+        submods.append(Submod(f"gpu{index}", _tier(vector), vector, [policy_digest]))
     return submods
 
 
@@ -378,6 +390,5 @@ def earliest_expiry(evidence: VerifiedEvidence) -> datetime | None:
     return datetime.fromtimestamp(min(expiries), UTC) if expiries else None
 
 
-def _worst(vector: Mapping[str, int]) -> str:
-    order = ("none", "affirming", "warning", "contraindicated")
-    return max((status_of(v) for v in vector.values()), key=order.index, default="none")
+def _tier(vector: Mapping[str, int]) -> str:
+    return worst_status(status_of(value) for value in vector.values())

@@ -96,15 +96,14 @@ class SqliteAttestations:
                     (jti, now.timestamp()),
                 ).fetchone()
                 if row is None:
-                    db.execute("COMMIT")
                     return None
                 body = revoked_entry(AttestationEntry.from_json(row[0]), reason).to_json()
                 db.execute("UPDATE attestations SET body = ? WHERE jti = ?", (body, jti))
                 db.execute("COMMIT")
                 return body
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+            finally:  # whatever failed before the COMMIT, nothing of it stays
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
 
         body = await self._run(update)
         return None if body is None else AttestationEntry.from_json(body)

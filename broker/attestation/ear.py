@@ -27,7 +27,7 @@ CDDL and verifies the signature with two JOSE libraries we do not sign with.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -80,9 +80,14 @@ def status_of(value: int) -> str:
     return "contraindicated"
 
 
+def worst_status(statuses: Iterable[str]) -> str:
+    """The least favourable of these tiers (``none`` without one)."""
+    return max(statuses, key=STATUSES.index, default="none")
+
+
 def overall_status(submods: Sequence[Submod]) -> str:
     """The least favourable tier of any submodule (``none`` without one)."""
-    return max((s.status for s in submods), key=STATUSES.index, default="none")
+    return worst_status(s.status for s in submods)
 
 
 def ear_claims(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -177,16 +176,6 @@ def test_a_tampered_or_unsigned_proof_is_refused(key: jwk.JWK) -> None:
     none_header = _b64e(json.dumps({"typ": "dpop+jwt", "alg": "none"}).encode())
     with pytest.raises(DpopError, match="alg"):
         verify(f"{none_header}.{body}.{signature}")
-
-
-def test_verifying_is_fast_enough_for_every_release(key: jwk.JWK) -> None:
-    """Not a timing target (those live in bench/): a sanity bound that catches a pathological
-    path (say, a key generation per check)."""
-    proof = make_proof(key)
-    started = time.perf_counter()
-    for _ in range(50):
-        verify(proof)
-    assert time.perf_counter() - started < 5
 
 
 def _b64e(data: bytes) -> str:
