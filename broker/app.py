@@ -44,7 +44,7 @@ from broker.api.services import (
     Readiness,
     StatementKey,
 )
-from broker.attest import AttestService, LocalResultSigner, ResultSigner
+from broker.attest import AttestService, LocalResultSigner, ResultSigner, result_keys
 from broker.attestation.jwks import JwksError
 from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
 from broker.attestation.nvidia.sources import (
@@ -56,6 +56,7 @@ from broker.attestation.nvidia.sources import (
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
 from broker.attestation_stores import open_attestation_store
+from broker.attested_release import AttestedReleaseService
 from broker.audit.log import DecisionLog
 from broker.audit.mask import load_or_create_mask_key
 from broker.audit.publisher import CheckpointPublisher
@@ -67,6 +68,7 @@ from broker.config import Settings
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
 from broker.keys.factory import open_key_service
+from broker.keys.service import KeyService
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
 from broker.policy.engine import PolicyEngine
@@ -153,7 +155,12 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             policy=engine,
             audit=audit,
             mask_key=mask_key,
+            keys=keys,
+            metrics=metrics,
         )
+        if attestations.service is not None:
+            attest = attestations.service
+            policies.on_change(lambda who: attest.revalidate(who=who, now=clock()))
         statements = StatementKey(await _statement_signer(settings))
         publisher = await _checkpoints(settings, audit, session, stack)
         facts = {
@@ -323,8 +330,11 @@ async def _attestations(
     policy: PolicyEngine,
     audit: DecisionLog,
     mask_key: bytes,
+    keys: KeyService,
+    metrics: Metrics,
 ) -> Attestations:
-    """``POST /v1/attest`` with its result-signing key, when ``[attest] enabled``."""
+    """``POST /v1/attest`` with its result-signing key, and releases on results, when
+    ``[attest] enabled``."""
     path = settings.attest.signing_key
     if not settings.attest.enabled:
         return Attestations(None)
@@ -333,6 +343,22 @@ async def _attestations(
     signer = await _result_signer(settings, path, stack)
     store = open_attestation_store(settings.nonces.store, timeout=settings.nonces.timeout_seconds)
     stack.push_async_callback(store.close)
+    verifying = await asyncio.to_thread(
+        result_keys, signer, [Path(k) for k in settings.attest.previous_keys]
+    )
+    releases = AttestedReleaseService(
+        issuer=settings.server.audience,
+        result_keys=lambda: verifying.verifying,
+        store=store,
+        nonces=nonces,
+        keys=keys,
+        policy=policy,
+        audit=audit,
+        metrics=metrics,
+        mask_key=mask_key,
+        mask=settings.audit.mask,
+        require_nonce=settings.attest.dpop_nonce,
+    )
     return Attestations(
         AttestService(
             settings=settings.attest,
@@ -345,7 +371,9 @@ async def _attestations(
             store=store,
             mask_key=mask_key,
             mask=settings.audit.mask,
-        )
+        ),
+        releases,
+        verifying,
     )
 
 

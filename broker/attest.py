@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -38,7 +38,12 @@ from broker.attestation.ear import (
     worst_status,
 )
 from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evidence_digests
-from broker.attestation.stored import AttestationEntry, AttestationStore
+from broker.attestation.stored import (
+    AttestationEntry,
+    AttestationStore,
+    note_log_index,
+    revoke,
+)
 from broker.audit.log import DecisionLog
 from broker.audit.mask import masked
 from broker.config import AttestSettings
@@ -82,6 +87,52 @@ class ResultSigner(Protocol):
 
 def result_jwks(jwk: Mapping[str, str], kid: str) -> dict[str, Any]:
     return {"keys": [{**jwk, "kid": kid, "alg": "ES256", "use": "sig"}]}
+
+
+@dataclass(frozen=True)
+class ResultKeys:
+    """The keys results are verified with, by ``kid``: the signer's, and the previous keys a
+    rotation retired (``[attest] previous_keys``) until the results they signed expire; all
+    are published at ``/.well-known/jwks.json``."""
+
+    verifying: Mapping[str, ec.EllipticCurvePublicKey]
+    jwks: dict[str, Any]
+
+
+def result_keys(signer: ResultSigner, previous: Sequence[Path]) -> ResultKeys:
+    """Raises: ConfigError naming a previous key that is not a P-256 PEM (public or private)."""
+    jwks = signer.jwks()
+    verifying = {signer.kid: _public_key(signer.jwk)}
+    for path in previous:
+        key = _previous_key(path)
+        jwk = public_jwk(key)
+        kid = thumbprint(jwk)
+        if kid not in verifying:
+            verifying[kid] = key
+            jwks["keys"].extend(result_jwks(jwk, kid)["keys"])
+    return ResultKeys(verifying, jwks)
+
+
+def _public_key(jwk: Mapping[str, str]) -> ec.EllipticCurvePublicKey:
+    key = parse_runner_key(dict(jwk)).key
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise ConfigError("attest.signing_key", "must be an EC P-256 key")
+    return key
+
+
+def _previous_key(path: Path) -> ec.EllipticCurvePublicKey:
+    try:
+        data = path.read_bytes()
+        loaded: Any = (
+            serialization.load_pem_private_key(data, password=None).public_key()
+            if b"PRIVATE KEY" in data
+            else serialization.load_pem_public_key(data)
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError("attest.previous_keys", f"not a readable PEM key: {path}") from exc
+    if not isinstance(loaded, ec.EllipticCurvePublicKey) or loaded.curve.name != "secp256r1":
+        raise ConfigError("attest.previous_keys", f"not an EC P-256 key: {path}")
+    return loaded
 
 
 class LocalResultSigner:
@@ -231,6 +282,10 @@ class AttestService:
             raise outcome.error
         if token is None or outcome.expires_at is None:
             raise RuntimeError("attestation finished without a result")
+        try:  # releases name it; the record is durable and names the jti either way
+            await note_log_index(self.store, outcome.jti, appended.index, now)
+        except BrokerError:
+            log.warning("attestation %s: its log index could not be stored", outcome.jti)
         return Attested(token, outcome.jti, outcome.expires_at, appended.index)
 
     async def _decide(self, outcome: _Outcome, request: AttestRequest, now: datetime) -> str:
@@ -297,8 +352,8 @@ class AttestService:
         log who did it and why (the first revocation's reason stays).
 
         Raises: NotFound, UpstreamError."""
-        entry = await self.store.revoke(jti, reason, now)
-        if entry is None:
+        revocation = await revoke(self.store, jti, reason, now)
+        if revocation is None:
             raise NotFound("no such attestation (unknown or expired)")
         await self._audit.append_entry(
             {
@@ -306,10 +361,42 @@ class AttestService:
                 "jti": jti,
                 "time": now.isoformat(),
                 "who": who,
-                "reason": entry.reason,
+                "reason": revocation.entry.reason,
             }
         )
-        return entry
+        return revocation.entry
+
+    async def revalidate(self, *, who: str, now: datetime) -> int:
+        """After a policy change: re-decide every unexpired active attestation with the
+        attestation policy now in force, on its stored input at ``now``; revoke (for every
+        worker and replica, one record each) those it no longer allows. Several workers
+        re-deciding at once log each revocation once (the store says who revoked first).
+
+        Returns the number revoked here. Raises: UpstreamError (store or policy down)."""
+        revoked = 0
+        for entry in await self.store.active(now):
+            policy_input = {**entry.policy_input, "time": now.isoformat()}
+            decision = await self._policy.evaluate(policy_input)
+            if decision.allowed:
+                continue
+            reasons = "; ".join(decision.reasons) or "the attestation policy denies it"
+            reason = f"policy {decision.policy_digest[:19]} no longer allows it: {reasons}"
+            revocation = await revoke(self.store, entry.jti, reason, now)
+            if revocation is None or not revocation.newly:
+                continue
+            revoked += 1
+            await self._audit.append_entry(
+                {
+                    "type": "attestation_revoked",
+                    "jti": entry.jti,
+                    "time": now.isoformat(),
+                    "who": who,
+                    "reason": revocation.entry.reason,
+                    "policy_digest": decision.policy_digest,
+                    "reasons": list(decision.reasons),
+                }
+            )
+        return revoked
 
     def _safe_record(self, outcome: _Outcome, now: datetime, request_id: str) -> dict[str, Any]:
         """``_record``; if building it fails (a bug), a minimal record and no result."""

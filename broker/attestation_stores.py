@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from broker.attestation.stored import (
+    ACTIVE,
     AttestationEntry,
     AttestationStore,
-    revoked_entry,
+    Change,
     unavailable,
 )
 
@@ -45,12 +46,17 @@ class MemoryAttestations:
         entry = self._entries.get(jti)
         return entry if entry is not None and entry.expires_at > now else None
 
-    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
-        entry = await self.get(jti, now)
+    async def update(
+        self, jti: str, now: datetime, change: Change
+    ) -> tuple[AttestationEntry, AttestationEntry] | None:
+        entry = await self.get(jti, now)  # no await between the read and the write below
         if entry is None:
             return None
-        self._entries[jti] = revoked = revoked_entry(entry, reason)
-        return revoked
+        self._entries[jti] = after = change(entry)
+        return entry, after
+
+    async def active(self, now: datetime) -> list[AttestationEntry]:
+        return [e for e in self._entries.values() if e.expires_at > now and e.status == ACTIVE]
 
     async def close(self) -> None:
         self._entries.clear()
@@ -87,9 +93,11 @@ class SqliteAttestations:
         body = await self._run(select)
         return None if body is None else AttestationEntry.from_json(body)
 
-    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
-        def update(db: sqlite3.Connection) -> str | None:
-            db.execute("BEGIN IMMEDIATE")
+    async def update(
+        self, jti: str, now: datetime, change: Change
+    ) -> tuple[AttestationEntry, AttestationEntry] | None:
+        def rewrite(db: sqlite3.Connection) -> tuple[AttestationEntry, AttestationEntry] | None:
+            db.execute("BEGIN IMMEDIATE")  # the write lock first: no update lost between hosts
             try:
                 row = db.execute(
                     "SELECT body FROM attestations WHERE jti = ? AND expires_at > ?",
@@ -97,16 +105,27 @@ class SqliteAttestations:
                 ).fetchone()
                 if row is None:
                     return None
-                body = revoked_entry(AttestationEntry.from_json(row[0]), reason).to_json()
-                db.execute("UPDATE attestations SET body = ? WHERE jti = ?", (body, jti))
+                before = AttestationEntry.from_json(row[0])
+                after = change(before)
+                db.execute("UPDATE attestations SET body = ? WHERE jti = ?", (after.to_json(), jti))
                 db.execute("COMMIT")
-                return body
+                return before, after
             finally:  # whatever failed before the COMMIT, nothing of it stays
                 if db.in_transaction:
                     db.execute("ROLLBACK")
 
-        body = await self._run(update)
-        return None if body is None else AttestationEntry.from_json(body)
+        result: tuple[AttestationEntry, AttestationEntry] | None = await self._run(rewrite)
+        return result
+
+    async def active(self, now: datetime) -> list[AttestationEntry]:
+        def select(db: sqlite3.Connection) -> list[str]:
+            rows = db.execute(
+                "SELECT body FROM attestations WHERE expires_at > ?", (now.timestamp(),)
+            ).fetchall()
+            return [str(row[0]) for row in rows]
+
+        entries = [AttestationEntry.from_json(body) for body in await self._run(select)]
+        return [entry for entry in entries if entry.status == ACTIVE]
 
     async def close(self) -> None:
         def shut() -> None:

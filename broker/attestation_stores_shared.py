@@ -11,7 +11,9 @@ import asyncpg
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, WatchError
 
-from broker.attestation.stored import AttestationEntry, revoked_entry, unavailable
+from broker.attestation.stored import ACTIVE, AttestationEntry, Change, unavailable
+
+SCAN_BATCH = 500
 
 
 class RedisAttestations:
@@ -50,7 +52,9 @@ class RedisAttestations:
         entry = AttestationEntry.from_json(body)
         return entry if entry.expires_at > now else None
 
-    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
+    async def update(
+        self, jti: str, now: datetime, change: Change
+    ) -> tuple[AttestationEntry, AttestationEntry] | None:
         key = self.PREFIX + jti
         try:
             async with self._client.pipeline(transaction=True) as pipe:
@@ -60,18 +64,31 @@ class RedisAttestations:
                         body = await pipe.get(key)
                         if body is None:
                             return None
-                        entry = AttestationEntry.from_json(body)
-                        if entry.expires_at <= now:
+                        before = AttestationEntry.from_json(body)
+                        if before.expires_at <= now:
                             return None
-                        revoked = revoked_entry(entry, reason)
+                        after = change(before)
                         pipe.multi()  # type: ignore[no-untyped-call]
-                        pipe.set(key, revoked.to_json().encode(), keepttl=True)
+                        pipe.set(key, after.to_json().encode(), keepttl=True)
                         await pipe.execute()
-                        return revoked
-                    except WatchError:  # another revocation got there first: read it again
+                        return before, after
+                    except WatchError:  # another update got there first: read it again
                         continue
         except (RedisError, OSError) as exc:
             raise unavailable("redis", exc) from exc
+
+    async def active(self, now: datetime) -> list[AttestationEntry]:
+        entries: list[AttestationEntry] = []
+        try:
+            async for batch in _batches(
+                self._client.scan_iter(match=self.PREFIX + "*", count=SCAN_BATCH)
+            ):
+                for body in await self._client.mget(batch):
+                    if body is not None:
+                        entries.append(AttestationEntry.from_json(body))
+        except (RedisError, OSError) as exc:
+            raise unavailable("redis", exc) from exc
+        return [e for e in entries if e.expires_at > now and e.status == ACTIVE]
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -121,8 +138,10 @@ class PostgresAttestations:
         body = await self._run(select)
         return None if body is None else AttestationEntry.from_json(body)
 
-    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
-        async def update(db: asyncpg.Connection) -> Any:
+    async def update(
+        self, jti: str, now: datetime, change: Change
+    ) -> tuple[AttestationEntry, AttestationEntry] | None:
+        async def rewrite(db: asyncpg.Connection) -> Any:
             async with db.transaction():
                 body = await db.fetchval(
                     "SELECT body FROM broker_attestations WHERE jti = $1 AND expires_at > $2 "
@@ -132,14 +151,22 @@ class PostgresAttestations:
                 )
                 if body is None:
                     return None
-                revoked = revoked_entry(AttestationEntry.from_json(body), reason).to_json()
+                before = AttestationEntry.from_json(body)
+                after = change(before)
                 await db.execute(
-                    "UPDATE broker_attestations SET body = $2 WHERE jti = $1", jti, revoked
+                    "UPDATE broker_attestations SET body = $2 WHERE jti = $1", jti, after.to_json()
                 )
-                return revoked
+                return before, after
 
-        body = await self._run(update)
-        return None if body is None else AttestationEntry.from_json(body)
+        result: tuple[AttestationEntry, AttestationEntry] | None = await self._run(rewrite)
+        return result
+
+    async def active(self, now: datetime) -> list[AttestationEntry]:
+        async def select(db: asyncpg.Connection) -> Any:
+            return await db.fetch("SELECT body FROM broker_attestations WHERE expires_at > $1", now)
+
+        entries = [AttestationEntry.from_json(row["body"]) for row in await self._run(select)]
+        return [entry for entry in entries if entry.status == ACTIVE]
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -166,3 +193,15 @@ class PostgresAttestations:
                     await db.execute(_PG_SCHEMA)
                 self._pool = pool
             return self._pool
+
+
+async def _batches(keys: Any) -> Any:
+    """``scan_iter``'s keys in lists of up to ``SCAN_BATCH`` (one ``MGET`` each)."""
+    batch: list[Any] = []
+    async for key in keys:
+        batch.append(key)
+        if len(batch) >= SCAN_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -89,6 +89,11 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         query.add_argument(f"--{name}")
     query.add_argument("--decision", help="a decision id")
     query.add_argument(
+        "--attestation",
+        metavar="JTI",
+        help="an attestation result: its record, every key released on it, its revocation",
+    )
+    query.add_argument(
         "--who", help="who made a change (key and policy records): token:…, user@host, broker"
     )
     query.add_argument("--result", choices=RESULTS)
@@ -515,20 +520,61 @@ def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
     return _within(record, args.since, args.until)
 
 
+ATTESTATION_TYPES = ("attestation", "attested_release", "attestation_revoked")
+
+
+def per_key(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A record as query rows: a release on an attestation result is one row per key asked
+    (its version, result, code, reasons, policy digest), each naming the attestation; every
+    other record is one row."""
+    if record.get("type") != "attested_release":
+        yield record
+        return
+    attestation = record.get("attestation") or {}
+    common = {
+        k: record.get(k) for k in ("type", "index", "seq", "time", "decision_id", "replica")
+    } | {
+        "attestation": attestation.get("jti"),
+        "attestation_log_index": attestation.get("log_index"),
+        "dpop_jti": record.get("dpop_jti"),
+    }
+    keys = record.get("keys") or []
+    if not keys:  # refused before any key was decided
+        yield common | {k: record.get(k) for k in ("result", "code", "message")} | {"key": None}
+    for key in keys:
+        yield common | {
+            k: key.get(k)
+            for k in ("key", "version", "result", "code", "reasons", "policy_digest", "input")
+        }
+
+
+def _attestation_of(record: dict[str, Any]) -> Any:
+    if record.get("type") == "attested_release":
+        return (record.get("attestation") or {}).get("jti")
+    return record.get("jti") if record.get("type") in ATTESTATION_TYPES else None
+
+
 def _query(args: argparse.Namespace) -> int:
-    # Releases; with --who, the changes someone made (key and policy records) too.
-    wanted = {"release"} if args.who is None else None
+    # Releases (per key on attestation results too); with --who, the changes someone made (key
+    # and policy records); with --attestation, that result's whole story.
+    wanted: set[str] | None = {"release", "attested_release"} if args.who is None else None
+    if args.attestation is not None:
+        wanted = set(ATTESTATION_TYPES)
     rows = [
-        r
+        row
         for r in _records(args.logs)
-        if (wanted is None or r.get("type") in wanted) and _matches(r, args)
+        if (wanted is None or r.get("type") in wanted)
+        and (args.attestation is None or _attestation_of(r) == args.attestation)
+        for row in per_key(r)
+        if _matches(row, args)
     ]
     if args.table:
-        print(f"{'index':>7}  {'time':32}  {'result':6}  {'code':24}  key")
+        print(f"{'index':>7}  {'time':32}  {'type':19}  {'result':6}  {'code':24}  key")
         for r in rows:
             print(
                 f"{r.get('index', r.get('seq')):>7}  {r.get('time')!s:32}  "
-                f"{r.get('result')!s:6}  {r.get('code') or '-'!s:24}  {r.get('key')}"
+                f"{r.get('type')!s:19}  {r.get('result') or '-'!s:6}  "
+                f"{r.get('code') or '-'!s:24}  {r.get('key') or '-'}"
             )
     else:
         for r in rows:

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from broker.cli_audit import per_key
 from broker.core.errors import ConfigError
 from broker.core.jsonsafe import loads_bounded
 from broker.policy.build import (
@@ -273,11 +274,13 @@ def _replay(args: argparse.Namespace) -> int:
         "reasons_changed": 0,
         "skipped": 0,
     }
-    for record in _records(args.log):
+    for record in _decisions(_records(args.log)):
         # both policies: an attestation's input says so itself (request.kind, written by the
         # broker), and the engine reads data.broker.attest for it; attestations name no key
         kind = record.get("type")
-        if kind not in ("release", "attestation") or (args.key and record.get("key") != args.key):
+        if kind not in ("release", "attestation", "attested_release") or (
+            args.key and record.get("key") != args.key
+        ):
             continue
         if since is not None and _time(str(record.get("time"))) < since:
             continue
@@ -304,6 +307,13 @@ def _replay(args: argparse.Namespace) -> int:
         print(json.dumps(changed))
     print(json.dumps({"summary": summary, "policy_digest": compiled.digest}))
     return 0
+
+
+def _decisions(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Policy decisions: a release on an attestation result decided each key on its own input
+    (``per_key``: one decision per key); every other record is itself."""
+    for record in records:
+        yield from per_key(record)
 
 
 def _records(logs: list[Path]) -> Iterator[dict[str, Any]]:

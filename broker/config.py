@@ -229,13 +229,17 @@ ADMIN_ROLES = frozenset({"key-admin", "policy-admin", "auditor"})
 
 @dataclass(frozen=True)
 class AttestSettings:
-    """``POST /v1/attest``: attestation results (EAR) bound to the runner's keys (docs/api.md).
-    Off by default; releases on a result are not wired yet (issue 19)."""
+    """``POST /v1/attest``: attestation results (EAR) bound to the runner's keys, and releases
+    on them (``Authorization: DPoP``; docs/api.md). Off by default."""
 
     enabled: bool = False
     signing_key: str | None = None  # EC P-256 PEM path, or cloudkms:…/cryptoKeyVersions/N
     ttl_seconds: int = 300  # 1..900; never past the first expiry of the evidence used
     legacy_names: bool = False  # Veraison's dotted claim names and profile
+    # public PEM files of result keys replaced by a rotation: still published and accepted,
+    # so results they signed keep working until they expire (remove after ttl_seconds)
+    previous_keys: tuple[str, ...] = ()
+    dpop_nonce: bool = True  # a release's DPoP proof must carry this broker's DPoP-Nonce
 
 
 @dataclass(frozen=True)
@@ -345,6 +349,9 @@ def settings_from_mapping(
     attest = config_table(AttestSettings, "attest", raw, env, base_dir)
     if attest.signing_key and not attest.signing_key.startswith("cloudkms:"):  # a file
         attest = replace(attest, signing_key=str(resolve_path(base_dir, attest.signing_key)))
+    attest = replace(
+        attest, previous_keys=tuple(str(resolve_path(base_dir, k)) for k in attest.previous_keys)
+    )
     settings = Settings(
         server=server,
         issuers=issuers,

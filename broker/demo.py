@@ -11,11 +11,17 @@
    tensor straight from storage with random access (``open_encrypted``: only the segments it
    needs are fetched and decrypted), then streams the whole file (``decrypt_to``) and checks it
    against the manifest; a runner with another image is denied with the policy's reasons.
-6. The security team withdraws the allowed image with a per-key policy and reloads it through
-   the admin API (checked, tested, swapped); the same runner is now denied with the new reason.
-7. An auditor fetches the signed checkpoint and proves the allowed decision is included in it,
+6. Attest once, release many: the runner attests (``POST /v1/attest``: an EAR bound to a PoP key
+   and an encryption key made in the runner) and releases the weights key and a query key on
+   that one result (``Authorization: DPoP``, no evidence sent again).
+7. The security team withdraws the allowed image (a per-key policy, and off the allow-list) and
+   reloads through the admin API (checked, tested, swapped): the reload revokes the attestation
+   the new policy refuses; the full-evidence runner is denied with the new reason, and the next
+   release on the attestation is refused with the revocation's reason.
+8. An auditor fetches the signed checkpoint and proves the allowed decision is included in it,
    through the audit API.
-8. Verify the decision log: creation, allow, deny, the policy change, deny; chain intact.
+9. Verify the decision log: creation, allow, deny, attestation, releases on it, the policy
+   change, the revocation, the denials; chain intact.
 
 Returns True only if every step happened as expected.
 """
@@ -38,13 +44,15 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import DecisionLog
 from broker.audit.segments import verify_file
 from broker.audit.signers import open_checkpoint_signer
-from broker.client import BrokerClient, BrokerClientError
+from broker.client import Attestation, BrokerClient, BrokerClientError
 from broker.client.weights import decrypt_to, open_encrypted, open_source
 from broker.config import Settings, load_settings
 from broker.crypto.checkpoint import NoteVerifier, parse_checkpoint
@@ -56,6 +64,7 @@ from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
 
 DEMO_KEY = "models/demo-llama"
+DEMO_QUERY_KEY = "queries/demo-chat"  # a query key: its HPKE private half is released
 AUDIENCE = "https://broker.demo.invalid"
 ALLOWED_DIGEST = "sha256:" + hashlib.sha256(b"sealed-runner:1.0").hexdigest()
 OTHER_DIGEST = "sha256:" + hashlib.sha256(b"tampered-runner:6.6").hexdigest()
@@ -85,13 +94,18 @@ async def run_demo(workdir: Path | None) -> bool:
 async def _run(workdir: Path) -> bool:
     issuer = DevIssuer(dev_mode=True)
     admin_token = secrets.token_urlsafe(24)  # the security team's, for the reload step
+    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
+    for name in ("result-signing.pem", "statement-signing.pem"):  # EAR and query statements
+        await asyncio.to_thread(_p256_pem, workdir / name)
     config = write_dev_workspace(
         workdir,
         issuer,
         audience=AUDIENCE,
-        images={DEMO_KEY: [ALLOWED_DIGEST]},
+        images={DEMO_KEY: [ALLOWED_DIGEST], DEMO_QUERY_KEY: [ALLOWED_DIGEST]},
         now=utc_now(),
-        extra_toml=f'[admin]\ntoken_sha256 = ["{_sha256(admin_token)}"]\n',
+        keys_extra={"signing_key": "statement-signing.pem"},
+        extra_toml=f'[admin]\ntoken_sha256 = ["{_sha256(admin_token)}"]\n\n'
+        '[attest]\nenabled = true\nsigning_key = "result-signing.pem"\n',
     )
     settings = load_settings(config, environ={})
     _say("setup", f"config {config} (TLS on loopback, development issuer {issuer.issuer})")
@@ -103,6 +117,7 @@ async def _run(workdir: Path) -> bool:
             settings.keys, create_missing_kek=True, change_log=change_log.append
         ) as keys:
             await keys.create(DEMO_KEY, Purpose.MODEL_WEIGHTS, now=utc_now())
+            await keys.create(DEMO_QUERY_KEY, Purpose.QUERY, now=utc_now())
     finally:
         await change_log.close()
     if not await _owner_encrypts(workdir, config):
@@ -119,9 +134,19 @@ async def _run(workdir: Path) -> bool:
     try:
         async with BrokerClient(f"https://127.0.0.1:{port}", ssl_context=client_tls) as client:
             ok = await _runners(client, issuer, storage.url, client_tls, workdir)
+            attestation = await _attest_once(client, issuer) if ok else None
             base = f"https://127.0.0.1:{port}"
-            ok = ok and await _policy_reload(
-                client, issuer, workdir=workdir, base=base, admin_token=admin_token, tls=client_tls
+            ok = (
+                attestation is not None
+                and await _policy_reload(
+                    client,
+                    issuer,
+                    workdir=workdir,
+                    base=base,
+                    admin_token=admin_token,
+                    tls=client_tls,
+                )
+                and await _revoked(attestation)
             )
             ok = ok and await _prove_through_api(settings, base, admin_token, client_tls)
     finally:
@@ -284,6 +309,63 @@ async def _runners(
     return False
 
 
+async def _attest_once(client: BrokerClient, issuer: DevIssuer) -> Attestation | None:
+    """Evidence verified once; the weights key and a query key released on the one result."""
+    good = DevTokenSource(issuer, Workload(image_digest=ALLOWED_DIGEST), utc_now)
+    try:
+        attestation = await client.attest(good)
+        released = await attestation.release_many([DEMO_KEY, DEMO_QUERY_KEY])
+    except BrokerClientError as exc:
+        _say("attest", f"FAILED: {exc} {exc.details}")
+        return None
+    _say(
+        "attest",
+        f"attested once: EAR {attestation.jti} (until {attestation.expires_at:%H:%M:%S}Z), "
+        "bound to a PoP key and an encryption key made in the runner",
+    )
+    for name, result in released.items():
+        if isinstance(result, BrokerClientError):
+            _say("attest", f"FAILED: {name} refused on the attestation: {result}")
+            return None
+        _say(
+            "attest",
+            f"released {name} v{result.version} ({result.algorithm}) on it with a DPoP proof; "
+            "no evidence sent again",
+        )
+    return attestation
+
+
+async def _revoked(attestation: Attestation) -> bool:
+    """After the reload: the attestation was revoked, and says why."""
+    try:
+        await attestation.release(DEMO_KEY)
+    except BrokerClientError as exc:
+        if exc.code == "attestation_revoked":
+            _say(
+                "attest",
+                f"the next release on EAR {attestation.jti[:8]}… is refused: 401 "
+                f"attestation_revoked",
+            )
+            _say("attest", f"  reason: {exc.details.get('reason')}")
+            return True
+        _say("attest", f"FAILED: refused with {exc}, not a revocation")
+        return False
+    _say("attest", "FAILED: the revoked attestation still released a key")
+    return False
+
+
+def _p256_pem(path: Path) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    path.chmod(0o600)
+
+
 WITHDRAWN = f"""package broker.key_policies.demo_withdrawn
 
 import rego.v1
@@ -305,10 +387,15 @@ async def _policy_reload(
     admin_token: str,
     tls: ssl.SSLContext,
 ) -> bool:
-    """The security team withdraws the allowed image with a per-key policy and reloads."""
+    """The security team withdraws the allowed image with a per-key policy and takes it off
+    the allow-list, and reloads."""
     module = workdir / "policies" / "broker" / "key_policies" / "demo_withdrawn.rego"
     await asyncio.to_thread(module.parent.mkdir, parents=True, exist_ok=True)
     await asyncio.to_thread(module.write_text, WITHDRAWN, encoding="utf-8")
+    data_path = workdir / "policies" / "broker" / "data.json"
+    data = json.loads(await asyncio.to_thread(data_path.read_text, encoding="utf-8"))
+    data["images"] = {name: [] for name in data["images"]}
+    await asyncio.to_thread(data_path.write_text, json.dumps(data, indent=2), encoding="utf-8")
     async with (
         aiohttp.ClientSession() as session,
         session.post(
@@ -353,11 +440,11 @@ async def _prove_through_api(
             async with session.get(f"{base}/v1/log/checkpoint", ssl=tls) as reply:
                 note = await reply.text()
             checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
-            if checkpoint.size >= 6:
+            if checkpoint.size >= 12:
                 break
             await asyncio.sleep(0.1)
         assert checkpoint is not None  # noqa: S101 - the loop ran
-        index = 3  # the allowed release (after the policy_change and the key's creation)
+        index = 4  # the allowed release (after the keys' creation, encryption, policy_change)
         async with session.get(
             f"{base}/v1/log/entries?start={index}&end={index + 1}", ssl=tls
         ) as reply:
@@ -379,15 +466,23 @@ async def _prove_through_api(
     return True
 
 
+def _label(record: dict[str, Any]) -> str:
+    kind = str(record.get("type"))
+    if kind in ("attestation", "attested_release"):
+        return f"{kind} {record.get('result')}"
+    return str(record.get("result") or record.get("action") or kind)
+
+
 def _audit(log_path: Path) -> bool:
     report = verify_file(log_path)
     lines = log_path.read_text(encoding="utf-8").splitlines()
     records = [json.loads(line) for line in lines]
-    results = [record.get("result") or record.get("action") for record in records]
-    results = [r or record.get("type") for r, record in zip(results, records, strict=True)]
+    results = [_label(record) for record in records]
     # the policy that went live at start-up is logged before the first decision
     expected = [
-        "create", "weights-encrypt", "policy_change", "allow", "deny", "policy_change", "deny"
+        "create", "create", "weights-encrypt", "policy_change", "allow", "deny",
+        "attestation allow", "attested_release allow", "policy_change", "attestation_revoked",
+        "deny", "attested_release deny",
     ]  # fmt: skip
     if results != expected:
         _say("audit", f"FAILED: expected {', '.join(expected)}; found {results}")

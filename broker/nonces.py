@@ -49,6 +49,10 @@ MAX_NONCE_CHARS = 128
 RANDOM_BYTES = 15
 MAC_BYTES = 12
 MAC_CONTEXT = b"sealed-broker challenge v1\0"
+# RFC 9449 §8 server nonces for DPoP proofs: the same construction under another MAC context,
+# so one can never pass for the other; not single use, good for DPOP_NONCE_TTL
+DPOP_NONCE_CONTEXT = b"sealed-broker dpop-nonce v1\0"
+DPOP_NONCE_TTL = timedelta(minutes=5)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,20 @@ class NonceStore(Protocol):
         """Atomically mark ``nonce`` used; raise ``nonce_unknown`` or ``nonce_reused``."""
         ...
 
+    async def spend(self, value: str, expires_at: datetime, now: datetime) -> None:
+        """Spend any single-use value (a DPoP proof's ``jti``) in the same shared store; raise
+        ``nonce_reused`` if it already was."""
+        ...
+
+    def server_nonce(self, now: datetime) -> str:
+        """A ``DPoP-Nonce`` for the next proof (no store is touched)."""
+        ...
+
+    def server_nonce_valid(self, nonce: str, now: datetime) -> bool:
+        """Whether this broker (any worker or replica sharing the key) made ``nonce`` and it
+        is still fresh."""
+        ...
+
     async def check(self) -> None:
         """Raise ``UpstreamError`` when the store cannot answer (``/readyz``)."""
         ...
@@ -97,10 +115,11 @@ class SpentNonces(Protocol):
 class ChallengeCodec:
     """Makes and checks challenges under one 32-byte key (pure: ``now`` is passed in)."""
 
-    def __init__(self, key: bytes, ttl: timedelta) -> None:
+    def __init__(self, key: bytes, ttl: timedelta, *, context: bytes = MAC_CONTEXT) -> None:
         self._key = key
         self._key_id = hashlib.sha256(b"key id\0" + key).digest()[:1]
         self._ttl = ttl
+        self._context = context
 
     def issue(self, now: datetime) -> Challenge:
         expires = math.ceil((now + self._ttl).timestamp())
@@ -132,7 +151,7 @@ class ChallengeCodec:
         return expires_at
 
     def _mac(self, body: bytes) -> bytes:
-        return hmac.new(self._key, MAC_CONTEXT + body, hashlib.sha256).digest()[:MAC_BYTES]
+        return hmac.new(self._key, self._context + body, hashlib.sha256).digest()[:MAC_BYTES]
 
 
 class StatelessNonceStore:
@@ -143,12 +162,14 @@ class StatelessNonceStore:
         self._key_path = key_path
         self._ttl = ttl
         self._codec: ChallengeCodec | None = None
+        self._dpop: ChallengeCodec | None = None
 
     async def open(self) -> None:
         import asyncio  # noqa: PLC0415
 
         key = await asyncio.to_thread(load_or_create_secret, self._key_path, "nonces.challenge_key")
         self._codec = ChallengeCodec(key, self._ttl)
+        self._dpop = ChallengeCodec(key, DPOP_NONCE_TTL, context=DPOP_NONCE_CONTEXT)
 
     async def issue(self, now: datetime) -> Challenge:
         return self._ready().issue(now)
@@ -156,6 +177,23 @@ class StatelessNonceStore:
     async def consume(self, nonce: str, now: datetime) -> None:
         expires_at = self._ready().verify(nonce, now)
         await self._spent.spend(nonce, expires_at, now)
+
+    async def spend(self, value: str, expires_at: datetime, now: datetime) -> None:
+        await self._spent.spend(value, expires_at, now)
+
+    def server_nonce(self, now: datetime) -> str:
+        if self._dpop is None:
+            raise store_unavailable()
+        return self._dpop.issue(now).nonce
+
+    def server_nonce_valid(self, nonce: str, now: datetime) -> bool:
+        if self._dpop is None:
+            raise store_unavailable()
+        try:
+            self._dpop.verify(nonce, now)
+        except AttestationError:
+            return False
+        return True
 
     async def check(self) -> None:
         await self._spent.check()

@@ -75,7 +75,9 @@ async def _render_errors(
             exc.message,
             exc.__cause__ or "",
         )
-        return error_response(exc.status, exc.code, exc.message, request_id, **exc.details)
+        rendered = error_response(exc.status, exc.code, exc.message, request_id, **exc.details)
+        rendered.headers.update(exc.headers)
+        return rendered
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

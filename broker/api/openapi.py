@@ -12,6 +12,7 @@ from typing import Any
 
 from broker.attestation.ear import MEDIA_TYPE as EAR_MEDIA_TYPE
 from broker.attestation.stored import MAX_REASON_CHARS
+from broker.attested_release import MAX_KEYS
 from broker.core.errors import ErrorCode
 from broker.core.fields import MAX_VERSION
 from broker.core.protocol import Algorithm
@@ -189,6 +190,49 @@ SCHEMAS: dict[str, Any] = {
             "leaf_hash",
         ],
     ),
+    "AttestedReleaseRequest": _object(
+        {
+            "keys": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_KEYS,
+                "items": {
+                    "oneOf": [
+                        KEY_NAME_SCHEMA,
+                        _object({"key": KEY_NAME_SCHEMA, "version": VERSION_SCHEMA}, ["key"]),
+                    ]
+                },
+            },
+            "wrap": {"type": "string", "enum": list(WRAP_MODES)},
+        },
+        ["keys"],
+    ),
+    "AttestedRelease": _object(
+        {
+            "release_id": {"type": "string", "description": "in each wrapped key's AAD"},
+            "attestation": {"type": "string", "description": "the EAR's jti"},
+            "wrap": {"type": "string", "enum": list(WRAP_MODES)},
+            "keys": {
+                "type": "array",
+                "description": "in the order asked: a wrapped key, or that key's error",
+                "items": {
+                    "type": "object",
+                    "required": ["key"],
+                    "properties": {
+                        "key": KEY_NAME_SCHEMA,
+                        "version": {**VERSION_SCHEMA, "type": ["integer", "null"]},
+                        "wrapped_key": {"type": "string"},
+                        "algorithm": {"type": "string"},
+                        "policy_digest": {"type": "string", "description": "in the AAD"},
+                        "error": {"type": "object"},
+                    },
+                },
+            },
+            "log_index": {"type": "integer", "minimum": 0},
+            "leaf_hash": {"type": "string", "description": "RFC 6962 leaf hash, base64"},
+        },
+        ["release_id", "attestation", "wrap", "keys", "log_index", "leaf_hash"],
+    ),
     "KeyVersion": _object(
         {
             "name": KEY_NAME_SCHEMA,
@@ -363,11 +407,36 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/release": {
                 "post": {
-                    "summary": "verify evidence, decide, log, and release a wrapped key",
+                    "summary": "verify evidence, decide, log, and release a wrapped key; or, "
+                    "with Authorization: DPoP <EAR> and a DPoP proof, release keys on an "
+                    "attestation result (404 while [attest] is off)",
                     "tags": ["runner"],
-                    "requestBody": _body(_ref("ReleaseRequest")),
+                    "parameters": [
+                        {
+                            "name": "Authorization",
+                            "in": "header",
+                            "required": False,
+                            "description": "DPoP <EAR>: release on an attestation result",
+                            "schema": {"type": "string"},
+                        },
+                        {
+                            "name": "DPoP",
+                            "in": "header",
+                            "required": False,
+                            "description": "RFC 9449 proof (with Authorization: DPoP)",
+                            "schema": {"type": "string"},
+                        },
+                    ],
+                    "requestBody": _body(
+                        {"oneOf": [_ref("ReleaseRequest"), _ref("AttestedReleaseRequest")]}
+                    ),
                     "responses": {
-                        "200": _json(_ref("Release"), "released"),
+                        "200": {
+                            **_json(
+                                {"oneOf": [_ref("Release"), _ref("AttestedRelease")]}, "released"
+                            ),
+                            "headers": {"DPoP-Nonce": {"schema": {"type": "string"}}},
+                        },
                         **_errors(400, 401, 403, 404, 408, 409, 413, 415),
                     },
                 }

@@ -13,6 +13,14 @@ from broker.api.services import ATTESTATIONS, CLOCK, NONCES, RELEASE, SETTINGS
 from broker.attest import ATTEST_FIELDS
 from broker.attestation.ear import MEDIA_TYPE
 from broker.attestation.stored import AttestationEntry
+from broker.attested_release import (
+    ATTESTED_FIELDS,
+    ATTESTED_OPTIONAL,
+    AttestedRelease,
+    Presented,
+    ReleasedOnResult,
+)
+from broker.core.errors import BrokerError, ErrorCode
 from broker.release import RELEASE_FIELDS, RELEASE_OPTIONAL
 
 
@@ -35,7 +43,11 @@ async def release(request: web.Request) -> web.Response:
 
     Only the body's syntax is checked here; its fields are checked by the release service,
     inside the logged path, so that every parsed release request leaves a decision record.
+    With ``Authorization: DPoP <EAR>`` the keys are released on an attestation result instead
+    (``attested_release``).
     """
+    if "Authorization" in request.headers:
+        return await _release_on_result(request)
     body = await read_json_object(request, required=RELEASE_FIELDS, optional=RELEASE_OPTIONAL)
     read = time.perf_counter()
     released = await request.app[RELEASE].release(
@@ -65,6 +77,74 @@ async def release(request: web.Request) -> web.Response:
     )
 
 
+async def _release_on_result(request: web.Request) -> web.Response:
+    """``Authorization: DPoP <EAR>`` + ``DPoP`` proof + ``{"keys": […]}``. Every answer, refusals
+    included, carries a fresh ``DPoP-Nonce`` for the next proof; a refused result or proof says
+    so in ``WWW-Authenticate`` (RFC 9449 §7.1, RFC 6750 §3)."""
+    service = request.app[ATTESTATIONS].require_releases()
+    clock = request.app[CLOCK]
+    try:
+        body = await read_json_object(request, required=ATTESTED_FIELDS, optional=ATTESTED_OPTIONAL)
+        public = request.app[SETTINGS].server.audience.rstrip("/") + request.path
+        presented = Presented(
+            authorization=request.headers.get("Authorization"),
+            proof=request.headers.get("DPoP"),
+            urls=(str(request.url.with_query(None)), public),
+        )
+        released = await service.release(
+            body,
+            presented=presented,
+            now=clock(),
+            request_id=request[REQUEST_ID],
+        )
+    except BrokerError as exc:
+        exc.headers["DPoP-Nonce"] = service.server_nonce(clock())
+        challenge = _CHALLENGES.get(exc.code)
+        if challenge is not None:
+            exc.headers["WWW-Authenticate"] = f'DPoP algs="ES256", error="{challenge}"'
+        raise
+    return web.json_response(
+        _describe_release(released),
+        headers={"DPoP-Nonce": service.server_nonce(clock()), "Cache-Control": "no-store"},
+    )
+
+
+_CHALLENGES = {
+    ErrorCode.DPOP_PROOF_INVALID: "invalid_dpop_proof",
+    ErrorCode.DPOP_PROOF_REUSED: "invalid_dpop_proof",
+    ErrorCode.DPOP_NONCE_REQUIRED: "use_dpop_nonce",
+}
+
+
+def _describe_release(released: AttestedRelease) -> dict[str, object]:
+    """Each key in the order asked: its wrapped key, or its error (a partial answer is 200)."""
+    keys: list[dict[str, object]] = []
+    for key in released.keys:
+        if isinstance(key, ReleasedOnResult):
+            keys.append(
+                {
+                    "key": key.key,
+                    "version": key.version,
+                    "wrapped_key": key.wrapped_key,
+                    "algorithm": key.algorithm,
+                    "policy_digest": key.policy_digest,
+                }
+            )
+        else:
+            error = {"code": key.error.code.value, "message": key.error.message}
+            keys.append(
+                {"key": key.key, "version": key.version, "error": error | key.error.details}
+            )
+    return {
+        "release_id": released.release_id,
+        "attestation": released.attestation,
+        "wrap": released.wrap,
+        "keys": keys,
+        "log_index": released.log_index,
+        "leaf_hash": base64.b64encode(released.leaf_hash).decode(),
+    }
+
+
 async def attest(request: web.Request) -> web.Response:
     """Verify evidence once and answer an attestation result (EAR) bound to the runner's keys:
     ``201``, the signed EAR as ``application/eat+jwt``, ``Location`` naming it."""
@@ -78,6 +158,8 @@ async def attest(request: web.Request) -> web.Response:
             "Content-Type": MEDIA_TYPE,
             "Location": f"/v1/attestations/{attested.jti}",
             "Cache-Control": "no-store",
+            # the first release's proof needs no round trip to learn one
+            "DPoP-Nonce": request.app[NONCES].server_nonce(request.app[CLOCK]()),
         },
     )
 
@@ -85,8 +167,8 @@ async def attest(request: web.Request) -> web.Response:
 async def result_keys(request: web.Request) -> web.Response:
     """``/.well-known/jwks.json``: the keys that verify this broker's attestation results
     (none while ``[attest]`` is off)."""
-    service = request.app[ATTESTATIONS].service
-    return web.json_response(service.signer.jwks() if service is not None else {"keys": []})
+    published = request.app[ATTESTATIONS].result_keys
+    return web.json_response(published.jwks if published is not None else {"keys": []})
 
 
 async def attestation_status(request: web.Request) -> web.Response:

@@ -15,7 +15,8 @@ from typing import Protocol
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.attest import AttestService
+from broker.attest import AttestService, ResultKeys
+from broker.attested_release import AttestedReleaseService
 from broker.audit.log import DecisionLog
 from broker.config import Settings
 from broker.core.errors import ErrorCode, NotFound, UpstreamError
@@ -71,15 +72,26 @@ class Attestations:
     """``POST /v1/attest`` when ``[attest] enabled``; otherwise its routes answer 404."""
 
     service: AttestService | None
+    releases: AttestedReleaseService | None = None  # ``POST /v1/release`` on a result
+    result_keys: ResultKeys | None = None  # published at /.well-known/jwks.json
 
     def require(self) -> AttestService:
         """Raises ``NotFound``: attestation results are off here (not a failing dependency)."""
         if self.service is None:
-            raise NotFound(
-                "this broker issues no attestation results ([attest] enabled is false)",
-                code=ErrorCode.NOT_FOUND,
-            )
+            raise _off()
         return self.service
+
+    def require_releases(self) -> AttestedReleaseService:
+        if self.releases is None:
+            raise _off()
+        return self.releases
+
+
+def _off() -> NotFound:
+    return NotFound(
+        "this broker issues no attestation results ([attest] enabled is false)",
+        code=ErrorCode.NOT_FOUND,
+    )
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -27,6 +27,7 @@ class AttestationEntry:
     policy_input: Mapping[str, Any]
     status: str = ACTIVE
     reason: str | None = None
+    log_index: int | None = None  # its ``attestation`` record's index, once appended
 
     def to_json(self) -> str:
         return json.dumps(
@@ -38,6 +39,7 @@ class AttestationEntry:
                 "policy_input": dict(self.policy_input),
                 "status": self.status,
                 "reason": self.reason,
+                "log_index": self.log_index,
             },
             separators=(",", ":"),
             sort_keys=True,
@@ -54,7 +56,11 @@ class AttestationEntry:
             policy_input=value["policy_input"],
             status=value["status"],
             reason=value.get("reason"),
+            log_index=value.get("log_index"),
         )
+
+
+Change = Callable[["AttestationEntry"], "AttestationEntry"]
 
 
 class AttestationStore(Protocol):
@@ -66,8 +72,16 @@ class AttestationStore(Protocol):
         """The entry, active or revoked; ``None`` when unknown or expired."""
         ...
 
-    async def revoke(self, jti: str, reason: str, now: datetime) -> AttestationEntry | None:
-        """Mark it revoked (the first reason stays); ``None`` when unknown or expired."""
+    async def update(
+        self, jti: str, now: datetime, change: Change
+    ) -> tuple[AttestationEntry, AttestationEntry] | None:
+        """Replace the entry by ``change(entry)`` atomically across every client of the store
+        (a concurrent update is read again, never overwritten); ``(before, after)``, or ``None``
+        when unknown or expired."""
+        ...
+
+    async def active(self, now: datetime) -> list[AttestationEntry]:
+        """Every unexpired entry still active (a policy reload re-decides them)."""
         ...
 
     async def close(self) -> None: ...
@@ -83,14 +97,29 @@ def unavailable(kind: str, exc: BaseException) -> UpstreamError:
 
 
 def revoked_entry(entry: AttestationEntry, reason: str) -> AttestationEntry:
+    """Revoked with ``reason``; one already revoked keeps its first reason."""
     if entry.status == REVOKED:
         return entry
-    return AttestationEntry(
-        entry.jti,
-        entry.expires_at,
-        entry.encryption_jwk,
-        entry.pop_thumbprint,
-        entry.policy_input,
-        REVOKED,
-        reason[:MAX_REASON_CHARS],
-    )
+    return replace(entry, status=REVOKED, reason=reason[:MAX_REASON_CHARS])
+
+
+@dataclass(frozen=True)
+class Revocation:
+    entry: AttestationEntry  # as it is now: revoked, with the first reason given
+    newly: bool  # this call revoked it (False: it already was)
+
+
+async def revoke(
+    store: AttestationStore, jti: str, reason: str, now: datetime
+) -> Revocation | None:
+    """Revoke for every worker and replica; ``None`` when unknown or expired."""
+    changed = await store.update(jti, now, lambda entry: revoked_entry(entry, reason))
+    if changed is None:
+        return None
+    before, after = changed
+    return Revocation(after, newly=before.status != REVOKED)
+
+
+async def note_log_index(store: AttestationStore, jti: str, index: int, now: datetime) -> None:
+    """Remember the ``attestation`` record's index: each release record names it."""
+    await store.update(jti, now, lambda entry: replace(entry, log_index=index))

@@ -11,10 +11,12 @@ thumbprint is bound into the attestation token together with the broker's nonce,
 wrapped key is useful only to this process.
 """
 
+from broker.client.attested import Attestation
 from broker.client.sdk import BrokerClient, BrokerClientError, ProofError, Proven, ReleasedDek
 from broker.client.tokens import ConfidentialSpaceTokenSource, GpuEvidenceSource, TokenSource
 
 __all__ = [
+    "Attestation",
     "BrokerClient",
     "BrokerClientError",
     "ConfidentialSpaceTokenSource",

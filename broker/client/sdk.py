@@ -9,14 +9,15 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
 
 from broker.client.tokens import GpuEvidenceSource, TokenSource
 from broker.client.weights import key_of_file
-from broker.core.binding import binding_digest
+from broker.core.binding import attestation_thumbprint, binding_digest
 from broker.core.encoding import b64url_decode
 from broker.crypto import hpke, jwe
 from broker.crypto.checkpoint import NoteError, NoteVerifier, parse_checkpoint
@@ -24,6 +25,9 @@ from broker.crypto.jwk import hybrid_jwk, public_jwk, thumbprint
 from broker.crypto.merkle import verify_inclusion
 from broker.crypto.weights import WeightsFormatError
 from broker.crypto.wrap import release_info
+
+if TYPE_CHECKING:
+    from broker.client.attested import Attestation
 
 MAX_RESPONSE_BYTES = 256 * 1024
 KEY_TYPES = ("EC-P256", "EC-P384", "X25519", "RSA-3072", "MLKEM768-X25519")
@@ -178,6 +182,70 @@ class BrokerClient:
         body = await self._post("/v1/release", request)
         return unwrap_release(body, private_key, expected_key=key, expected_version=version)
 
+    async def attest(
+        self,
+        token_source: TokenSource,
+        *,
+        gpu_source: GpuEvidenceSource | None = None,
+        key_type: str = "EC-P256",
+        wrap: str = "jwe",
+        renew_seconds: float = 30.0,
+    ) -> Attestation:
+        """Attest once (``POST /v1/attest``) and get an ``Attestation`` that releases many keys,
+        renewing itself before it expires. ``key_type``/``wrap``: the encryption key's kind and
+        how keys are wrapped to it (``X25519``/``MLKEM768-X25519`` with ``hpke``).
+
+        Raises:
+            BrokerClientError: the broker refused (``policy_denied`` with the attestation
+                policy's reasons, ``key_binding_mismatch``, …).
+        """
+        from broker.client.attested import Attestation, AttestedKeys  # noqa: PLC0415 - a cycle
+
+        async def attest_once() -> AttestedKeys:
+            pop_key = ec.generate_private_key(ec.SECP256R1())
+            pop_jwk = public_jwk(pop_key.public_key())
+            encryption_key, encryption_jwk = new_runner_key(key_type)
+            binding = attestation_thumbprint(thumbprint(encryption_jwk), thumbprint(pop_jwk))
+            issued = await self.challenge()
+            audience = self._audience or issued.audience
+            token = await token_source.token(audience, [issued.nonce, binding])
+            evidence: dict[str, Any] = {token_source.evidence_kind: token}
+            if gpu_source is not None:
+                gpu_nonce = binding_digest(issued.nonce, binding)
+                evidence[gpu_source.evidence_kind] = await gpu_source.evidence(gpu_nonce)
+            status, answer, headers = await self._exchange(
+                self._base_url + "/v1/attest",
+                {
+                    "nonce": issued.nonce,
+                    "evidence": evidence,
+                    "runner_key": encryption_jwk,
+                    "pop_key": pop_jwk,
+                },
+                {},
+            )
+            if status != 201 or not isinstance(answer, str):
+                raise client_error(status, answer)
+            claims = jwt.decode(answer, options={"verify_signature": False})  # our own result:
+            # the broker verifies it on every use; we only read when it expires and its name
+            return AttestedKeys(
+                token=answer,
+                jti=str(claims["jti"]),
+                expires_at=float(claims["exp"]),
+                pop_key=pop_key,
+                pop_jwk=pop_jwk,
+                encryption_key=encryption_key,
+                wrap=wrap,
+                dpop_nonce=headers.get("DPoP-Nonce"),
+            )
+
+        return Attestation(
+            await attest_once(),
+            base_url=self._base_url,
+            post=self._exchange,
+            attest=attest_once,
+            renew_seconds=renew_seconds,
+        )
+
     async def release_for(
         self,
         source: str | Path,
@@ -269,6 +337,24 @@ class BrokerClient:
                 raise ProofError(f"GET {path.split('?', maxsplit=1)[0]}: HTTP {response.status}")
             return raw.decode("utf-8", "replace")
 
+    async def _exchange(
+        self, url: str, payload: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[int, Any, dict[str, str]]:
+        """POST; the status, the body (JSON, or text for ``application/eat+jwt``) and headers."""
+        async with self._session.post(
+            url, json=payload, headers=headers, ssl=self._ssl
+        ) as response:
+            raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
+            answer: Any
+            if response.content_type == "application/eat+jwt":
+                answer = raw.decode("ascii", "replace")
+            else:
+                try:
+                    answer = json.loads(raw) if raw else {}
+                except ValueError:
+                    answer = {}
+            return response.status, answer, dict(response.headers)
+
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         async with self._session.post(
             self._base_url + path, json=payload, ssl=self._ssl
@@ -292,14 +378,26 @@ class BrokerClient:
             return body
 
 
+def client_error(status: int, answer: Any) -> BrokerClientError:
+    error = answer.get("error", {}) if isinstance(answer, dict) else {}
+    if not isinstance(error, dict):
+        error = {}
+    details = {k: v for k, v in error.items() if k not in {"code", "message"}}
+    return BrokerClientError(
+        status, str(error.get("code", "unknown")), str(error.get("message", "")), details
+    )
+
+
 def unwrap_release(
     body: dict[str, Any],
     private_key: RunnerSecret,
     *,
     expected_key: str,
     expected_version: int | None,
+    policy_digest: str | None = None,
 ) -> ReleasedDek:
     """Decrypt a release response and check that its binding matches the request.
+    ``policy_digest``: a release on an attestation result binds the policy that allowed it too.
 
     Raises:
         jwe.JweError: on decryption failure or a binding that names another key or release.
@@ -311,7 +409,7 @@ def unwrap_release(
         raise jwe.JweError("the broker answered for another key or version")
     algorithm = str(body.get("algorithm", "AES-256"))
     if body.get("wrap", "jwe") == "hpke":
-        info = release_info(expected_key, version, str(body["decision_id"]))
+        info = release_info(expected_key, version, str(body["decision_id"]), policy_digest)
         try:
             sealed = b64url_decode(str(body["wrapped_key"]))
             material = hpke.open_(sealed, private_key, info)  # type: ignore[arg-type]
@@ -332,6 +430,8 @@ def unwrap_release(
         raise jwe.JweError("wrapped key header names another key or version")
     if header.get("decision_id") != body.get("decision_id"):
         raise jwe.JweError("wrapped key header names another decision")
+    if header.get("policy_digest") != policy_digest:
+        raise jwe.JweError("wrapped key header names another policy")
     return ReleasedDek(
         key=expected_key,
         version=version,

@@ -70,6 +70,9 @@ class ErrorCode(StrEnum):
     # proof of possession (DPoP, RFC 9449) of the key an attestation result is bound to
     DPOP_PROOF_INVALID = "dpop_proof_invalid"
     DPOP_NONCE_REQUIRED = "use_dpop_nonce"  # RFC 9449 §8's name: retry with DPoP-Nonce
+    DPOP_PROOF_REUSED = "dpop_proof_reused"  # a proof's jti was already spent
+    ATTESTATION_UNKNOWN = "attestation_unknown"  # not in the store: never issued, or expired
+    ATTESTATION_REVOKED = "attestation_revoked"
     # admin authentication
     UNAUTHORIZED = "unauthorized"
     # keys
@@ -104,6 +107,7 @@ class BrokerError(Exception):
         status: the HTTP status used when this error reaches a client.
         message: a client-safe sentence (no secrets, no exception text of dependencies).
         details: extra client-safe fields rendered next to ``code`` and ``message``.
+        headers: response headers the error needs (``WWW-Authenticate``, ``DPoP-Nonce``).
     """
 
     status: int = 500
@@ -114,6 +118,7 @@ class BrokerError(Exception):
         self.message = message
         self.code = code or self.default_code
         self.details: dict[str, Any] = details
+        self.headers: dict[str, str] = {}
 
 
 class InputError(BrokerError):

@@ -19,7 +19,7 @@ implementations (jwcrypto, and panva's ``dpop`` for Node) and the hostile cases.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -94,7 +94,7 @@ def verify_dpop_proof(
     proof: Any,
     *,
     method: str,
-    url: str,
+    url: str | Sequence[str],
     now: datetime,
     access_token: str | None = None,
     nonce_valid: Callable[[str], bool] | None = None,
@@ -103,7 +103,8 @@ def verify_dpop_proof(
 
     Args:
         proof: the ``DPoP`` header's value (untrusted).
-        method: this request's method; ``url``: its URL as the client addressed it.
+        method: this request's method; ``url``: its URL as the client addressed it (or the
+            URLs it may have addressed: the one served and the public one behind a proxy).
         now: the one clock reading of this request.
         access_token: the token the proof must be bound to (``ath``); ``None`` when the request
             carries none (then a proof naming one is refused).
@@ -133,7 +134,8 @@ def verify_dpop_proof(
     if claims.get("htm") != method:
         raise DpopError("DPoP proof htm is not this request's method")
     htu = claims.get("htu")
-    if not isinstance(htu, str) or target_uri(htu) != target_uri(url):
+    urls = (url,) if isinstance(url, str) else tuple(url)
+    if not isinstance(htu, str) or target_uri(htu) not in {target_uri(u) for u in urls}:
         raise DpopError("DPoP proof htu is not this request's URL")
     issued_at = _issued_at(claims.get("iat"), now)
     _check_ath(claims.get("ath"), access_token)

@@ -7,6 +7,9 @@ Two forms, chosen by the request's ``wrap``:
 * ``hpke``: RFC 9180 to an X25519 or ML-KEM-768+X25519 runner key, with
   ``info = {"decision_id", "key", "version", "wrap": "broker-release/v1"}`` (canonical JSON).
 
+A release on an attestation result (``attested_release.py``) also binds the digest of the
+policy that allowed it: ``policy_digest`` in the JWE header, or in the HPKE ``info``.
+
 Either way a wrapped key cannot be passed off as another key, version or release.
 """
 
@@ -21,6 +24,7 @@ from broker.crypto import hpke, jwe
 from broker.crypto.jwk import RunnerKey
 
 DECISION_HEADER = "decision_id"
+POLICY_HEADER = "policy_digest"
 WRAP_MODES = ("jwe", "hpke")
 HPKE_CONTEXT = "broker-release/v1"
 
@@ -29,11 +33,19 @@ def key_id(name: str, version: int) -> str:
     return f"{name}#{version}"
 
 
-def release_info(name: str, version: int, decision_id: str) -> bytes:
+def release_info(
+    name: str, version: int, decision_id: str, policy_digest: str | None = None
+) -> bytes:
     """The HPKE ``info`` of a release (also recomputed by the runner SDK)."""
-    return hpke.context_info(
-        {"decision_id": decision_id, "key": name, "version": version, "wrap": HPKE_CONTEXT}
-    )
+    info: dict[str, object] = {
+        "decision_id": decision_id,
+        "key": name,
+        "version": version,
+        "wrap": HPKE_CONTEXT,
+    }
+    if policy_digest is not None:
+        info[POLICY_HEADER] = policy_digest
+    return hpke.context_info(info)
 
 
 def check_wrap_mode(mode: str, runner_key: RunnerKey) -> None:
@@ -64,10 +76,14 @@ def wrap_to_runner(
     version: int,
     decision_id: str,
     mode: str = "jwe",
+    policy_digest: str | None = None,
 ) -> str:
     """The wrapped form of ``material`` for ``runner_key`` with the release bound into it."""
     if mode == "hpke":
-        sealed = hpke.seal(material, runner_key.key, release_info(name, version, decision_id))  # type: ignore[arg-type]
+        info = release_info(name, version, decision_id, policy_digest)
+        sealed = hpke.seal(material, runner_key.key, info)  # type: ignore[arg-type]
         return b64url_encode(sealed)
     header = {"kid": key_id(name, version), DECISION_HEADER: decision_id, "cty": "dek"}
+    if policy_digest is not None:
+        header[POLICY_HEADER] = policy_digest
     return jwe.encrypt(material, runner_key, header)

@@ -30,6 +30,7 @@ def write_dev_workspace(
     gpu_keys: Mapping[str, object] | None = None,
     jwks_url: str | None = None,
     server_extra: Mapping[str, object] | None = None,
+    keys_extra: Mapping[str, object] | None = None,
     extra_toml: str = "",
 ) -> Path:
     """Lay out the workspace and return the path of its ``broker.toml``.
@@ -42,7 +43,7 @@ def write_dev_workspace(
         now: start of the TLS certificates' validity.
         gpu_keys: ``data.broker.gpu_keys`` of the shipped policy.
         jwks_url: trust the issuer through a JWKS URL instead of a file.
-        server_extra: further ``[server]`` keys.
+        server_extra: further ``[server]`` keys; ``keys_extra``: further ``[keys]`` keys.
         extra_toml: appended verbatim (further sections).
     """
     workdir.mkdir(parents=True, exist_ok=True)
@@ -57,6 +58,7 @@ def write_dev_workspace(
     data["gpu_keys"] = dict(gpu_keys or {})
     (policies / "data.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
     server = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (server_extra or {}).items())
+    keys = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (keys_extra or {}).items())
     trust = f'jwks_url = "{jwks_url}"' if jwks_url else 'jwks_file = "jwks.json"'
     _log_signing_key(workdir / "log-ed25519.pem")
     config = workdir / "broker.toml"
@@ -79,7 +81,7 @@ dir = "policies"
 [keys]
 store = "sqlite:///{workdir / "keys.db"}"
 kek = "local:{workdir / "kek.key"}"
-
+{keys}
 [audit]
 log = "decisions.log"
 origin = "broker.dev.invalid/decisions"

@@ -46,6 +46,7 @@ from broker.policy.workers import WorkerGroup, WorkerReport
 
 log = logging.getLogger(__name__)
 ChangeLog = Callable[[Mapping[str, Any]], Awaitable[object]]
+ChangeListener = Callable[[str], Awaitable[object]]  # called with who changed the policy
 SYSTEM_WHO = "broker"
 MAX_PROBLEM_CHARS = 4096  # start-up and polling: the broker itself
 SMOKE_INPUT: dict[str, Any] = {
@@ -122,6 +123,12 @@ class PolicyManager:
     _watch_stamp: str | None = None
     _handled_generation: int = 0
     _source: BundleSource | None = None
+    _on_change: list[ChangeListener] = field(default_factory=list)
+
+    def on_change(self, listener: ChangeListener) -> None:
+        """Call ``listener(who)`` after each reload that put another policy in force (in this
+        worker): attestation results re-decided under it (``AttestService.revalidate``)."""
+        self._on_change.append(listener)
 
     @property
     def digest(self) -> str:
@@ -226,6 +233,8 @@ class PolicyManager:
                     await self._record_failure(outcome, who)
             self.last_reload = outcome
             self.metrics.policy_reloaded(outcome.ok, self.digest)
+            if outcome.changed:
+                await self._changed(who)
             await self._report(self._handled_generation, ok=outcome.ok, problem=outcome.problem)
             return outcome
 
@@ -273,6 +282,14 @@ class PolicyManager:
                 trigger, who = request.trigger, request.who
             self._handled_generation = max(self._handled_generation, request.generation)
         return await self.reload(trigger=trigger, who=who)
+
+    async def _changed(self, who: str) -> None:
+        for listener in self._on_change:
+            try:
+                await listener(who)
+            except UpstreamError as exc:  # the new policy serves; re-deciding is retried on
+                # the next reload or start, and every release on a result re-decides anyway
+                log.error("after the policy change, re-deciding results failed: %s", exc.message)  # noqa: TRY400
 
     async def _report(self, generation: int, *, ok: bool, problem: str | None) -> None:
         if self.workers is None:

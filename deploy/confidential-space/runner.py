@@ -13,11 +13,14 @@ Configuration comes from the environment, which the operator sets with ``tee-env
     WEIGHTS_OUT       where the plaintext goes; default /dev/shm/model.safetensors (tmpfs: the
                       plaintext never touches a disk)
     MODEL_KEY         optional: the key name the file must be for (refused if it is not)
+    BROKER_ATTEST     ``1`` (default): attest once (``POST /v1/attest``) and release on the
+                      attestation result with DPoP proofs; ``0``: one full-evidence release.
+                      A broker with attestation results off (404) gets a full-evidence release.
 
 (``TEE_LAUNCHER_SOCKET`` names another launcher socket for tests; the launch policy does not let
 an operator set it.)
 
-The key and version come from the file's own header (``release_for``): a file made before a key
+The key and version come from the file's own header (``key_of_file``): a file made before a key
 rotation opens with the version it was made with.
 """
 
@@ -29,8 +32,9 @@ import ssl
 import sys
 
 from broker.client import BrokerClient, BrokerClientError, ConfidentialSpaceTokenSource
+from broker.client.sdk import ReleasedDek
 from broker.client.tokens import LAUNCHER_SOCKET
-from broker.client.weights import SourceError, decrypt_to
+from broker.client.weights import SourceError, decrypt_to, key_of_file
 from broker.crypto.weights import WeightsFormatError
 
 DEFAULT_OUT = "/dev/shm/model.safetensors"  # noqa: S108 - tmpfs in a single-tenant TEE container
@@ -45,15 +49,34 @@ async def fetch_and_decrypt(source: str, target: str) -> int:
         launcher = ConfidentialSpaceTokenSource(
             os.environ.get("TEE_LAUNCHER_SOCKET") or LAUNCHER_SOCKET
         )
-        released = await client.release_for(
-            source, launcher, expected_key=os.environ.get("MODEL_KEY") or None
-        )
+        released = await release(client, launcher, source)
     print(
         f"key {released.key}#{released.version} released: decision {released.decision_id}, "
         f"log index {released.log_index}"
     )
     kid = f"{released.key}#{released.version}"
     return await decrypt_to(source, target, released.dek, kid)
+
+
+async def release(
+    client: BrokerClient, launcher: ConfidentialSpaceTokenSource, source: str
+) -> ReleasedDek:
+    """The file's key: on an attestation result (attest once, then DPoP-bound releases), or
+    with full evidence where the broker issues no results."""
+    name, version = await asyncio.to_thread(key_of_file, source, {})
+    expected = os.environ.get("MODEL_KEY") or None
+    if expected is not None and name != expected:
+        raise WeightsFormatError(f"{source} is for key {name!r}, not {expected!r}")
+    if os.environ.get("BROKER_ATTEST", "1") != "0":
+        try:
+            attestation = await client.attest(launcher)
+        except BrokerClientError as exc:
+            if exc.status != 404:
+                raise
+        else:
+            print(f"attested once: result {attestation.jti} until {attestation.expires_at}")
+            return await attestation.release(name, version=version)
+    return await client.release(name, launcher, version=version)
 
 
 def main() -> int:

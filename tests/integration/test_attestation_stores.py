@@ -15,7 +15,14 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from broker.attestation.stored import ACTIVE, REVOKED, AttestationEntry, AttestationStore
+from broker.attestation.stored import (
+    ACTIVE,
+    REVOKED,
+    AttestationEntry,
+    AttestationStore,
+    note_log_index,
+    revoke,
+)
 from broker.attestation_stores import open_attestation_store
 from broker.core.errors import ErrorCode, UpstreamError
 
@@ -84,19 +91,27 @@ async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore])
     assert got == live
     assert got is not None
     assert got.status == ACTIVE
-    revoked = await store.revoke(live.jti, "policy v2 denies it", NOW)
+    assert live.jti in {e.jti for e in await store.active(NOW)}  # short may be gone already
+    revoked = await revoke(store, live.jti, "policy v2 denies it", NOW)
     assert revoked is not None
-    assert (revoked.status, revoked.reason) == (
+    assert (revoked.entry.status, revoked.entry.reason, revoked.newly) == (
         REVOKED,
         "policy v2 denies it",
+        True,
     )
-    again = await store.revoke(live.jti, "a later reason", NOW)
+    again = await revoke(store, live.jti, "a later reason", NOW)
     assert again is not None
-    assert again.reason == "policy v2 denies it"  # the first reason stays
+    assert (again.entry.reason, again.newly) == ("policy v2 denies it", False)  # the first stays
+    assert live.jti not in {e.jti for e in await store.active(NOW)}  # revoked: not re-decided
+    await note_log_index(store, live.jti, 41, NOW)
+    kept = await store.get(live.jti, NOW)
+    assert kept is not None
+    assert (kept.log_index, kept.status) == (41, REVOKED)  # the index noted, the status kept
     assert await store.get("unknown", NOW) is None
-    assert await store.revoke("unknown", "x", NOW) is None
+    assert await revoke(store, "unknown", "x", NOW) is None
     assert await store.get(short.jti, NOW + timedelta(seconds=2)) is None  # expired
-    assert await store.revoke(short.jti, "x", NOW + timedelta(seconds=2)) is None
+    assert await revoke(store, short.jti, "x", NOW + timedelta(seconds=2)) is None
+    assert await store.active(NOW + timedelta(seconds=2)) == []
 
 
 async def test_a_revocation_is_seen_by_every_client(shared_uri: str) -> None:
@@ -105,7 +120,7 @@ async def test_a_revocation_is_seen_by_every_client(shared_uri: str) -> None:
     shared = entry()
     await first.put(shared)
     assert (await second.get(shared.jti, NOW)) == shared
-    await second.revoke(shared.jti, "revoked by an admin", NOW)
+    await revoke(second, shared.jti, "revoked by an admin", NOW)
     seen = await first.get(shared.jti, NOW)
     await first.close()
     await second.close()
@@ -121,9 +136,10 @@ async def test_concurrent_revocations_keep_one_reason(
     await store.put(shared)
     clients = [store] * 8 if uri == "memory" else [stores() for _ in range(8)]  # replicas
     results = await asyncio.gather(
-        *(client.revoke(shared.jti, f"reason {i}", NOW) for i, client in enumerate(clients))
+        *(revoke(client, shared.jti, f"reason {i}", NOW) for i, client in enumerate(clients))
     )
-    reasons = {r.reason for r in results if r is not None}
+    reasons = {r.entry.reason for r in results if r is not None}
+    assert [r.newly for r in results if r is not None].count(True) == 1  # one logs it
     final = await store.get(shared.jti, NOW)
     assert final is not None
     assert final.reason in reasons

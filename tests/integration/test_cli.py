@@ -169,10 +169,16 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "denied 403 policy_denied" in result.stdout
     assert (
-        "decision log verified: 7 records (create, weights-encrypt, policy_change, allow, deny, "
-        "policy_change, deny)" in result.stdout
+        "decision log verified: 12 records (create, create, weights-encrypt, policy_change, "
+        "allow, deny, attestation allow, attested_release allow, policy_change, "
+        "attestation_revoked, deny, attested_release deny)" in result.stdout
     )
     assert "the formerly allowed image is now denied" in result.stdout
+    # attest once: the weights key and a query key on one result, then revoked by the reload
+    assert "released models/demo-llama v1 (AES-256) on it with a DPoP proof" in result.stdout
+    assert "released queries/demo-chat v1" in result.stdout
+    assert "is refused: 401 attestation_revoked" in result.stdout
+    assert "no longer allows it: image sha256:" in result.stdout
     assert "`broker weights encrypt model/ bucket/` sealed model.safetensors" in result.stdout
     assert "read tensor layer.5.weight (65536 floats)" in result.stdout
     assert "SHA-256 matches the manifest" in result.stdout

@@ -248,7 +248,12 @@ def test_confidential_space_launch_is_documented_and_the_runner_compiles(tmp_pat
     )
     dockerfile = (DEPLOY / "confidential-space" / "Dockerfile").read_text()
     allowed = dockerfile.split('"tee.launch_policy.allow_env_override"="', 1)[1].split('"')[0]
-    assert set(allowed.split(",")) >= {"BROKER_URL", "BROKER_AUDIENCE", "MODEL_KEY"}
+    assert set(allowed.split(",")) >= {
+        "BROKER_URL",
+        "BROKER_AUDIENCE",
+        "MODEL_KEY",
+        "BROKER_ATTEST",
+    }
 
 
 def install_steps(text: str) -> list[list[str]]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from broker.client.tokens import TokenSourceError
 from broker.core.errors import ErrorCode, UpstreamError
 from broker.dev.issuer import DevIssuer, Workload
 from tests.integration.conftest import RunningBroker
+from tests.integration.test_attest import ATTEST_TOML, with_result_key
 from tests.support.constants import ALLOWED, KEY
 from tests.support.issuers import dev_issuer
 from tests.support.weights import sealed_before_a_rotation
@@ -46,30 +48,49 @@ class FakeLauncher:
         return web.Response(text=jwt, content_type="text/html")  # as the real launcher does
 
 
-@pytest.fixture
-async def launcher(
-    broker: RunningBroker, tmp_path: Path
+@contextlib.asynccontextmanager
+async def serve_launcher(
+    issuer: DevIssuer, socket_path: str
 ) -> AsyncIterator[tuple[FakeLauncher, str]]:
-    fake = FakeLauncher(broker.issuer)
+    fake = FakeLauncher(issuer)
     app = web.Application()
     app.router.add_post("/v1/token", fake.token)
     runner = web.AppRunner(app)
     await runner.setup()
-    socket_path = str(tmp_path / "teeserver.sock")
     await web.UnixSite(runner, socket_path).start()
-    yield fake, socket_path
-    await runner.cleanup()
+    try:
+        yield fake, socket_path
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def launcher(
+    broker: RunningBroker, tmp_path: Path
+) -> AsyncIterator[tuple[FakeLauncher, str]]:
+    async with serve_launcher(broker.issuer, str(tmp_path / "teeserver.sock")) as served:
+        yield served
 
 
 RUNNER = Path(__file__).parents[2] / "deploy" / "confidential-space" / "runner.py"
 
 
+@pytest.mark.parametrize("attest", [False, True])
 async def test_the_confidential_space_runner_decrypts_with_the_files_own_key(
-    broker: RunningBroker, launcher: tuple[FakeLauncher, str]
+    start_broker: Callable[..., Any], tmp_path: Path, attest: bool
 ) -> None:
     """deploy/confidential-space/runner.py as launched: environment only, the launcher's
-    socket, the key version from the file's header, plaintext on tmpfs-like storage."""
-    _, socket_path = launcher
+    socket, the key version from the file's header, plaintext on tmpfs-like storage. With
+    ``[attest]`` on it attests once and releases on the result (DPoP); with it off (404) it
+    falls back to a full-evidence release."""
+    broker: RunningBroker = await start_broker(
+        **({"extra_toml": ATTEST_TOML, "workdir_setup": with_result_key} if attest else {})
+    )
+    async with serve_launcher(broker.issuer, str(tmp_path / "teeserver.sock")) as launcher:
+        await run_the_runner(broker, launcher[1], attest)
+
+
+async def run_the_runner(broker: RunningBroker, socket_path: str, attest: bool) -> None:
     sealed, plain = await sealed_before_a_rotation(broker.workdir, "m.safetensors", 150_000)
     environ = {
         **os.environ,
@@ -88,6 +109,9 @@ async def test_the_confidential_space_runner_decrypts_with_the_files_own_key(
     out, err = await done.communicate()
     assert done.returncode == 0, err.decode()
     assert f"key {KEY}#1 released" in out.decode()
+    assert ("attested once" in out.decode()) is attest
+    kinds = {r["type"] for r in broker.records()}
+    assert ("attested_release" in kinds, "release" in kinds) == (attest, not attest)
     assert await asyncio.to_thread((broker.workdir / "out.safetensors").read_bytes) == plain
     environ["MODEL_KEY"] = "models/other"  # a file for another model is refused up front
     refused = await asyncio.create_subprocess_exec(

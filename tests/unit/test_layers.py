@@ -68,6 +68,7 @@ LAYER_OF: dict[str, int] = {
     "broker.app": ENTRY,
     "broker.release": ENTRY,
     "broker.attest": ENTRY,
+    "broker.attested_release": ENTRY,
     "broker.attest_kms": ENTRY,
     "broker.offline": ENTRY,
     "broker.demo": ENTRY,

@@ -1,0 +1,227 @@
+"""Attest once, release many (issue 19): the runner side.
+
+``BrokerClient.attest(token_source)`` makes two keys in this process (a P-256 proof-of-possession
+key and an encryption key), binds both into the attestation evidence, and gets an EAR; the
+returned ``Attestation`` then releases keys on it::
+
+    async with BrokerClient(url) as client:
+        attestation = await client.attest(ConfidentialSpaceTokenSource())
+        weights = await attestation.release("models/llama")
+        keys = await attestation.release_many(["models/llama", "queries/chat"])
+
+Each release sends the EAR as ``Authorization: DPoP <EAR>`` with a fresh DPoP proof (RFC 9449,
+signed with PyJWT) carrying the broker's latest ``DPoP-Nonce``. The private halves of both keys
+stay inside the ``Attestation`` (no attribute, accessor or repr shows them). It attests again
+by itself ``renew_seconds`` before the result expires, or when the broker no longer knows it;
+a revoked result is not renewed behind the caller's back: the error says why it was revoked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from broker.client.sdk import (
+    BrokerClientError,
+    ReleasedDek,
+    RunnerSecret,
+    client_error,
+    unwrap_release,
+)
+
+DPOP_RENEW_CODES = ("attestation_unknown",)  # expired or never known: attest again
+DEFAULT_RENEW_SECONDS = 30.0  # BrokerClient.attest's default
+
+Post = Callable[[str, dict[str, Any], dict[str, str]], Awaitable[tuple[int, Any, dict[str, str]]]]
+Attest = Callable[[], Awaitable["AttestedKeys"]]
+
+
+@dataclass(frozen=True)
+class AttestedKeys:
+    """One attestation's result and the private keys it is bound to (internal)."""
+
+    token: str
+    jti: str
+    expires_at: float  # unix seconds
+    pop_key: ec.EllipticCurvePrivateKey
+    pop_jwk: dict[str, str]
+    encryption_key: RunnerSecret
+    wrap: str
+    dpop_nonce: str | None
+
+    def __repr__(self) -> str:
+        return f"AttestedKeys(jti={self.jti!r}, expires_at={self.expires_at})"
+
+
+def dpop_proof(keys: AttestedKeys, *, url: str, nonce: str | None, now: float | None = None) -> str:
+    """A DPoP proof for ``POST url`` carrying ``keys.token`` (PyJWT signs it)."""
+    claims: dict[str, Any] = {
+        "jti": str(uuid.uuid4()),
+        "htm": "POST",
+        "htu": url,
+        "iat": int(time.time() if now is None else now),
+        "ath": base64.urlsafe_b64encode(hashlib.sha256(keys.token.encode("ascii")).digest())
+        .rstrip(b"=")
+        .decode("ascii"),
+    }
+    if nonce is not None:
+        claims["nonce"] = nonce
+    return jwt.encode(
+        claims, keys.pop_key, algorithm="ES256", headers={"typ": "dpop+jwt", "jwk": keys.pop_jwk}
+    )
+
+
+class Attestation:
+    """An attestation result this runner holds; releases any number of keys on it."""
+
+    def __init__(
+        self,
+        keys: AttestedKeys,
+        *,
+        base_url: str,
+        post: Post,
+        attest: Attest,
+        renew_seconds: float = DEFAULT_RENEW_SECONDS,
+    ) -> None:
+        self.__keys = keys
+        self._url = base_url + "/v1/release"
+        self._post = post
+        self._attest = attest
+        self._renew_seconds = renew_seconds
+        self._nonce = keys.dpop_nonce
+        self._renewing = asyncio.Lock()
+        self.renewals = 0
+
+    def __repr__(self) -> str:
+        return f"Attestation(jti={self.jti!r}, expires_at={self.expires_at.isoformat()})"
+
+    @property
+    def jti(self) -> str:
+        return self.__keys.jti
+
+    @property
+    def token(self) -> str:
+        """The EAR (useless without the PoP key, which never leaves this object)."""
+        return self.__keys.token
+
+    @property
+    def expires_at(self) -> datetime:
+        return datetime.fromtimestamp(self.__keys.expires_at, UTC)
+
+    async def release(self, key: str, *, version: int | None = None) -> ReleasedDek:
+        """One key.
+
+        Raises:
+            BrokerClientError: the broker's code (``policy_denied`` with its reasons,
+                ``attestation_revoked`` with the revocation's reason, …).
+            jwe.JweError: the wrapped key does not open for this release.
+        """
+        (released,) = await self._release_all([(key, version)])
+        if isinstance(released, BrokerClientError):
+            raise released
+        return released
+
+    async def release_many(
+        self, keys: Sequence[str | tuple[str, int]]
+    ) -> dict[str, ReleasedDek | BrokerClientError]:
+        """Several keys in one request (one proof, one record); each key's DEK or its error.
+
+        Raises:
+            BrokerClientError: when none is released (the first key's error).
+        """
+        asks = [(k, None) if isinstance(k, str) else (k[0], k[1]) for k in keys]
+        results = await self._release_all(asks)
+        return {name: result for (name, _), result in zip(asks, results, strict=True)}
+
+    async def renew(self) -> None:
+        """Attest again now (new keys, new result); the old result is left to expire."""
+        async with self._renewing:
+            self.__keys = await self._attest()
+            self._nonce = self.__keys.dpop_nonce
+            self.renewals += 1
+
+    async def _release_all(
+        self, asks: Sequence[tuple[str, int | None]]
+    ) -> list[ReleasedDek | BrokerClientError]:
+        if time.time() >= self.__keys.expires_at - self._renew_seconds:
+            await self.renew()
+        body: dict[str, Any] = {
+            "keys": [name if v is None else {"key": name, "version": v} for name, v in asks]
+        }
+        if self.__keys.wrap != "jwe":
+            body["wrap"] = self.__keys.wrap
+        status, answer, keys = await self._send(body, renew_allowed=True)
+        if status != 200:
+            raise client_error(status, answer)
+        body_keys = answer.get("keys", []) if isinstance(answer, dict) else []
+        if not isinstance(body_keys, list) or len(body_keys) != len(asks):
+            raise BrokerClientError(status, "bad_response", "keys do not match the request", {})
+        return [
+            self._open(entry, name, version, answer, keys)
+            for (name, version), entry in zip(asks, body_keys, strict=True)
+        ]
+
+    async def _send(
+        self, body: dict[str, Any], *, renew_allowed: bool
+    ) -> tuple[int, Any, AttestedKeys]:
+        """POST with a proof; once more with the broker's new ``DPoP-Nonce`` when it asks
+        (``use_dpop_nonce``), and after attesting again when it no longer knows the result."""
+        for attempt in range(3):
+            keys = self.__keys
+            headers = {
+                "Authorization": f"DPoP {keys.token}",
+                "DPoP": dpop_proof(keys, url=self._url, nonce=self._nonce),
+            }
+            status, answer, response_headers = await self._post(self._url, body, headers)
+            self._nonce = response_headers.get("DPoP-Nonce", self._nonce)
+            code = _code(answer)
+            if status == 401 and code == "use_dpop_nonce" and attempt < 2:
+                continue
+            if status == 401 and code in DPOP_RENEW_CODES and renew_allowed and attempt < 2:
+                renew_allowed = False
+                await self.renew()
+                continue
+            return status, answer, keys
+        return status, answer, keys
+
+    def _open(
+        self,
+        entry: Any,
+        name: str,
+        version: int | None,
+        answer: dict[str, Any],
+        keys: AttestedKeys,
+    ) -> ReleasedDek | BrokerClientError:
+        if not isinstance(entry, dict) or entry.get("key") != name:
+            return BrokerClientError(200, "bad_response", f"no answer for {name}", {})
+        if "error" in entry:
+            return client_error(200, {"error": entry["error"]})
+        return unwrap_release(
+            {
+                **entry,
+                "decision_id": answer.get("release_id"),
+                "wrap": answer.get("wrap", "jwe"),
+                "log_index": answer.get("log_index", -1),
+                "leaf_hash": answer.get("leaf_hash", ""),
+            },
+            keys.encryption_key,
+            expected_key=name,
+            expected_version=version,
+            policy_digest=str(entry.get("policy_digest", "")),
+        )
+
+
+def _code(answer: Any) -> str | None:
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        return str(answer["error"].get("code"))
+    return None
