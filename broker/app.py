@@ -137,16 +137,6 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         engine = await policies.open(audit.append, audit.append_policy_change, session=session)
         stack.push_async_callback(policies.close)
         verifier, mask_key = await _verifier_and_mask_key(settings, session)
-        release = ReleaseService(
-            nonces=nonces,
-            verifier=verifier,
-            keys=keys,
-            policy=engine,
-            audit=audit,
-            metrics=metrics,
-            mask=settings.audit.mask,
-            mask_key=mask_key,
-        )
         attestations = await _attestations(
             settings,
             stack,
@@ -161,6 +151,17 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         if attestations.service is not None:
             attest = attestations.service
             policies.on_change(lambda who: attest.revalidate(who=who, now=clock()))
+        release = ReleaseService(
+            nonces=nonces,
+            verifier=verifier,
+            keys=keys,
+            policy=engine,
+            audit=audit,
+            metrics=metrics,
+            mask=settings.audit.mask,
+            mask_key=mask_key,
+            seen=None if attestations.service is None else attestations.service.seen,
+        )
         statements = StatementKey(await _statement_signer(settings))
         publisher = await _checkpoints(settings, audit, session, stack)
         facts = {
@@ -296,7 +297,16 @@ def _background(
 
 
 async def _result_signer(settings: Settings, key: str, stack: AsyncExitStack) -> ResultSigner:
-    """``[attest] signing_key``: a Cloud KMS key version, or a PEM file (development)."""
+    """``[attest] signing_key``: a Cloud KMS key version, a PKCS#11 key pair, or a PEM file
+    (development)."""
+    if key.startswith("pkcs11:"):
+        # python-pkcs11 loads only where an HSM result key is configured.
+        from broker.attest_pkcs11 import Pkcs11ResultSigner, parse_result_key  # noqa: PLC0415
+
+        hsm = Pkcs11ResultSigner(await asyncio.to_thread(parse_result_key, key))
+        await hsm.open()
+        stack.push_async_callback(hsm.close)
+        return hsm
     if key.startswith("cloudkms:"):
         # The KMS client loads only where a KMS result key is configured (start-up time).
         from broker.attest_kms import KmsResultSigner  # noqa: PLC0415

@@ -43,6 +43,8 @@ from broker.attestation.stored import (
     AttestationStore,
     note_log_index,
     revoke,
+    revoked_sightings,
+    used_by,
 )
 from broker.audit.log import DecisionLog
 from broker.audit.mask import masked
@@ -293,6 +295,7 @@ class AttestService:
         outcome.evidence = evidence = await self._verifier.verify(
             request.unverified_evidence, nonce=request.nonce, thumbprint=request.binding, now=now
         )
+        await self.seen(evidence, now)
         policy_input = build_attest_input(
             runner_key_thumbprint=request.encryption_key.thumbprint,
             pop_key_thumbprint=request.pop_key.thumbprint,
@@ -381,22 +384,51 @@ class AttestService:
                 continue
             reasons = "; ".join(decision.reasons) or "the attestation policy denies it"
             reason = f"policy {decision.policy_digest[:19]} no longer allows it: {reasons}"
-            revocation = await revoke(self.store, entry.jti, reason, now)
-            if revocation is None or not revocation.newly:
-                continue
-            revoked += 1
-            await self._audit.append_entry(
-                {
-                    "type": "attestation_revoked",
-                    "jti": entry.jti,
-                    "time": now.isoformat(),
-                    "who": who,
-                    "reason": revocation.entry.reason,
-                    "policy_digest": decision.policy_digest,
-                    "reasons": list(decision.reasons),
-                }
+            revoked += await self._revoke_logged(
+                entry.jti,
+                reason,
+                now,
+                who=who,
+                policy_digest=decision.policy_digest,
+                reasons=list(decision.reasons),
             )
         return revoked
+
+    async def seen(self, evidence: VerifiedEvidence, now: datetime) -> None:
+        """Evidence any request verified (a release or an attestation) showed a GPU
+        certificate or a RIM signer revoked by OCSP: revoke every active attestation whose
+        evidence named that device or RIM, one record each (``who`` = ``ocsp``). Best effort:
+        a store that does not answer is logged; the request itself is decided as it would be."""
+        sightings = revoked_sightings(evidence.gpus, evidence.raw_claims)
+        if not sightings:
+            return
+        try:
+            for entry in await self.store.active(now):
+                hit = sorted(used_by(entry) & sightings)
+                if hit:
+                    reason = f"revoked by OCSP: {', '.join(hit)}"
+                    await self._revoke_logged(entry.jti, reason, now, who="ocsp", revoked=hit)
+        except BrokerError as exc:
+            log.error("revoking results that used %s failed: %s", sorted(sightings), exc.message)  # noqa: TRY400
+
+    async def _revoke_logged(
+        self, jti: str, reason: str, now: datetime, *, who: str, **facts: Any
+    ) -> int:
+        """Revoke; log it when this call revoked it (1), not when it already was (0)."""
+        revocation = await revoke(self.store, jti, reason, now)
+        if revocation is None or not revocation.newly:
+            return 0
+        await self._audit.append_entry(
+            {
+                "type": "attestation_revoked",
+                "jti": jti,
+                "time": now.isoformat(),
+                "who": who,
+                "reason": revocation.entry.reason,
+                **facts,
+            }
+        )
+        return 1
 
     def _safe_record(self, outcome: _Outcome, now: datetime, request_id: str) -> dict[str, Any]:
         """``_record``; if building it fails (a bug), a minimal record and no result."""

@@ -233,7 +233,7 @@ class AttestSettings:
     on them (``Authorization: DPoP``; docs/api.md). Off by default."""
 
     enabled: bool = False
-    signing_key: str | None = None  # EC P-256 PEM path, or cloudkms:…/cryptoKeyVersions/N
+    signing_key: str | None = None  # EC P-256 PEM path, cloudkms:…/cryptoKeyVersions/N, pkcs11:…
     ttl_seconds: int = 300  # 1..900; never past the first expiry of the evidence used
     legacy_names: bool = False  # Veraison's dotted claim names and profile
     # public PEM files of result keys replaced by a rotation: still published and accepted,
@@ -347,7 +347,7 @@ def settings_from_mapping(
     admin = AdminSettings(token_sha256=admin.token_sha256, tokens=_admin_tokens(token_tables))
     issuers = _issuers(raw.get("issuers", []), base_dir)
     attest = config_table(AttestSettings, "attest", raw, env, base_dir)
-    if attest.signing_key and not attest.signing_key.startswith("cloudkms:"):  # a file
+    if attest.signing_key and not attest.signing_key.startswith(("cloudkms:", "pkcs11:")):
         attest = replace(attest, signing_key=str(resolve_path(base_dir, attest.signing_key)))
     attest = replace(
         attest, previous_keys=tuple(str(resolve_path(base_dir, k)) for k in attest.previous_keys)

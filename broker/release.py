@@ -27,7 +27,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -48,6 +48,8 @@ from broker.nonces import MAX_NONCE_CHARS, NonceStore
 from broker.policy.engine import Decision, PolicyEngine
 
 log = logging.getLogger(__name__)
+# told of each verified evidence: attestation results that used a revoked GPU or RIM are revoked
+Seen = Callable[[VerifiedEvidence, datetime], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,9 @@ class ReleaseService:
         metrics: Metrics,
         mask_key: bytes,
         mask: tuple[str, ...] = (),
+        seen: Seen | None = None,
     ) -> None:
+        self._seen = seen
         self._nonces = nonces
         self._verifier = verifier
         self._keys = keys
@@ -214,6 +218,8 @@ class ReleaseService:
             now=now,
         )
         outcome.lap("evidence")
+        if self._seen is not None:  # what OCSP revoked revokes attestation results too
+            await self._seen(outcome.evidence, now)
         outcome.record = record = await self._keys.resolve(request.key, request.version)
         outcome.lap("key")
         facts = RequestFacts(

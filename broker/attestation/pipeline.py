@@ -432,10 +432,11 @@ def _verify_local(
             )
         leaves.add(leaf)
         measurements, problems, rim_chains = judge_measurements(report, trust, material, now)
-        statuses = [chain_status(report.chain, material.ocsp, now, include_leaf=False)]
-        statuses += [
+        device = chain_status(report.chain, material.ocsp, now, include_leaf=False)
+        rim_statuses = [
             chain_status(chain, material.ocsp, now, include_leaf=True) for chain in rim_chains
         ]
+        statuses = [device, *rim_statuses]
         entries.append(
             claims.local_gpu_entry(
                 index,
@@ -446,7 +447,17 @@ def _verify_local(
                 cc_mode=cc_mode,
             )
         )
-        summaries.append(dict(local.summary(report)))
+        summary = dict(local.summary(report))
+        # what OCSP said is revoked, by name: attestation results that used it are revoked too
+        summary["ocsp_revoked"] = {
+            "device": device == "revoked",
+            "rims": [
+                rim_id
+                for rim_id, status in zip(report.rim_ids(), rim_statuses, strict=False)
+                if status == "revoked"
+            ],
+        }
+        summaries.append(summary)
     return entries, {"gpus": summaries}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -123,3 +123,38 @@ async def revoke(
 async def note_log_index(store: AttestationStore, jti: str, index: int, now: datetime) -> None:
     """Remember the ``attestation`` record's index: each release record names it."""
     await store.update(jti, now, lambda entry: replace(entry, log_index=index))
+
+
+def revoked_sightings(gpus: Sequence[Mapping[str, Any]], raw_claims: Mapping[str, Any]) -> set[str]:
+    """What verified evidence showed revoked by OCSP: ``gpu:<ueid>`` for a device whose
+    certificate chain is revoked, ``rim:<id>`` for a RIM whose signer is (local evidence says
+    which; an NRAS result says only that the device's status is revoked)."""
+    seen: set[str] = set()
+    local = raw_claims.get("nvidia")
+    for summary in local.get("gpus", []) if isinstance(local, Mapping) else []:
+        revoked = summary.get("ocsp_revoked") if isinstance(summary, Mapping) else None
+        if not isinstance(revoked, Mapping):
+            continue
+        if revoked.get("device") is True and summary.get("ueid"):
+            seen.add(f"gpu:{summary['ueid']}")
+        seen.update(f"rim:{rim}" for rim in revoked.get("rims", []) if isinstance(rim, str))
+    for gpu in gpus:
+        if gpu.get("verifier") == "nras" and gpu.get("ocsp") == "revoked" and gpu.get("ueid"):
+            seen.add(f"gpu:{gpu['ueid']}")
+    return seen
+
+
+def used_by(entry: AttestationEntry) -> set[str]:
+    """The devices (``gpu:<ueid>``) and RIMs (``rim:<id>``) an attestation's evidence named."""
+    policy_input = entry.policy_input
+    used = {
+        f"gpu:{gpu['ueid']}"
+        for gpu in policy_input.get("gpus", [])
+        if isinstance(gpu, Mapping) and gpu.get("ueid")
+    }
+    claims = policy_input.get("claims", {})
+    local = claims.get("nvidia") if isinstance(claims, Mapping) else None
+    for summary in local.get("gpus", []) if isinstance(local, Mapping) else []:
+        if isinstance(summary, Mapping):
+            used.update(f"rim:{rim}" for rim in summary.get("rim_ids", []) if isinstance(rim, str))
+    return used

@@ -22,9 +22,11 @@ from typing import Any
 
 import aiohttp
 import jwt
+import pkcs11
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from pkcs11.util.ec import encode_named_curve_parameters
 
 from broker.client import BrokerClientError
 from broker.client.sdk import new_runner_key
@@ -32,8 +34,14 @@ from broker.core.binding import attestation_thumbprint
 from broker.crypto import jwe
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.keys.factory import open_key_service
+from broker.keys.kek.pkcs11 import parse_pkcs11_uri
 from broker.keys.store.base import Purpose
-from tests.integration.conftest import RunningBroker
+from tests.integration.conftest import (
+    HSM_PIN,
+    SOFTHSM_MODULE,
+    RunningBroker,
+    write_statement_key,
+)
 from tests.integration.test_attest import ATTEST_TOML, with_result_key
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
@@ -493,3 +501,91 @@ async def test_releases_on_results_are_off_when_attest_is(broker: RunningBroker)
     ):
         assert response.status == 404
         assert (await response.json())["error"]["code"] == "not_found"
+
+
+async def test_results_signed_before_a_key_rotation_keep_working(
+    start_broker: Callable[..., Any],
+) -> None:
+    """After the result key is rotated, the old key stays published and accepted while it is in
+    ``[attest] previous_keys`` (the results it signed live at most 900 s); without it, they are
+    refused. The store is SQLite, so the restarted broker still holds the attestation."""
+    store = '[nonces]\nstore = "sqlite:///attestations.db"\n'
+    broker: RunningBroker = await start_broker(
+        extra_toml=ATTEST_TOML + store, workdir_setup=with_result_key
+    )
+    config = broker.workdir / "broker.toml"
+    async with aiohttp.ClientSession() as session:
+        runner = Runner(broker)
+        await runner.attest(session)
+    old_kid = jwt.get_unverified_header(runner.token)["kid"]
+    write_statement_key(broker.workdir / "ear-signing-new.pem")
+    text = config.read_text().replace(
+        'signing_key = "ear-signing.pem"',
+        'signing_key = "ear-signing-new.pem"\nprevious_keys = ["ear-signing.pem"]',
+    )
+    config.write_text(text)
+    rotated: RunningBroker = await start_broker(reuse=(config, broker.issuer))
+    config.write_text(text.replace('previous_keys = ["ear-signing.pem"]\n', ""))
+    forgotten: RunningBroker = await start_broker(reuse=(config, broker.issuer))
+    async with aiohttp.ClientSession() as session:
+        async with session.get(rotated.url + "/.well-known/jwks.json", ssl=rotated.client_tls) as r:
+            kids = [k["kid"] for k in (await r.json())["keys"]]
+        runner.broker, runner.url = rotated, rotated.url + "/v1/release"
+        status, body, _ = await runner.release(session, proof=runner.proof())
+        assert status == 200, body
+        runner.broker, runner.url = forgotten, forgotten.url + "/v1/release"
+        status, body, _ = await runner.release(session, proof=runner.proof())
+    assert len(kids) == 2
+    assert kids[1] == old_kid  # the current key first, then the previous one
+    assert (status, body["error"]["code"]) == (401, "token_key_unknown")
+
+
+def make_result_key(uri: str) -> None:
+    """An EC P-256 key pair on the SoftHSM2 token: the private half sensitive and never
+    extractable, both under the URI's label."""
+    parsed = parse_pkcs11_uri(uri)
+    with (
+        pkcs11.lib(str(SOFTHSM_MODULE))
+        .get_token(token_label=parsed.token)
+        .open(user_pin=HSM_PIN, rw=True) as session
+    ):
+        parameters = session.create_domain_parameters(
+            pkcs11.KeyType.EC,
+            {pkcs11.Attribute.EC_PARAMS: encode_named_curve_parameters("secp256r1")},
+            local=True,
+        )
+        parameters.generate_keypair(
+            store=True,
+            label=parsed.object,
+            private_template={
+                pkcs11.Attribute.SENSITIVE: True,
+                pkcs11.Attribute.EXTRACTABLE: False,
+            },
+        )
+
+
+async def test_results_signed_by_a_pkcs11_key(
+    start_broker: Callable[..., Any], softhsm: str
+) -> None:
+    """The result key on an HSM (SoftHSM2, CKM_ECDSA): the EAR verifies with the public half the
+    JWKS publishes (PyJWT), and keys are released on it."""
+    uri = softhsm.replace("object=kek", "object=results-" + uuid.uuid4().hex[:8])
+    await asyncio.to_thread(make_result_key, uri)
+    broker: RunningBroker = await start_broker(
+        extra_toml=ATTEST_TOML.replace('"ear-signing.pem"', json.dumps(uri))
+    )
+    async with aiohttp.ClientSession() as session:
+        runner = Runner(broker)
+        await runner.attest(session)
+        async with session.get(broker.url + "/.well-known/jwks.json", ssl=broker.client_tls) as r:
+            (published,) = (await r.json())["keys"]
+        status, body, _ = await runner.release(session, proof=runner.proof())
+    claims = jwt.decode(
+        runner.token,
+        jwt.PyJWK(published).key,
+        algorithms=["ES256"],
+        audience=broker.settings.server.audience,
+    )
+    assert jwt.get_unverified_header(runner.token)["kid"] == published["kid"]
+    assert claims["jti"]
+    assert status == 200, body

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from broker.client import BrokerClientError
 from tests.integration.conftest import RunningBroker
+from tests.integration.test_attest import ATTEST_TOML, with_result_key
 from tests.support.constants import GPU_KEY, KEY
 from tests.vectors.gpu import (
     DRIVER,
@@ -114,10 +115,13 @@ async def start_gpu_broker(
     world: tuple[SimulatedGpu, RimAuthority, SimulatedNras],
     ocsp_url: str | None = None,
     environ: dict[str, str] | None = None,
+    attest: bool = False,
 ) -> RunningBroker:
     gpu, authority, nras = world
 
     def setup(workdir: Path) -> None:
+        if attest:
+            with_result_key(workdir)
         (workdir / "gpu").mkdir()
         (workdir / "gpu" / "device_root.pem").write_bytes(pem([gpu.root, SECOND_GPU.root]))
         (workdir / "gpu" / "rim_root.pem").write_bytes(pem([authority.root]))
@@ -146,6 +150,8 @@ rim_dir = "gpu/rims"
 """
     if ocsp_url:
         extra += f'ocsp_url = "{ocsp_url}"\nocsp_cache_seconds = 0\n'
+    if attest:
+        extra += "\n" + ATTEST_TOML
 
     return await start_broker(  # type: ignore[no-any-return]
         extra_toml=extra, gpu_keys=GPU_POLICY, workdir_setup=setup, environ=environ
@@ -398,3 +404,41 @@ async def test_unreadable_rim_directory_is_503_and_logged(
     assert (error.status, error.code) == (503, "rim_source_unavailable")
     record = broker.records()[-1]
     assert (record["result"], record["code"]) == ("error", "rim_source_unavailable")
+
+
+@pytest.mark.parametrize("revoked", ["device", "rim"])
+async def test_what_ocsp_revokes_revokes_the_attestations_that_used_it(
+    start_broker: Callable[..., Any],
+    world: tuple[SimulatedGpu, RimAuthority, SimulatedNras],
+    revoked: str,
+) -> None:
+    """A result attested with this GPU's evidence keeps releasing until the broker sees (in any
+    later verification: here a full-evidence release) the GPU's certificate or a RIM signer it
+    used revoked by OCSP; then the result is revoked, logged with what OCSP revoked, and the
+    next release on it is refused with that reason."""
+    gpu, authority = world[0], world[1]
+    responder = OcspResponder(gpu, extra_chains=[(authority.chain, authority.keys)])
+    async with serve_ocsp(responder) as url:
+        broker = await start_gpu_broker(start_broker, world, ocsp_url=url, attest=True)
+        token = broker.token_source(gpu_cc_mode="ON")
+        async with broker.client() as client:
+            attestation = await client.attest(token, gpu_source=LocalGpu(gpu))
+            await attestation.release(GPU_KEY)
+            responder.revoked = frozenset(
+                {
+                    gpu.chain[1].serial_number
+                    if revoked == "device"
+                    else authority.chain[0].serial_number
+                }
+            )
+            with pytest.raises(BrokerClientError):  # the broker sees it here
+                await client.release(GPU_KEY, token, gpu_source=LocalGpu(gpu))
+            with pytest.raises(BrokerClientError) as caught:
+                await attestation.release(GPU_KEY)
+    assert caught.value.code == "attestation_revoked"
+    assert caught.value.details["reason"].startswith("revoked by OCSP: ")
+    (record,) = [r for r in broker.records() if r["type"] == "attestation_revoked"]
+    assert record["who"] == "ocsp"
+    prefix = "gpu:" if revoked == "device" else "rim:"
+    assert record["revoked"]
+    assert all(item.startswith(prefix) for item in record["revoked"])

@@ -70,6 +70,7 @@ LAYER_OF: dict[str, int] = {
     "broker.attest": ENTRY,
     "broker.attested_release": ENTRY,
     "broker.attest_kms": ENTRY,
+    "broker.attest_pkcs11": ENTRY,
     "broker.offline": ENTRY,
     "broker.demo": ENTRY,
     "broker.supervisor": ENTRY,

@@ -13,7 +13,7 @@ the token's RNG and the DEK's associated data; the wrapped form is
 One session per token per process. PKCS#11 login state belongs to the application, not to a
 session: a second ``C_Login`` on the same token fails with ``CKR_USER_ALREADY_LOGGED_IN``. So
 every key on a token — the current KEK, ``kek_previous`` entries on the same token during a
-rotation, and ``keys kek-create`` — shares one logged-in R/W session (``_TokenSession``),
+rotation, and ``keys kek-create`` — shares one logged-in R/W session (``TokenSession``),
 reference-counted, and one thread that makes every call on it (PKCS#11 calls block; sessions
 are not to be used from two threads at once). Any failure is ``kek_unavailable``.
 """
@@ -103,7 +103,7 @@ def _pairs(text: str, separator: str) -> dict[str, str]:
     return pairs
 
 
-class _TokenSession:
+class TokenSession:
     """The one logged-in session of this process on one token, and the thread that uses it."""
 
     def __init__(self, uri: Pkcs11Uri) -> None:
@@ -125,20 +125,20 @@ class _TokenSession:
             self.session = None
 
 
-_SESSIONS: dict[tuple[str, str], _TokenSession] = {}
+_SESSIONS: dict[tuple[str, str], TokenSession] = {}
 _SESSIONS_LOCK = threading.Lock()
 
 
-def _acquire(uri: Pkcs11Uri) -> _TokenSession:
+def acquire_session(uri: Pkcs11Uri) -> TokenSession:
     with _SESSIONS_LOCK:
         shared = _SESSIONS.get((str(uri.module_path), uri.token))
         if shared is None:
-            shared = _SESSIONS[(str(uri.module_path), uri.token)] = _TokenSession(uri)
+            shared = _SESSIONS[(str(uri.module_path), uri.token)] = TokenSession(uri)
         shared.users += 1
         return shared
 
 
-def _release(shared: _TokenSession) -> bool:
+def release_session(shared: TokenSession) -> bool:
     """Drop one user; True when it was the last (the caller then closes the session)."""
     with _SESSIONS_LOCK:
         shared.users -= 1
@@ -190,7 +190,7 @@ class Pkcs11Kek:
 
     def __init__(self, uri: Pkcs11Uri) -> None:
         self._uri = uri
-        self._shared: _TokenSession | None = None
+        self._shared: TokenSession | None = None
         self._key: Any = None
 
     @property
@@ -207,7 +207,7 @@ class Pkcs11Kek:
         Raises:
             UpstreamError: ``kek_unavailable`` when the token or key cannot be used.
         """
-        self._shared = _acquire(self._uri)
+        self._shared = acquire_session(self._uri)
         try:
             await self._run(self._open_sync)
         except BaseException:
@@ -229,7 +229,7 @@ class Pkcs11Kek:
 
     async def close(self) -> None:
         shared, self._shared, self._key = self._shared, None, None
-        if shared is not None and _release(shared):
+        if shared is not None and release_session(shared):
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(shared.executor, shared.close_sync)
             shared.executor.shutdown(wait=False)
@@ -288,7 +288,7 @@ def create_pkcs11_kek(uri: Pkcs11Uri) -> str:
         ConfigError: a key with this label already exists (naming its ids).
         UpstreamError: ``kek_unavailable`` when the token cannot be used.
     """
-    shared = _acquire(uri)
+    shared = acquire_session(uri)
     try:
         future = shared.executor.submit(_create_sync, shared, uri)
         return future.result()
@@ -298,12 +298,12 @@ def create_pkcs11_kek(uri: Pkcs11Uri) -> str:
             code=ErrorCode.KEK_UNAVAILABLE,
         ) from exc
     finally:
-        if _release(shared):
+        if release_session(shared):
             shared.executor.submit(shared.close_sync).result()
             shared.executor.shutdown(wait=False)
 
 
-def _create_sync(shared: _TokenSession, uri: Pkcs11Uri) -> str:
+def _create_sync(shared: TokenSession, uri: Pkcs11Uri) -> str:
     shared.open_sync(uri)
     existing = list(
         shared.session.get_objects(
