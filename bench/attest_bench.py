@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,21 +42,20 @@ from typing import Any
 
 import aiohttp
 import jwt
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from release_bench import CLI, Broker, Run, wait_ready
+from release_bench import Broker, Run, bench_workspace, wait_ready
 
 from broker.client import BrokerClient
 from broker.client.sdk import new_ephemeral_key
 from broker.core.binding import attestation_thumbprint, binding_digest
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, Workload
-from tests.integration.conftest import write_config
+from broker.dev.workspace import write_private_pem
 from tests.support.constants import ALLOWED, GPU_KEY, KEY
 from tests.vectors.gpu import DRIVER, RimAuthority, SimulatedGpu, pem
 
@@ -77,44 +75,25 @@ rim_dir = "gpu/rims"
 enabled = true
 signing_key = "result-signing.pem"
 """
-    config = write_config(
-        workdir,
-        issuer,
-        insecure_http=True,
-        nonce_ttl_seconds=3600,
-        extra_toml=extra,
-        gpu_keys=GPU_POLICY,
-    )
-    text = config.read_text().replace(
-        'tls_cert = "tls/server.pem"\ntls_key = "tls/server.key"\n', ""
-    )
-    config.write_text(text.replace("checkpoint_seconds = 0.2\n", ""))
-    (workdir / "gpu" / "rims").mkdir(parents=True)
+    rim_dir = workdir / "gpu" / "rims"
+    rim_dir.mkdir(parents=True)
     (workdir / "gpu" / "device_root.pem").write_bytes(pem([gpu.root]))
     (workdir / "gpu" / "rim_root.pem").write_bytes(pem([rims.root]))
     driver = {i - 1: v for i, v in gpu.measurements.items() if i <= 4}
     vbios = {i - 1: v for i, v in gpu.measurements.items() if i > 4}
-    rim_dir = workdir / "gpu" / "rims"
     (rim_dir / "NV_GPU_DRIVER_GH100_550.90.07.swidtag").write_bytes(rims.rim(DRIVER, driver))
     (rim_dir / "NV_GPU_VBIOS_1010_0200_882_96009F0001.swidtag").write_bytes(
         rims.rim("96.00.9F.00.01", vbios)
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    (workdir / "result-signing.pem").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+    write_private_pem(workdir / "result-signing.pem", ec.generate_private_key(ec.SECP256R1()))
+    return bench_workspace(
+        workdir,
+        issuer,
+        nonce_ttl_seconds=3600,
+        extra_toml=extra,
+        gpu_keys=GPU_POLICY,
+        keys=(KEY, GPU_KEY),
     )
-    for name in (KEY, GPU_KEY):
-        subprocess.run(
-            [*CLI, "keys", "create", name, "--purpose", "model-weights", "--config", str(config)],
-            check=True,
-            cwd=ROOT,
-            capture_output=True,
-        )
-    return config
 
 
 @dataclass

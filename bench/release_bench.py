@@ -361,21 +361,37 @@ async def measure_floor(workdir: Path, issuer: DevIssuer, requests: int, concurr
     return run
 
 
-def bench_workspace(workdir: Path, issuer: DevIssuer, *, nonce_ttl_seconds: int) -> Path:
-    """A plain-HTTP loopback config (TLS is not part of the comparison) with the key created."""
-    config = write_config(workdir, issuer, insecure_http=True, nonce_ttl_seconds=nonce_ttl_seconds)
+def bench_workspace(
+    workdir: Path,
+    issuer: DevIssuer,
+    *,
+    nonce_ttl_seconds: int,
+    extra_toml: str = "",
+    gpu_keys: dict[str, object] | None = None,
+    keys: tuple[str, ...] = (KEY,),
+) -> Path:
+    """A plain-HTTP loopback config (TLS is not part of the comparison) with ``keys`` created."""
+    config = write_config(
+        workdir,
+        issuer,
+        insecure_http=True,
+        nonce_ttl_seconds=nonce_ttl_seconds,
+        extra_toml=extra_toml,
+        gpu_keys=gpu_keys,
+    )
     text = config.read_text().replace(
         'tls_cert = "tls/server.pem"\ntls_key = "tls/server.key"\n', ""
     )
     # the tests' workspace signs checkpoints every 0.2 s; measure the product's default (1 s)
     text = text.replace("checkpoint_seconds = 0.2\n", "")
     config.write_text(text)
-    subprocess.run(
-        [*CLI, "keys", "create", KEY, "--purpose", "model-weights", "--config", str(config)],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-    )
+    for name in keys:
+        subprocess.run(
+            [*CLI, "keys", "create", name, "--purpose", "model-weights", "--config", str(config)],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
     return config
 
 

@@ -358,15 +358,7 @@ class AttestService:
         revocation = await revoke(self.store, jti, reason, now)
         if revocation is None:
             raise NotFound("no such attestation (unknown or expired)")
-        await self._audit.append_entry(
-            {
-                "type": "attestation_revoked",
-                "jti": jti,
-                "time": now.isoformat(),
-                "who": who,
-                "reason": revocation.entry.reason,
-            }
-        )
+        await self._log_revocation(jti, revocation.entry, now, who=who)
         return revocation.entry
 
     async def revalidate(self, *, who: str, now: datetime) -> int:
@@ -418,17 +410,22 @@ class AttestService:
         revocation = await revoke(self.store, jti, reason, now)
         if revocation is None or not revocation.newly:
             return 0
+        await self._log_revocation(jti, revocation.entry, now, who=who, **facts)
+        return 1
+
+    async def _log_revocation(
+        self, jti: str, entry: AttestationEntry, now: datetime, *, who: str, **facts: Any
+    ) -> None:
         await self._audit.append_entry(
             {
                 "type": "attestation_revoked",
                 "jti": jti,
                 "time": now.isoformat(),
                 "who": who,
-                "reason": revocation.entry.reason,
+                "reason": entry.reason,
                 **facts,
             }
         )
-        return 1
 
     def _safe_record(self, outcome: _Outcome, now: datetime, request_id: str) -> dict[str, Any]:
         """``_record``; if building it fails (a bug), a minimal record and no result."""

@@ -31,8 +31,8 @@ from broker.keys.kek.pkcs11 import (
     Pkcs11Uri,
     TokenSession,
     acquire_session,
+    leave_session,
     parse_pkcs11_uri,
-    release_session,
 )
 
 
@@ -113,10 +113,7 @@ class Pkcs11ResultSigner:
 
     async def close(self) -> None:
         shared, self._shared, self._private = self._shared, None, None
-        if shared is not None and release_session(shared):
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(shared.executor, shared.close_sync)
-            shared.executor.shutdown(wait=False)
+        await leave_session(shared)
 
     def jwks(self) -> dict[str, Any]:
         return result_jwks(self.jwk, self.kid)

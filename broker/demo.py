@@ -44,7 +44,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.api.server import BrokerRunner
@@ -59,7 +58,7 @@ from broker.crypto.checkpoint import NoteVerifier, parse_checkpoint
 from broker.crypto.merkle import leaf_hash, verify_inclusion
 from broker.crypto.wrap import key_id
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
-from broker.dev.workspace import write_dev_workspace
+from broker.dev.workspace import write_dev_workspace, write_private_pem
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
 
@@ -355,15 +354,7 @@ async def _revoked(attestation: Attestation) -> bool:
 
 
 def _p256_pem(path: Path) -> None:
-    key = ec.generate_private_key(ec.SECP256R1())
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    path.chmod(0o600)
+    write_private_pem(path, ec.generate_private_key(ec.SECP256R1()))
 
 
 WITHDRAWN = f"""package broker.key_policies.demo_withdrawn

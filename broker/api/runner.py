@@ -44,9 +44,11 @@ async def release(request: web.Request) -> web.Response:
     Only the body's syntax is checked here; its fields are checked by the release service,
     inside the logged path, so that every parsed release request leaves a decision record.
     With ``Authorization: DPoP <EAR>`` the keys are released on an attestation result instead
-    (``attested_release``).
+    (``attested_release``); a request with any other ``Authorization`` is a full-evidence
+    release as it always was.
     """
-    if "Authorization" in request.headers:
+    scheme = request.headers.get("Authorization", "").partition(" ")[0]
+    if scheme.lower() == "dpop":  # another scheme changes nothing: full evidence, as before
         return await _release_on_result(request)
     body = await read_json_object(request, required=RELEASE_FIELDS, optional=RELEASE_OPTIONAL)
     read = time.perf_counter()

@@ -163,12 +163,7 @@ class BrokerClient:
         private_key, runner_jwk = new_runner_key(key_type)
         runner_thumbprint = thumbprint(runner_jwk)
         issued = await self.challenge()
-        audience = self._audience or issued.audience
-        token = await token_source.token(audience, [issued.nonce, runner_thumbprint])
-        evidence: dict[str, Any] = {token_source.evidence_kind: token}
-        if gpu_source is not None:
-            gpu_nonce = binding_digest(issued.nonce, runner_thumbprint)
-            evidence[gpu_source.evidence_kind] = await gpu_source.evidence(gpu_nonce)
+        evidence = await self._evidence(issued, runner_thumbprint, token_source, gpu_source)
         request: dict[str, Any] = {
             "key": key,
             "nonce": issued.nonce,
@@ -207,12 +202,7 @@ class BrokerClient:
             encryption_key, encryption_jwk = new_runner_key(key_type)
             binding = attestation_thumbprint(thumbprint(encryption_jwk), thumbprint(pop_jwk))
             issued = await self.challenge()
-            audience = self._audience or issued.audience
-            token = await token_source.token(audience, [issued.nonce, binding])
-            evidence: dict[str, Any] = {token_source.evidence_kind: token}
-            if gpu_source is not None:
-                gpu_nonce = binding_digest(issued.nonce, binding)
-                evidence[gpu_source.evidence_kind] = await gpu_source.evidence(gpu_nonce)
+            evidence = await self._evidence(issued, binding, token_source, gpu_source)
             status, answer, headers = await self._exchange(
                 self._base_url + "/v1/attest",
                 {
@@ -245,6 +235,23 @@ class BrokerClient:
             attest=attest_once,
             renew_seconds=renew_seconds,
         )
+
+    async def _evidence(
+        self,
+        issued: Challenge,
+        binding: str,
+        token_source: TokenSource,
+        gpu_source: GpuEvidenceSource | None,
+    ) -> dict[str, Any]:
+        """The token bound to the nonce and ``binding`` (a runner key's thumbprint, or both
+        keys' ``attestation_thumbprint``), and GPU evidence bound to their digest."""
+        audience = self._audience or issued.audience
+        token = await token_source.token(audience, [issued.nonce, binding])
+        evidence: dict[str, Any] = {token_source.evidence_kind: token}
+        if gpu_source is not None:
+            gpu_nonce = binding_digest(issued.nonce, binding)
+            evidence[gpu_source.evidence_kind] = await gpu_source.evidence(gpu_nonce)
+        return evidence
 
     async def release_for(
         self,

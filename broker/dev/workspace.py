@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from broker.dev.issuer import DevIssuer
 from broker.dev.tls import make_dev_tls
@@ -96,14 +97,21 @@ checkpoint_seconds = 0.2
 
 def _log_signing_key(path: Path) -> None:
     """The Ed25519 key that signs the workspace's decision-log checkpoints (kept if present)."""
-    if path.exists():
-        return
-    key = ed25519.Ed25519PrivateKey.generate()
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+    if not path.exists():
+        write_private_pem(path, ed25519.Ed25519PrivateKey.generate())
+
+
+def private_pem(key: PrivateKeyTypes) -> bytes:
+    """``key`` as an unencrypted PKCS#8 PEM (development keys)."""
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
     )
+
+
+def write_private_pem(path: Path, key: PrivateKeyTypes) -> Path:
+    """``private_pem(key)`` in a file readable by its owner only (blocking: not on a loop)."""
+    path.write_bytes(private_pem(key))
     path.chmod(0o600)
+    return path

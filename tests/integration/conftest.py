@@ -25,7 +25,6 @@ import asyncpg
 import pytest
 from aiohttp import web
 from blockbuster import BlockBuster, blockbuster_ctx
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.api.server import BrokerRunner
@@ -33,7 +32,7 @@ from broker.app import create_app, server_ssl_context
 from broker.client import BrokerClient
 from broker.config import Settings, load_settings
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
-from broker.dev.workspace import write_dev_workspace
+from broker.dev.workspace import private_pem, write_dev_workspace
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.store.base import Purpose
@@ -194,14 +193,7 @@ def write_config(
 
 def write_statement_key(path: Path) -> Path:
     """An EC P-256 PEM for ``[keys] signing_key`` (query-key statements)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    path.write_bytes(private_pem(ec.generate_private_key(ec.SECP256R1())))
     return path
 
 

@@ -148,6 +148,14 @@ def release_session(shared: TokenSession) -> bool:
         return True
 
 
+async def leave_session(shared: TokenSession | None) -> None:
+    """Drop one user of the token's session; the last one closes it (on its thread)."""
+    if shared is not None and release_session(shared):
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(shared.executor, shared.close_sync)
+        shared.executor.shutdown(wait=False)
+
+
 def _text(value: Any) -> str:
     raw = bytes(value) if isinstance(value, bytes | bytearray) else str(value).encode()
     return raw.decode("ascii", "replace").strip()
@@ -229,10 +237,7 @@ class Pkcs11Kek:
 
     async def close(self) -> None:
         shared, self._shared, self._key = self._shared, None, None
-        if shared is not None and release_session(shared):
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(shared.executor, shared.close_sync)
-            shared.executor.shutdown(wait=False)
+        await leave_session(shared)
 
     async def wrap(self, dek: bytes, aad: bytes) -> bytes:
         def encrypt() -> bytes:
