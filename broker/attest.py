@@ -497,13 +497,29 @@ def appraisal(evidence: VerifiedEvidence, policy_digest: str) -> list[Submod]:
 
 
 def earliest_expiry(evidence: VerifiedEvidence) -> datetime | None:
-    """The first ``exp`` among the verified tokens: a result never outlives its evidence."""
-    expiries = [
-        claims["exp"]
-        for claims in evidence.raw_claims.values()
-        if isinstance(claims, Mapping) and isinstance(claims.get("exp"), int | float)
-    ]
-    return datetime.fromtimestamp(min(expiries), UTC) if expiries else None
+    """The first end among the inputs: every verified token's ``exp`` (NRAS: its overall and
+    per-GPU tokens), and for local GPU evidence the first certificate or OCSP answer to lapse
+    (``collateral_until``). A result never outlives what it was made from."""
+    ends: list[datetime] = []
+    for kind, claims in evidence.raw_claims.items():
+        if not isinstance(claims, Mapping):
+            continue
+        tokens = [claims]
+        if kind == "nras":
+            gpus = claims.get("gpus")
+            tokens = [
+                claims.get("overall", {}),
+                *(gpus.values() if isinstance(gpus, Mapping) else ()),
+            ]
+        ends += [
+            datetime.fromtimestamp(token["exp"], UTC)
+            for token in tokens
+            if isinstance(token, Mapping) and isinstance(token.get("exp"), int | float)
+        ]
+        for gpu in claims.get("gpus", []) if kind == "nvidia" else []:
+            if isinstance(gpu, Mapping) and isinstance(gpu.get("collateral_until"), str):
+                ends.append(datetime.fromisoformat(gpu["collateral_until"]))
+    return min(ends) if ends else None
 
 
 def _tier(vector: Mapping[str, int]) -> str:

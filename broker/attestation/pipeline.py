@@ -35,7 +35,7 @@ from broker.attestation import claims, gca, ita
 from broker.attestation.issuers import IssuerSettings
 from broker.attestation.jwks import TrustedKeySet
 from broker.attestation.nvidia import local, nras, rim
-from broker.attestation.nvidia.ocsp import CertKey, chain_status, combine_ocsp
+from broker.attestation.nvidia.ocsp import CertKey, chain_answer, combine_ocsp
 from broker.core import binding
 from broker.core.errors import AttestationError, ErrorCode, InputError
 from broker.crypto import jose
@@ -432,11 +432,12 @@ def _verify_local(
             )
         leaves.add(leaf)
         measurements, problems, rim_chains = judge_measurements(report, trust, material, now)
-        device = chain_status(report.chain, material.ocsp, now, include_leaf=False)
-        rim_statuses = [
-            chain_status(chain, material.ocsp, now, include_leaf=True) for chain in rim_chains
+        answers = [chain_answer(report.chain, material.ocsp, now, include_leaf=False)]
+        answers += [
+            chain_answer(chain, material.ocsp, now, include_leaf=True) for chain in rim_chains
         ]
-        statuses = [device, *rim_statuses]
+        statuses = [answer.status for answer in answers]
+        device, rim_statuses = statuses[0], statuses[1:]
         entries.append(
             claims.local_gpu_entry(
                 index,
@@ -449,6 +450,9 @@ def _verify_local(
         )
         summary = dict(local.summary(report))
         # what OCSP said is revoked, by name: attestation results that used it are revoked too
+        summary["collateral_until"] = collateral_until(
+            [report.chain, *rim_chains], [a.next_update for a in answers]
+        ).isoformat()
         summary["ocsp_revoked"] = {
             "device": device == "revoked",
             "rims": [
@@ -459,6 +463,16 @@ def _verify_local(
         }
         summaries.append(summary)
     return entries, {"gpus": summaries}
+
+
+def collateral_until(
+    chains: Sequence[Sequence[x509.Certificate]], next_updates: Sequence[datetime | None]
+) -> datetime:
+    """When what a GPU's verification rested on stops being good: the first certificate
+    (device and RIM signer chains) to expire, or the first OCSP answer due for an update."""
+    ends = [cert.not_valid_after_utc for chain in chains for cert in chain]
+    ends += [update for update in next_updates if update is not None]
+    return min(ends)
 
 
 def judge_measurements(

@@ -46,12 +46,26 @@ def chain_status(
     include_leaf: bool,
 ) -> str:
     """``good`` | ``revoked`` | ``unknown`` for a chain, from the fetched response bytes."""
-    results = []
+    return chain_answer(chain, responses, now, include_leaf=include_leaf).status
+
+
+def chain_answer(
+    chain: Sequence[x509.Certificate],
+    responses: Mapping[CertKey, bytes],
+    now: datetime,
+    *,
+    include_leaf: bool,
+) -> OcspAnswer:
+    """``chain_status`` and the earliest ``nextUpdate`` among the answers it rests on (a result
+    made from them must not outlive it)."""
+    results, updates = [], []
     for cert, issuer in ocsp_pairs(chain, include_leaf=include_leaf):
         body = responses.get(cert_key(cert, issuer))
         answer = verify_ocsp_response(body, cert, issuer, now=now) if body is not None else None
         results.append(answer.status if answer is not None else "unknown")
-    return combine_ocsp(results)
+        if answer is not None and answer.next_update is not None:
+            updates.append(answer.next_update)
+    return OcspAnswer(combine_ocsp(results), min(updates) if updates else None)
 
 
 def combine_ocsp(results: Sequence[str]) -> str:
