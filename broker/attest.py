@@ -67,6 +67,7 @@ from broker.policy.engine import Decision, PolicyEngine
 log = logging.getLogger(__name__)
 ATTEST_FIELDS = ("nonce", "evidence", "runner_key", "pop_key")
 VERIFIER_BUILD = "sealed-runner-broker"
+SWEEP_INTERVAL = timedelta(seconds=30)  # a revoked device's results are looked for once per this
 
 
 class ResultSigner(Protocol):
@@ -249,6 +250,7 @@ class AttestService:
         self.signer = signer
         self._mask_key = mask_key
         self._mask = mask
+        self._swept: dict[str, datetime] = {}  # revoked device/RIM -> when results were swept
 
     async def attest(
         self, unverified_body: Mapping[str, Any], *, now: datetime, request_id: str
@@ -391,7 +393,10 @@ class AttestService:
         certificate or a RIM signer revoked by OCSP: revoke every active attestation whose
         evidence named that device or RIM, one record each (``who`` = ``ocsp``). Best effort:
         a store that does not answer is logged; the request itself is decided as it would be."""
-        sightings = revoked_sightings(evidence.gpus, evidence.raw_claims)
+        # a device or RIM swept within SWEEP_INTERVAL is not swept again: a runner of a revoked
+        # GPU retrying cannot make every one of its requests scan the whole store
+        self._swept = {k: t for k, t in self._swept.items() if now - t < SWEEP_INTERVAL}
+        sightings = revoked_sightings(evidence.gpus, evidence.raw_claims) - set(self._swept)
         if not sightings:
             return
         try:
@@ -402,6 +407,8 @@ class AttestService:
                     await self._revoke_logged(entry.jti, reason, now, who="ocsp", revoked=hit)
         except BrokerError as exc:
             log.error("revoking results that used %s failed: %s", sorted(sightings), exc.message)  # noqa: TRY400
+            return
+        self._swept.update(dict.fromkeys(sightings, now))
 
     async def _revoke_logged(
         self, jti: str, reason: str, now: datetime, *, who: str, **facts: Any
