@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -43,6 +44,7 @@ from tests.integration.conftest import (
     write_statement_key,
 )
 from tests.integration.test_attest import ATTEST_TOML, with_result_key
+from tests.integration.test_attestation_stores import store_uri
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
 
@@ -590,3 +592,45 @@ async def test_results_signed_by_a_pkcs11_key(
     assert jwt.get_unverified_header(runner.token)["kid"] == published["kid"]
     assert claims["jti"]
     assert status == 200, body
+
+
+@pytest.mark.parametrize("backend", ["redis", "postgresql"])
+async def test_two_replicas_share_results_proofs_and_revocations(
+    start_broker: Callable[..., Any],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    backend: str,
+) -> None:
+    """Two replicas on one Redis or PostgreSQL store (and one challenge key, one result key):
+    a result attested at one releases at the other, a proof spent at one is refused at the
+    other, and a revocation at one is refused by the other at once."""
+    url = await store_uri(backend, request, tmp_path)
+    environ = {
+        "BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(ADMIN.encode()).hexdigest(),
+        "BROKER_NONCES_STORE": url,
+    }
+    first: RunningBroker = await start_broker(
+        extra_toml=ATTEST_TOML, workdir_setup=with_result_key, environ=environ
+    )
+    second: RunningBroker = await start_broker(
+        reuse=(first.workdir / "broker.toml", first.issuer), environ=environ
+    )
+    async with aiohttp.ClientSession() as session:
+        runner = Runner(first)
+        await runner.attest(session)
+        # behind one load balancer both answer the public URL ([server] audience + path)
+        proof = runner.proof(htu=first.settings.server.audience + "/v1/release")
+        runner.broker, runner.url = second, second.url + "/v1/release"
+        status, body, _ = await runner.release(session, proof=proof)
+        assert status == 200, body  # attested at the first, released at the second
+        runner.broker, runner.url = first, first.url + "/v1/release"
+        status, body, _ = await runner.release(session, proof=proof)
+        assert (status, body["error"]["code"]) == (401, "dpop_proof_reused"), body
+        jti = jwt.decode(runner.token, options={"verify_signature": False})["jti"]
+        status, answer = await admin_post(
+            second, f"/v1/admin/attestations/{jti}/revoke", {"reason": "replica test"}
+        )
+        assert status == 200, answer
+        status, body, _ = await runner.release(session, proof=runner.proof())
+    assert (status, body["error"]["code"]) == (401, "attestation_revoked")
+    assert body["error"]["reason"] == "replica test"
