@@ -10,21 +10,16 @@ import hashlib
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, decode_dss_signature
-from google.api_core.client_options import ClientOptions
 from google.cloud import kms_v1
-from google.cloud.kms_v1.services.key_management_service.transports.grpc_asyncio import (
-    KeyManagementServiceGrpcAsyncIOTransport,
-)
 
 from broker.attest import result_jwks
-from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
+from broker.cloud.google_api import crc32c
+from broker.cloud.kms_key import KmsKeyVersion
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.crypto.jwk import public_jwk, thumbprint
-
-KMS_PREFIX = "cloudkms:"
 
 
 def _unavailable(message: str) -> UpstreamError:
@@ -33,13 +28,13 @@ def _unavailable(message: str) -> UpstreamError:
 
 class KmsResultSigner:
     def __init__(self, uri: str, *, endpoint: str, timeout_seconds: float) -> None:
-        version = uri.removeprefix(KMS_PREFIX)
-        if "/cryptoKeyVersions/" not in version or not version.startswith("projects/"):
-            raise ConfigError("attest.signing_key", "cloudkms: needs a full cryptoKeyVersions name")
-        self._version = version
-        self._endpoint = endpoint
-        self._timeout = timeout_seconds
-        self._client: Any = None
+        self._kms = KmsKeyVersion(
+            uri,
+            setting="attest.signing_key",
+            endpoint=endpoint,
+            timeout_seconds=timeout_seconds,
+            unavailable=_unavailable,
+        )
         self._public: ec.EllipticCurvePublicKey | None = None
         self.jwk: dict[str, str] = {}
         self.kid = ""
@@ -50,15 +45,7 @@ class KmsResultSigner:
         Raises:
             UpstreamError / ConfigError.
         """
-        transport = await grpc_transport(KeyManagementServiceGrpcAsyncIOTransport, self._endpoint)
-        self._client = kms_v1.KeyManagementServiceAsyncClient(
-            transport=transport, client_options=ClientOptions(api_endpoint=self._endpoint)
-        )
-        answer = await self._call("get_public_key", kms_v1.GetPublicKeyRequest(name=self._version))
-        pem = answer.pem.encode()
-        if crc32c(pem) != answer.pem_crc32c:
-            raise _unavailable("the public key was corrupted in transit")
-        key = serialization.load_pem_public_key(pem)
+        key = await self._kms.open()
         if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
             raise ConfigError(
                 "attest.signing_key", "the KMS key version is not EC_SIGN_P256_SHA256"
@@ -68,9 +55,7 @@ class KmsResultSigner:
         self.kid = thumbprint(self.jwk)
 
     async def close(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            await close_client(client)
+        await self._kms.close()
 
     def jwks(self) -> dict[str, Any]:
         return result_jwks(self.jwk, self.kid)
@@ -85,10 +70,10 @@ class KmsResultSigner:
         if self._public is None:
             raise _unavailable("not opened")
         digest = hashlib.sha256(data).digest()
-        answer = await self._call(
+        answer = await self._kms.call(
             "asymmetric_sign",
             kms_v1.AsymmetricSignRequest(
-                name=self._version,
+                name=self._kms.version,
                 digest=kms_v1.Digest(sha256=digest),
                 digest_crc32c=crc32c(digest),
             ),
@@ -104,8 +89,3 @@ class KmsResultSigner:
             raise _unavailable("the signature does not verify with the key's public half") from exc
         r, s = decode_dss_signature(der)
         return r.to_bytes(32, "big") + s.to_bytes(32, "big")
-
-    async def _call(self, method: str, request: Any) -> Any:
-        return await call(
-            self._client, method, request, deadline_seconds=self._timeout, unavailable=_unavailable
-        )

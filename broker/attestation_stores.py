@@ -14,13 +14,10 @@ attestation treated as active.
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from broker.attestation.stored import (
     ACTIVE,
@@ -29,6 +26,7 @@ from broker.attestation.stored import (
     Change,
     unavailable,
 )
+from broker.store_clients import SqliteThread
 
 
 class MemoryAttestations:
@@ -67,10 +65,13 @@ class SqliteAttestations:
     calls run on one dedicated thread with its own connection."""
 
     def __init__(self, path: Path, *, timeout: float) -> None:
-        self._path = path
-        self._timeout = timeout
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attest-sqlite")
-        self._connection: sqlite3.Connection | None = None
+        self._db = SqliteThread(
+            path,
+            timeout=timeout,
+            schema=_SQLITE_SCHEMA,
+            thread_name="attest-sqlite",
+            unavailable=unavailable,
+        )
 
     async def put(self, entry: AttestationEntry) -> None:
         def insert(db: sqlite3.Connection) -> None:
@@ -80,7 +81,7 @@ class SqliteAttestations:
                 (entry.jti, entry.expires_at.timestamp(), entry.to_json()),
             )
 
-        await self._run(insert)
+        await self._db.run(insert)
 
     async def get(self, jti: str, now: datetime) -> AttestationEntry | None:
         def select(db: sqlite3.Connection) -> str | None:
@@ -90,7 +91,7 @@ class SqliteAttestations:
             ).fetchone()
             return None if row is None else str(row[0])
 
-        body = await self._run(select)
+        body = await self._db.run(select)
         return None if body is None else AttestationEntry.from_json(body)
 
     async def update(
@@ -114,7 +115,7 @@ class SqliteAttestations:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
 
-        result: tuple[AttestationEntry, AttestationEntry] | None = await self._run(rewrite)
+        result: tuple[AttestationEntry, AttestationEntry] | None = await self._db.run(rewrite)
         return result
 
     async def active(self, now: datetime) -> list[AttestationEntry]:
@@ -124,39 +125,17 @@ class SqliteAttestations:
             ).fetchall()
             return [str(row[0]) for row in rows]
 
-        entries = [AttestationEntry.from_json(body) for body in await self._run(select)]
+        entries = [AttestationEntry.from_json(body) for body in await self._db.run(select)]
         return [entry for entry in entries if entry.status == ACTIVE]
 
     async def close(self) -> None:
-        def shut() -> None:
-            if self._connection is not None:
-                self._connection.close()
-                self._connection = None
+        await self._db.close()
 
-        await asyncio.get_running_loop().run_in_executor(self._executor, shut)
-        self._executor.shutdown(wait=True)
 
-    async def _run(self, operation: Any) -> Any:
-        def call() -> Any:
-            return operation(self._db())
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-        except (sqlite3.Error, OSError) as exc:
-            raise unavailable("sqlite", exc) from exc
-
-    def _db(self) -> sqlite3.Connection:
-        if self._connection is None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self._path, timeout=self._timeout, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
-            db.executescript(
-                "CREATE TABLE IF NOT EXISTS attestations (jti TEXT PRIMARY KEY, "
-                "expires_at REAL NOT NULL, body TEXT NOT NULL) WITHOUT ROWID;"
-            )
-            self._connection = db
-        return self._connection
+_SQLITE_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS attestations (jti TEXT PRIMARY KEY, "
+    "expires_at REAL NOT NULL, body TEXT NOT NULL) WITHOUT ROWID;"
+)
 
 
 def open_attestation_store(uri: str, *, timeout: float) -> AttestationStore:

@@ -3,7 +3,6 @@ them; their clients load only when one is configured)."""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import datetime
 from typing import Any
 
@@ -12,6 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, WatchError
 
 from broker.attestation.stored import ACTIVE, AttestationEntry, Change, unavailable
+from broker.store_clients_pg import PostgresPool
 
 SCAN_BATCH = 500
 
@@ -110,10 +110,14 @@ class PostgresAttestations:
     ``UPDATE … WHERE`` under a row lock."""
 
     def __init__(self, dsn: str, *, timeout: float) -> None:
-        self._dsn = dsn
-        self._timeout = timeout
-        self._pool: asyncpg.Pool | None = None
-        self._opening = asyncio.Lock()
+        self._pool = PostgresPool(
+            dsn,
+            timeout=timeout,
+            schema=_PG_SCHEMA,
+            schema_lock=_PG_SCHEMA_LOCK,
+            size=2,
+            unavailable=unavailable,
+        )
 
     async def put(self, entry: AttestationEntry) -> None:
         async def insert(db: asyncpg.Connection) -> None:
@@ -125,7 +129,7 @@ class PostgresAttestations:
                 entry.to_json(),
             )
 
-        await self._run(insert)
+        await self._pool.run(insert)
 
     async def get(self, jti: str, now: datetime) -> AttestationEntry | None:
         async def select(db: asyncpg.Connection) -> Any:
@@ -135,7 +139,7 @@ class PostgresAttestations:
                 now,
             )
 
-        body = await self._run(select)
+        body = await self._pool.run(select)
         return None if body is None else AttestationEntry.from_json(body)
 
     async def update(
@@ -158,41 +162,18 @@ class PostgresAttestations:
                 )
                 return before, after
 
-        result: tuple[AttestationEntry, AttestationEntry] | None = await self._run(rewrite)
+        result: tuple[AttestationEntry, AttestationEntry] | None = await self._pool.run(rewrite)
         return result
 
     async def active(self, now: datetime) -> list[AttestationEntry]:
         async def select(db: asyncpg.Connection) -> Any:
             return await db.fetch("SELECT body FROM broker_attestations WHERE expires_at > $1", now)
 
-        entries = [AttestationEntry.from_json(row["body"]) for row in await self._run(select)]
+        entries = [AttestationEntry.from_json(row["body"]) for row in await self._pool.run(select)]
         return [entry for entry in entries if entry.status == ACTIVE]
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
-
-    async def _run(self, operation: Any) -> Any:
-        try:
-            async with asyncio.timeout(self._timeout):
-                pool = await self._open()
-                async with pool.acquire() as db:
-                    return await operation(db)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            raise unavailable("postgresql", exc) from exc
-
-    async def _open(self) -> asyncpg.Pool:
-        async with self._opening:
-            if self._pool is None:
-                pool = await asyncpg.create_pool(
-                    self._dsn, min_size=1, max_size=2, max_inactive_connection_lifetime=0
-                )
-                async with pool.acquire() as db, db.transaction():
-                    await db.execute("SELECT pg_advisory_xact_lock($1)", _PG_SCHEMA_LOCK)
-                    await db.execute(_PG_SCHEMA)
-                self._pool = pool
-            return self._pool
+        await self._pool.close()
 
 
 async def _batches(keys: Any) -> Any:

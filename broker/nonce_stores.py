@@ -12,13 +12,10 @@ cause.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sqlite3
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 from broker.config import NONCE_STORE_FORMS
 from broker.core.errors import ConfigError
@@ -31,6 +28,7 @@ from broker.nonces import (
     store_full,
     unavailable,
 )
+from broker.store_clients import SqliteThread
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +85,14 @@ class SqliteSpentNonces:
     MAX_PURGE_EVERY = 256
 
     def __init__(self, path: Path, *, capacity: int, timeout: float) -> None:
-        self._path = path
         self._capacity = capacity
-        self._timeout = timeout
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nonce-sqlite")
-        self._connection: sqlite3.Connection | None = None
+        self._db = SqliteThread(
+            path,
+            timeout=timeout,
+            schema=_SCHEMA,
+            thread_name="nonce-sqlite",
+            unavailable=unavailable,
+        )
         self._spends = 0
         self._full = False
         self._purge_every = max(1, min(self.MAX_PURGE_EVERY, capacity // 8))
@@ -99,7 +100,7 @@ class SqliteSpentNonces:
     async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
         self._spends += 1
         purge = self._spends % self._purge_every == 1 % self._purge_every
-        outcome = await self._run(
+        outcome = await self._db.run(
             self._spend, nonce, expires_at.timestamp(), now.timestamp(), purge
         )
         if outcome == "reused":
@@ -108,35 +109,10 @@ class SqliteSpentNonces:
             raise store_full()
 
     async def check(self) -> None:
-        await self._run(lambda db: db.execute("SELECT 1").fetchone())
+        await self._db.run(lambda db: db.execute("SELECT 1").fetchone())
 
     async def close(self) -> None:
-        def shut() -> None:
-            if self._connection is not None:
-                self._connection.close()
-                self._connection = None
-
-        await asyncio.get_running_loop().run_in_executor(self._executor, shut)
-        self._executor.shutdown(wait=True)
-
-    async def _run(self, operation: Any, *args: Any) -> Any:
-        def call() -> Any:
-            return operation(self._db(), *args)
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-        except (sqlite3.Error, OSError) as exc:  # OSError: its directory cannot be created
-            raise unavailable("sqlite", exc) from exc
-
-    def _db(self) -> sqlite3.Connection:
-        if self._connection is None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self._path, timeout=self._timeout, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
-            db.executescript(_SCHEMA)
-            self._connection = db
-        return self._connection
+        await self._db.close()
 
     def _spend(
         self, db: sqlite3.Connection, nonce: str, expires_at: float, now: float, purge: bool

@@ -3,7 +3,6 @@ their clients load only when one is configured)."""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import datetime
 from typing import Any
 
@@ -12,6 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from broker.nonces import reused_nonce, unavailable
+from broker.store_clients_pg import PostgresPool
 
 
 class RedisSpentNonces:
@@ -72,10 +72,14 @@ class PostgresSpentNonces:
     """
 
     def __init__(self, dsn: str, *, timeout: float) -> None:
-        self._dsn = dsn
-        self._timeout = timeout
-        self._pool: asyncpg.Pool | None = None
-        self._opening = asyncio.Lock()
+        self._pool = PostgresPool(
+            dsn,
+            timeout=timeout,
+            schema=_PG_SCHEMA,
+            schema_lock=_PG_SCHEMA_LOCK,
+            size=4,
+            unavailable=unavailable,
+        )
         self._spends = 0
 
     async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
@@ -93,39 +97,14 @@ class PostgresSpentNonces:
             )
             return status
 
-        if await self._run(insert) != "INSERT 0 1":
+        if await self._pool.run(insert) != "INSERT 0 1":
             raise reused_nonce()
 
     async def check(self) -> None:
         async def ping(db: asyncpg.Connection) -> Any:
             return await db.fetchval("SELECT 1")
 
-        await self._run(ping)
+        await self._pool.run(ping)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
-
-    async def _run(self, operation: Any) -> Any:
-        try:
-            async with asyncio.timeout(self._timeout):
-                pool = await self._open()
-                async with pool.acquire() as db:
-                    return await operation(db)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            raise unavailable("postgresql", exc) from exc
-
-    async def _open(self) -> asyncpg.Pool:
-        async with self._opening:
-            if self._pool is None:
-                # Connections open here and stay open: asyncpg reads ~/.pgpass and TLS files (a
-                # local stat) whenever it opens one, so that happens at start-up, not per request.
-                pool = await asyncpg.create_pool(
-                    self._dsn, min_size=4, max_size=4, max_inactive_connection_lifetime=0
-                )
-                async with pool.acquire() as db, db.transaction():
-                    await db.execute("SELECT pg_advisory_xact_lock($1)", _PG_SCHEMA_LOCK)
-                    await db.execute(_PG_SCHEMA)
-                self._pool = pool
-            return self._pool
+        await self._pool.close()

@@ -5,18 +5,12 @@ CRC32C checksums, checked both ways as for the KEK (keys/kek/cloudkms.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from google.api_core.client_options import ClientOptions
 from google.cloud import kms_v1
-from google.cloud.kms_v1.services.key_management_service.transports.grpc_asyncio import (
-    KeyManagementServiceGrpcAsyncIOTransport,
-)
 
-from broker.audit.signers import KMS_PREFIX
-from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
+from broker.cloud.google_api import crc32c
+from broker.cloud.kms_key import KmsKeyVersion
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.crypto.checkpoint import _check_name, note_with_signature, verifier_key_text
 
@@ -27,14 +21,14 @@ def _unavailable(message: str) -> UpstreamError:
 
 class KmsNoteSigner:
     def __init__(self, name: str, uri: str, *, endpoint: str, timeout_seconds: float) -> None:
-        version = uri.removeprefix(KMS_PREFIX)
-        if "/cryptoKeyVersions/" not in version or not version.startswith("projects/"):
-            raise ConfigError("audit.signing_key", "cloudkms: needs a full cryptoKeyVersions name")
+        self._kms = KmsKeyVersion(
+            uri,
+            setting="audit.signing_key",
+            endpoint=endpoint,
+            timeout_seconds=timeout_seconds,
+            unavailable=_unavailable,
+        )
         self.name = _check_name(name)
-        self._version = version
-        self._endpoint = endpoint
-        self._timeout = timeout_seconds
-        self._client: Any = None
         self.public_raw = b""
 
     async def open(self) -> None:
@@ -43,15 +37,7 @@ class KmsNoteSigner:
         Raises:
             UpstreamError / ConfigError.
         """
-        transport = await grpc_transport(KeyManagementServiceGrpcAsyncIOTransport, self._endpoint)
-        self._client = kms_v1.KeyManagementServiceAsyncClient(
-            transport=transport, client_options=ClientOptions(api_endpoint=self._endpoint)
-        )
-        answer = await self._call("get_public_key", kms_v1.GetPublicKeyRequest(name=self._version))
-        pem = answer.pem.encode()
-        if crc32c(pem) != answer.pem_crc32c:
-            raise _unavailable("the public key was corrupted in transit")
-        key = serialization.load_pem_public_key(pem)
+        key = await self._kms.open()
         if not isinstance(key, ed25519.Ed25519PublicKey):
             raise ConfigError("audit.signing_key", "the KMS key version is not EC_SIGN_ED25519")
         self.public_raw = key.public_bytes(
@@ -59,18 +45,18 @@ class KmsNoteSigner:
         )
 
     async def close(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            await close_client(client)
+        await self._kms.close()
 
     def verifier_key(self) -> str:
         return verifier_key_text(self.name, self.public_raw)
 
     async def sign_note(self, body: str) -> str:
         data = body.encode()
-        answer = await self._call(
+        answer = await self._kms.call(
             "asymmetric_sign",
-            kms_v1.AsymmetricSignRequest(name=self._version, data=data, data_crc32c=crc32c(data)),
+            kms_v1.AsymmetricSignRequest(
+                name=self._kms.version, data=data, data_crc32c=crc32c(data)
+            ),
         )
         if not answer.verified_data_crc32c:
             raise _unavailable("the service did not verify the data checksum")
@@ -79,8 +65,3 @@ class KmsNoteSigner:
         signature = bytes(answer.signature)
         ed25519.Ed25519PublicKey.from_public_bytes(self.public_raw).verify(signature, data)
         return note_with_signature(body, self.name, self.public_raw, signature)
-
-    async def _call(self, method: str, request: Any) -> Any:
-        return await call(
-            self._client, method, request, deadline_seconds=self._timeout, unavailable=_unavailable
-        )

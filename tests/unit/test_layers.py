@@ -58,6 +58,8 @@ LAYER_OF: dict[str, int] = {
     "broker.nonce_stores": ADAPTER,
     "broker.attestation_stores": ADAPTER,
     "broker.attestation_stores_shared": ADAPTER,
+    "broker.store_clients": ADAPTER,
+    "broker.store_clients_pg": ADAPTER,
     "broker.nonce_stores_shared": ADAPTER,
     "broker.cloud": ADAPTER,
     "broker.config": ADAPTER,
