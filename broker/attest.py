@@ -327,6 +327,7 @@ class AttestService:
             encryption_jwk=request.encryption_key.jwk,
             policy_digest=decision.policy_digest,
             evidence_digests=outcome.evidence_digests,
+            input_digest=outcome.input_digest,
             legacy=self._settings.legacy_names,
         )
         outcome.expires_at = datetime.fromtimestamp(claims["exp"], UTC)

@@ -35,7 +35,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.attestation.claims import RequestFacts, build_input
-from broker.attestation.ear import PresentedEar, verify_ear
+from broker.attestation.ear import CLAIM, PresentedEar, verify_ear
 from broker.attestation.stored import REVOKED, AttestationEntry, AttestationStore
 from broker.audit.log import DecisionLog
 from broker.audit.mask import masked
@@ -46,6 +46,7 @@ from broker.core.errors import (
     ErrorCode,
     InputError,
     PolicyDenied,
+    UpstreamError,
 )
 from broker.core.fields import optional_version
 from broker.core.metrics import Metrics
@@ -323,9 +324,7 @@ class AttestedReleaseService:
                 code=ErrorCode.ATTESTATION_REVOKED,
                 reason=entry.reason,
             )
-        if entry.pop_thumbprint != ear.pop_thumbprint:  # the store and the signed result agree
-            raise AttestationError("the result does not match its stored attestation")
-        outcome.encryption_key = parse_runner_key(dict(entry.encryption_jwk))
+        outcome.encryption_key = signed_content(ear, entry)
         check_wrap_mode(outcome.request.wrap if outcome.request else "jwe", outcome.encryption_key)
         try:  # good once, in the store every worker and replica shares
             await self._nonces.spend(
@@ -440,6 +439,31 @@ class AttestedReleaseService:
                 self._mask_key,
             ),
         }
+
+
+def signed_content(ear: PresentedEar, entry: AttestationEntry) -> RunnerKey:
+    """The encryption key the signed result names, once the store's entry is shown to be the
+    one the result was made with: its PoP thumbprint, and the digest of its claims (the EAR's
+    ``input_digest``). The shared store is trusted for a result's status, never for what a
+    release is decided on or wrapped to.
+
+    Raises:
+        AttestationError: the result lacks its broker claim (``token_claim_invalid``).
+        UpstreamError: ``attestation_store_mismatch``: the entry is not what was signed.
+    """
+    own = ear.claims.get(CLAIM)
+    if not isinstance(own, Mapping) or not isinstance(own.get("encryption_key"), Mapping):
+        raise AttestationError(
+            "the result lacks this broker's claim", code=ErrorCode.TOKEN_CLAIM_INVALID
+        )
+    stored = "sha256:" + hashlib.sha256(canonical(entry.policy_input)).hexdigest()
+    if entry.pop_thumbprint != ear.pop_thumbprint or own.get("input_digest") != stored:
+        log.error("attestation %s: the stored entry does not match the signed result", ear.jti)
+        raise UpstreamError(
+            "the stored attestation does not match the signed result; attest again",
+            code=ErrorCode.ATTESTATION_STORE_MISMATCH,
+        )
+    return parse_runner_key(dict(own["encryption_key"]))
 
 
 def release_input(entry: AttestationEntry, facts: RequestFacts, now: datetime) -> dict[str, Any]:

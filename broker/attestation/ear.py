@@ -105,6 +105,7 @@ def ear_claims(
     encryption_jwk: Mapping[str, str],
     policy_digest: str,
     evidence_digests: Mapping[str, str],
+    input_digest: str | None = None,
     legacy: bool = False,
 ) -> dict[str, Any]:
     """The claims set. ``exp`` is ``now + ttl`` (at most ``MAX_TTL``) and never later than
@@ -152,6 +153,9 @@ def ear_claims(
             "encryption_key": dict(encryption_jwk),
             "policy_digest": policy_digest,
             "evidence_digests": dict(evidence_digests),
+            # the stored claims a release on this result is decided from, as verified: the
+            # shared store is trusted for status, never for content
+            **({"input_digest": input_digest} if input_digest is not None else {}),
         },
     }
 

@@ -73,6 +73,8 @@ class ErrorCode(StrEnum):
     DPOP_PROOF_REUSED = "dpop_proof_reused"  # a proof's jti was already spent
     ATTESTATION_UNKNOWN = "attestation_unknown"  # not in the store: never issued, or expired
     ATTESTATION_REVOKED = "attestation_revoked"
+    # the shared store's entry is not what the signed result says (tampered or corrupted): 503
+    ATTESTATION_STORE_MISMATCH = "attestation_store_mismatch"
     # admin authentication
     UNAUTHORIZED = "unauthorized"
     # keys

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable
@@ -634,3 +635,48 @@ async def test_two_replicas_share_results_proofs_and_revocations(
         status, body, _ = await runner.release(session, proof=runner.proof())
     assert (status, body["error"]["code"]) == (401, "attestation_revoked")
     assert body["error"]["reason"] == "replica test"
+
+
+def tamper(database: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite every stored attestation in the SQLite store as someone with write access would."""
+    with sqlite3.connect(database) as db:
+        for jti, body in db.execute("SELECT jti, body FROM attestations").fetchall():
+            entry = json.loads(body)
+            change(entry)
+            db.execute("UPDATE attestations SET body = ? WHERE jti = ?", (json.dumps(entry), jti))
+
+
+@pytest.mark.parametrize("what", ["claims", "encryption key"])
+async def test_a_tampered_store_entry_releases_nothing(
+    start_broker: Callable[..., Any], what: str
+) -> None:
+    """The shared store is trusted for a result's status, not its content: an entry whose claims
+    were rewritten (to another image) is refused (503 attestation_store_mismatch, an error
+    record); a rewritten encryption key is ignored — keys go to the key the signed result names."""
+    store = '[nonces]\nstore = "sqlite:///attestations.db"\n'
+    broker: RunningBroker = await start_broker(
+        extra_toml=ATTEST_TOML + store, workdir_setup=with_result_key
+    )
+    attacker_jwk = public_jwk(ec.generate_private_key(ec.SECP256R1()).public_key())
+
+    def rewrite(entry: dict[str, Any]) -> None:
+        if what == "claims":
+            entry["policy_input"]["tee"]["workload"]["image_digest"] = "sha256:" + "ee" * 32
+        else:
+            entry["encryption_jwk"] = attacker_jwk
+
+    async with aiohttp.ClientSession() as session:
+        runner = Runner(broker)
+        await runner.attest(session)
+        await asyncio.to_thread(tamper, broker.workdir / "attestations.db", rewrite)
+        status, body, _ = await runner.release(session, proof=runner.proof())
+    if what == "claims":
+        assert (status, body["error"]["code"]) == (503, "attestation_store_mismatch"), body
+        assert "wrapped_key" not in json.dumps(body)
+        (record,) = [r for r in broker.records() if r["type"] == "attested_release"]
+        assert (record["result"], record["code"]) == ("error", "attestation_store_mismatch")
+    else:
+        assert status == 200, body
+        (entry,) = body["keys"]
+        decrypted = jwe.decrypt(entry["wrapped_key"], runner.encryption)  # type: ignore[arg-type]
+        assert len(decrypted.plaintext) == 32  # the runner's key opens it, not the attacker's
