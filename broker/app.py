@@ -20,7 +20,6 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.api.middleware import METRICS, request_context
@@ -67,6 +66,7 @@ from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
+from broker.crypto.keyfiles import p256_private_key_file
 from broker.keys.factory import open_key_service
 from broker.keys.service import KeyService
 from broker.nonce_stores import open_nonce_store
@@ -392,15 +392,7 @@ async def _statement_signer(settings: Settings) -> ec.EllipticCurvePrivateKey | 
     path = settings.keys.signing_key
     if path is None:
         return None
-    try:
-        key = serialization.load_pem_private_key(
-            await asyncio.to_thread(path.read_bytes), password=None
-        )
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError("keys.signing_key", f"not a readable PEM private key: {path}") from exc
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name != "secp256r1":
-        raise ConfigError("keys.signing_key", "must be an EC P-256 private key")
-    return key
+    return await asyncio.to_thread(p256_private_key_file, path, "keys.signing_key")
 
 
 async def _certificates(key: str, path: Path | None) -> list[x509.Certificate]:

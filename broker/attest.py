@@ -24,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
@@ -56,11 +56,13 @@ from broker.core.errors import (
     ConfigError,
     ErrorCode,
     InputError,
+    InternalFailure,
     NotFound,
     PolicyDenied,
 )
 from broker.core.fields import string_field
 from broker.crypto.jwk import RunnerKey, parse_runner_key, public_jwk, thumbprint
+from broker.crypto.keyfiles import p256_private_key_file, p256_public_key_file
 from broker.nonces import MAX_NONCE_CHARS, NonceStore
 from broker.policy.engine import Decision, PolicyEngine
 
@@ -107,7 +109,7 @@ def result_keys(signer: ResultSigner, previous: Sequence[Path]) -> ResultKeys:
     jwks = signer.jwks()
     verifying = {signer.kid: _public_key(signer.jwk)}
     for path in previous:
-        key = _previous_key(path)
+        key = p256_public_key_file(path, "attest.previous_keys")
         jwk = public_jwk(key)
         kid = thumbprint(jwk)
         if kid not in verifying:
@@ -121,21 +123,6 @@ def _public_key(jwk: Mapping[str, str]) -> ec.EllipticCurvePublicKey:
     if not isinstance(key, ec.EllipticCurvePublicKey):
         raise ConfigError("attest.signing_key", "must be an EC P-256 key")
     return key
-
-
-def _previous_key(path: Path) -> ec.EllipticCurvePublicKey:
-    try:
-        data = path.read_bytes()
-        loaded: Any = (
-            serialization.load_pem_private_key(data, password=None).public_key()
-            if b"PRIVATE KEY" in data
-            else serialization.load_pem_public_key(data)
-        )
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError("attest.previous_keys", f"not a readable PEM key: {path}") from exc
-    if not isinstance(loaded, ec.EllipticCurvePublicKey) or loaded.curve.name != "secp256r1":
-        raise ConfigError("attest.previous_keys", f"not an EC P-256 key: {path}")
-    return loaded
 
 
 class LocalResultSigner:
@@ -152,15 +139,7 @@ class LocalResultSigner:
     @classmethod
     def from_pem(cls, path: Path) -> LocalResultSigner:
         """Raises: ConfigError naming the key when the file is unreadable or not P-256."""
-        try:
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        except (OSError, ValueError, TypeError) as exc:
-            raise ConfigError(
-                "attest.signing_key", f"not a readable PEM private key: {path}"
-            ) from exc
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise ConfigError("attest.signing_key", "must be an EC P-256 private key")
-        return cls(key)
+        return cls(p256_private_key_file(path, "attest.signing_key"))
 
     async def sign(self, data: bytes) -> bytes:
         """ES256: R || S of the signing input (a local key: microseconds, on the loop)."""
@@ -279,7 +258,7 @@ class AttestService:
             outcome.error = exc
         except Exception:  # a bug: recorded, nothing answered but internal_error
             log.exception("attestation %s: unexpected failure", outcome.jti)
-            outcome.error = BrokerError("internal error")
+            outcome.error = InternalFailure("internal error")
         appended = await self._audit.append_entry(self._safe_record(outcome, now, request_id))
         if outcome.error is not None:
             outcome.error.details["log_index"] = appended.index
@@ -339,7 +318,6 @@ class AttestService:
             AttestationEntry(
                 jti=outcome.jti,
                 expires_at=outcome.expires_at,
-                encryption_jwk=request.encryption_key.jwk,
                 pop_thumbprint=request.pop_key.thumbprint,
                 policy_input=policy_input,
             )
@@ -441,7 +419,7 @@ class AttestService:
             return self._record(outcome, now, request_id)
         except Exception:
             log.exception("attestation %s: building the record failed", outcome.jti)
-            outcome.error = BrokerError("internal error")
+            outcome.error = InternalFailure("internal error")
             return {
                 "type": "attestation",
                 "decision_id": outcome.jti,

@@ -4,7 +4,7 @@ will be decided from, and its status, shared by every worker and replica that ma
 The store is the nonce store's (``[nonces] store``): ``memory`` (one process), ``sqlite:///PATH``
 (one host), ``redis://…`` and ``postgresql://…`` (replicas) — the same sharing an EAR needs as a
 nonce. An entry holds the attestation's policy input (unmasked: the release policy decides on
-it; claims, never evidence or key material), the runner's encryption key and PoP key thumbprint,
+it; claims, never evidence or key material), the PoP key thumbprint,
 its expiry, and its status (``active`` or ``revoked`` with a reason). Entries are forgotten when
 they expire. A revocation is one write every replica reads on its next lookup.
 

@@ -7,11 +7,10 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError, WatchError
 
 from broker.attestation.stored import ACTIVE, AttestationEntry, Change, unavailable
-from broker.store_clients_pg import PostgresPool
+from broker.store_clients_shared import PostgresPool, redis_client
 
 SCAN_BATCH = 500
 
@@ -23,14 +22,7 @@ class RedisAttestations:
     PREFIX = "broker:attestation:"
 
     def __init__(self, url: str, *, timeout: float) -> None:
-        self._client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry_on_timeout=False,
-            decode_responses=False,
-            driver_info=None,  # no CLIENT SETINFO: no package metadata read on the loop
-        )
+        self._client = redis_client(url, timeout=timeout)
 
     async def put(self, entry: AttestationEntry) -> None:
         try:

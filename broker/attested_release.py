@@ -45,6 +45,7 @@ from broker.core.errors import (
     BrokerError,
     ErrorCode,
     InputError,
+    InternalFailure,
     PolicyDenied,
     UpstreamError,
 )
@@ -63,7 +64,6 @@ from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
 from broker.keys.store.base import KeyVersionRecord
 from broker.nonces import NonceStore
 from broker.policy.engine import Decision, PolicyEngine
-from broker.release import InternalFailure
 
 log = logging.getLogger(__name__)
 MAX_KEYS = 16
@@ -265,6 +265,9 @@ class AttestedReleaseService:
         except Exception:  # a bug: recorded, nothing released
             log.exception("attested release %s: unexpected failure", outcome.release_id)
             outcome.error = InternalFailure("internal error")
+            for key in outcome.keys:  # wrapped but never sent: the record must not say allow
+                if key.wrapped is not None:
+                    key.wrapped, key.error = None, outcome.error
         appended = await self._audit.append_entry(self._safe_record(outcome, now, request_id))
         for key in outcome.keys:
             result, code = _result(key.error), key.error.code.value if key.error else "ok"
@@ -325,7 +328,8 @@ class AttestedReleaseService:
                 reason=entry.reason,
             )
         outcome.encryption_key = signed_content(ear, entry)
-        check_wrap_mode(outcome.request.wrap if outcome.request else "jwe", outcome.encryption_key)
+        if outcome.request is not None:
+            check_wrap_mode(outcome.request.wrap, outcome.encryption_key)
         try:  # good once, in the store every worker and replica shares
             await self._nonces.spend(
                 f"dpop:{ear.pop_thumbprint}:{checked.jti}",

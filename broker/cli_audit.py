@@ -9,18 +9,21 @@ import base64
 import gc
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from broker import cli_audit_monitor
+from broker import cli_audit_monitor, cli_audit_query
 from broker.audit.mask import load_or_create_mask_key, mask_value
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.records import LogCorrupt, verify_bytes
-from broker.audit.segments import SEGMENT_SUFFIX, log_files, repair_torn_tail
+from broker.audit.segments import SEGMENT_SUFFIX, repair_torn_tail
 from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.witness import WitnessKey
+from broker.cli_audit_query import read_file as _read
+from broker.cli_audit_query import record_lines as _lines
+from broker.cli_audit_query import with_segments
 from broker.config import load_settings
 from broker.core.errors import ConfigError
 from broker.core.jsonsafe import loads_bounded
@@ -29,7 +32,6 @@ from broker.crypto.merkle import MerkleTree, leaf_hash, verify_inclusion
 
 EXIT_NO = 1
 EXIT_USAGE = 2
-OCSF_API_ACTIVITY = 6003  # OCSF "API Activity" (Application Activity category)
 
 
 def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -83,49 +85,8 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     check.add_argument("bundle", type=Path)
     check.add_argument("--key", required=True, help="the verifier key")
     check.set_defaults(run=_check_proof)
-    query = audit.add_parser("query", help="the common questions, as JSON lines or a table")
-    query.add_argument("logs", type=Path, nargs="+", metavar="LOG")
-    for name in ("key", "image", "project", "code", "replica"):
-        query.add_argument(f"--{name}")
-    query.add_argument("--decision", help="a decision id")
-    query.add_argument(
-        "--attestation",
-        metavar="JTI",
-        help="an attestation result: its record, every key released on it, its revocation",
-    )
-    query.add_argument(
-        "--who", help="who made a change (key and policy records): token:…, user@host, broker"
-    )
-    query.add_argument("--result", choices=RESULTS)
-    query.add_argument("--since", type=instant, help="RFC 3339 with a zone: at or after")
-    query.add_argument("--until", type=instant, help="RFC 3339 with a zone: at or before")
-    query.add_argument("--table", action="store_true")
-    query.set_defaults(run=_query)
-    export = audit.add_parser("export", help="records for a SIEM: OCSF events or JSON lines")
-    export.add_argument("log", type=Path)
-    export.add_argument("--format", choices=["ocsf", "jsonl"], default="ocsf")
-    export.add_argument("--since", type=instant, help="RFC 3339 with a zone: at or after")
-    export.add_argument("--until", type=instant, help="RFC 3339 with a zone: at or before")
-    export.set_defaults(run=_export)
+    cli_audit_query.add_parsers(audit)
     cli_audit_monitor.add_parser(audit)
-
-
-def with_segments(paths: list[Path]) -> list[Path]:
-    """Each active log path preceded by its closed segments (``<log>.000001``, …), so that the
-    commands read the whole tree whichever file an auditor names."""
-    expanded: list[Path] = []
-    for path in paths:
-        for file in log_files(path):
-            if file.exists() and file not in expanded:
-                expanded.append(file)
-    return expanded
-
-
-def _read(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(what, f"cannot read {path}") from exc
 
 
 def _mask(args: argparse.Namespace) -> int:
@@ -163,12 +124,6 @@ def _key(args: argparse.Namespace) -> int:
         raise ConfigError("audit.signing_key", "is not set: this broker signs no checkpoints")
     print(key)
     return 0
-
-
-def _lines(data: bytes) -> list[bytes]:
-    if data and not data.endswith(b"\n"):
-        raise LogCorrupt(data.count(b"\n") + 1, "truncated mid-record (no final newline)")
-    return data.split(b"\n")[:-1] if data else []
 
 
 def _tree(lines: list[bytes]) -> MerkleTree:
@@ -465,174 +420,3 @@ def _check_proof(args: argparse.Namespace) -> int:
     answer = {"ok": problem is None, "index": index, "tree_size": size, "origin": checkpoint.origin}
     print(json.dumps(answer if problem is None else {**answer, "problem": problem}))
     return 0 if problem is None else EXIT_NO
-
-
-def _records(paths: list[Path]) -> Iterator[dict[str, Any]]:
-    for path in with_segments(paths) or paths:
-        for line in _lines(_read(path, "LOG")):
-            record = loads_bounded(line)
-            if isinstance(record, dict):
-                yield record
-
-
-RESULTS = ("allow", "deny", "error")
-
-
-def instant(text: str) -> datetime:
-    """An RFC 3339 time with a zone (``2026-11-23T00:00:00Z``, ``…+01:00``), compared as an
-    instant: the same moment in two zones selects the same records. Anything else is refused
-    (argparse exits 2 naming it): an unparsable ``--since`` used to select nothing, which read
-    like "no records".
-    """
-    try:
-        parsed = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not an RFC 3339 time: {text!r}") from exc
-    if parsed.tzinfo is None:
-        raise argparse.ArgumentTypeError(f"{text!r} has no zone (add Z or +HH:MM)")
-    return parsed
-
-
-def _within(record: dict[str, Any], since: datetime | None, until: datetime | None) -> bool:
-    if since is None and until is None:
-        return True
-    try:
-        when = instant(str(record.get("time", "")))
-    except argparse.ArgumentTypeError:
-        return False  # a record without a readable time is in no interval
-    return not ((since is not None and when < since) or (until is not None and when > until))
-
-
-def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
-    identity = record.get("identity") or {}
-    checks = [
-        (args.key, record.get("key")),
-        (args.result, record.get("result")),
-        (args.code, record.get("code")),
-        (args.image, identity.get("image_digest")),
-        (args.project, identity.get("project_id")),
-        (args.decision, record.get("decision_id")),
-        (args.replica, record.get("replica")),
-        (args.who, record.get("who")),
-    ]
-    if any(wanted is not None and wanted != found for wanted, found in checks):
-        return False
-    return _within(record, args.since, args.until)
-
-
-ATTESTATION_TYPES = ("attestation", "attested_release", "attestation_revoked")
-
-
-def per_key(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A record as query rows: a release on an attestation result is one row per key asked
-    (its version, result, code, reasons, policy digest), each naming the attestation; every
-    other record is one row."""
-    if record.get("type") != "attested_release":
-        yield record
-        return
-    attestation = record.get("attestation") or {}
-    common = {
-        k: record.get(k) for k in ("type", "index", "seq", "time", "decision_id", "replica")
-    } | {
-        "attestation": attestation.get("jti"),
-        "attestation_log_index": attestation.get("log_index"),
-        "dpop_jti": record.get("dpop_jti"),
-    }
-    keys = record.get("keys") or []
-    if not keys:  # refused before any key was decided
-        yield common | {k: record.get(k) for k in ("result", "code", "message")} | {"key": None}
-    for key in keys:
-        yield common | {
-            k: key.get(k)
-            for k in ("key", "version", "result", "code", "reasons", "policy_digest", "input")
-        }
-
-
-def _attestation_of(record: dict[str, Any]) -> Any:
-    if record.get("type") == "attested_release":
-        return (record.get("attestation") or {}).get("jti")
-    return record.get("jti") if record.get("type") in ATTESTATION_TYPES else None
-
-
-def _query(args: argparse.Namespace) -> int:
-    # Releases (per key on attestation results too); with --who, the changes someone made (key
-    # and policy records); with --attestation, that result's whole story.
-    wanted: set[str] | None = {"release", "attested_release"} if args.who is None else None
-    if args.attestation is not None:
-        wanted = set(ATTESTATION_TYPES)
-    rows = [
-        row
-        for r in _records(args.logs)
-        if (wanted is None or r.get("type") in wanted)
-        and (args.attestation is None or _attestation_of(r) == args.attestation)
-        for row in per_key(r)
-        if _matches(row, args)
-    ]
-    if args.table:
-        print(f"{'index':>7}  {'time':32}  {'type':19}  {'result':6}  {'code':24}  key")
-        for r in rows:
-            print(
-                f"{r.get('index', r.get('seq')):>7}  {r.get('time')!s:32}  "
-                f"{r.get('type')!s:19}  {r.get('result') or '-'!s:6}  "
-                f"{r.get('code') or '-'!s:24}  {r.get('key') or '-'}"
-            )
-    else:
-        for r in rows:
-            print(json.dumps({k: v for k, v in r.items() if k != "input"}))
-    return 0
-
-
-def _export(args: argparse.Namespace) -> int:
-    for record in _records([args.log]):
-        if not _within(record, args.since, args.until):
-            continue
-        print(json.dumps(ocsf_event(record) if args.format == "ocsf" else record))
-    return 0
-
-
-def ocsf_event(record: dict[str, Any]) -> dict[str, Any]:
-    """One record as an OCSF 1.x "API Activity" event (docs/audit.md has the mapping)."""
-    kind = str(record.get("type", "release"))
-    result = record.get("result")
-    identity = record.get("identity") or {}
-    when = str(record.get("time", ""))
-    try:
-        epoch_ms = int(datetime.fromisoformat(when).timestamp() * 1000)
-    except ValueError:
-        epoch_ms = 0
-    status_id = {"allow": 1, "deny": 2, "error": 2}.get(str(result), 0)
-    if kind == "policy_reload_failed":
-        status_id = 2
-    who = record.get("who")  # changes say who made them (admin token id, user@host, broker)
-    return {
-        "class_uid": OCSF_API_ACTIVITY,
-        "category_uid": 6,
-        "activity_id": 99,  # Other: a key release or a change
-        "type_uid": OCSF_API_ACTIVITY * 100 + 99,
-        "time": epoch_ms,
-        "severity_id": 1 if status_id != 2 else 3,
-        "status_id": status_id,
-        "status": {1: "Success", 2: "Failure"}.get(status_id, "Unknown"),
-        "status_code": record.get("code"),
-        "message": "; ".join(record.get("reasons") or [])
-        or record.get("message")
-        or record.get("problem"),
-        "api": {
-            "operation": kind if kind != "release" else "release",
-            "request": {"uid": record.get("request_id")},
-        },
-        "actor": {
-            "user": {
-                "uid": identity.get("sub") or who,
-                "name": identity.get("image_digest") or who,
-            }
-        },
-        "resources": [{"name": record.get("key"), "version": str(record.get("version"))}],
-        "metadata": {
-            "product": {"name": "sealed-runner key broker"},
-            "version": "1.1.0",
-            "uid": record.get("decision_id"),
-            "sequence": record.get("index", record.get("seq")),
-        },
-        "unmapped": {"policy_digest": record.get("policy_digest"), "hash": record.get("hash")},
-    }

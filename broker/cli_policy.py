@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from broker.cli_audit import per_key
+from broker.cli_audit_query import per_key
 from broker.core.errors import ConfigError
 from broker.core.jsonsafe import loads_bounded
 from broker.policy.build import (

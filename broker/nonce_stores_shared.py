@@ -7,11 +7,10 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from broker.nonces import reused_nonce, unavailable
-from broker.store_clients_pg import PostgresPool
+from broker.store_clients_shared import PostgresPool, redis_client
 
 
 class RedisSpentNonces:
@@ -22,16 +21,7 @@ class RedisSpentNonces:
     PREFIX = "broker:spent:"
 
     def __init__(self, url: str, *, timeout: float) -> None:
-        self._client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry_on_timeout=False,
-            decode_responses=False,
-            # No CLIENT SETINFO: it would read the package metadata (file I/O) on the event loop
-            # at each new connection.
-            driver_info=None,
-        )
+        self._client = redis_client(url, timeout=timeout)
 
     async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
         try:

@@ -37,7 +37,7 @@ from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evide
 from broker.audit.log import DecisionLog
 from broker.audit.mask import masked
 from broker.core.encoding import canonical
-from broker.core.errors import BrokerError, ErrorCode, InputError, PolicyDenied
+from broker.core.errors import BrokerError, ErrorCode, InputError, InternalFailure, PolicyDenied
 from broker.core.fields import optional_version, string_field
 from broker.core.metrics import Metrics
 from broker.crypto.jwk import RunnerKey, parse_runner_key
@@ -100,14 +100,6 @@ def parse_release_request(unverified_body: Mapping[str, Any]) -> ReleaseRequest:
     )
     check_wrap_mode(wrap, parsed.runner_key)
     return parsed
-
-
-class InternalFailure(BrokerError):
-    """An exception that is not a ``BrokerError`` reached the release: a bug. Logged with its
-    traceback server-side; the client and the record see only ``internal_error``."""
-
-    status = 500
-    default_code = ErrorCode.INTERNAL
 
 
 @dataclass

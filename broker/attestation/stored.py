@@ -22,7 +22,6 @@ MAX_REASON_CHARS = 512
 class AttestationEntry:
     jti: str
     expires_at: datetime
-    encryption_jwk: Mapping[str, str]
     pop_thumbprint: str
     policy_input: Mapping[str, Any]
     status: str = ACTIVE
@@ -34,7 +33,6 @@ class AttestationEntry:
             {
                 "jti": self.jti,
                 "expires_at": self.expires_at.timestamp(),
-                "encryption_jwk": dict(self.encryption_jwk),
                 "pop_thumbprint": self.pop_thumbprint,
                 "policy_input": dict(self.policy_input),
                 "status": self.status,
@@ -51,7 +49,6 @@ class AttestationEntry:
         return cls(
             jti=value["jti"],
             expires_at=datetime.fromtimestamp(value["expires_at"], UTC),
-            encryption_jwk=value["encryption_jwk"],
             pop_thumbprint=value["pop_thumbprint"],
             policy_input=value["policy_input"],
             status=value["status"],

@@ -123,6 +123,15 @@ class BrokerError(Exception):
         self.headers: dict[str, str] = {}
 
 
+class InternalFailure(BrokerError):
+    """An exception that is not a ``BrokerError`` reached a decision (release, attestation): a
+    bug. Logged with its traceback server-side; the client and the record see only
+    ``internal_error``."""
+
+    status = 500
+    default_code = ErrorCode.INTERNAL
+
+
 class InputError(BrokerError):
     """The caller sent something we refuse (400 unless a subclass says otherwise)."""
 

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from broker.core.errors import ConfigError
+from broker.crypto.keyfiles import private_key_file
 
 ALG_ED25519 = b"\x01"
 SIGNATURE_PREFIX = "\u2014 "  # em dash and a space
@@ -69,12 +70,7 @@ class NoteSigner:
     @classmethod
     def from_pem(cls, name: str, path: Path) -> NoteSigner:
         """Raises: ConfigError naming ``audit.signing_key``."""
-        try:
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        except (OSError, ValueError, TypeError) as exc:
-            raise ConfigError(
-                "audit.signing_key", f"not a readable PEM private key: {path}"
-            ) from exc
+        key = private_key_file(path, "audit.signing_key")
         if not isinstance(key, ed25519.Ed25519PrivateKey):
             raise ConfigError("audit.signing_key", "must be an Ed25519 private key")
         return cls(name, key)

@@ -33,7 +33,6 @@ def entry(expires_in: float = 300) -> AttestationEntry:
     return AttestationEntry(
         jti=secrets.token_hex(8),
         expires_at=NOW + timedelta(seconds=expires_in),
-        encryption_jwk={"kty": "OKP", "crv": "X25519", "x": "x" * 43},
         pop_thumbprint="p" * 43,
         policy_input={"request": {"kind": "attest"}, "tee": {"debug": False}},
     )

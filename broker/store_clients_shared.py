@@ -1,4 +1,5 @@
-"""The asyncpg pool the PostgreSQL stores share (``store_clients.py`` says why it is one)."""
+"""The Redis client and the asyncpg pool the replica stores share (``store_clients.py`` says why
+they are written once); loaded only where such a store is configured."""
 
 from __future__ import annotations
 
@@ -7,8 +8,23 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
+import redis.asyncio as aioredis
 
 from broker.store_clients import Unavailable
+
+
+def redis_client(url: str, *, timeout: float) -> aioredis.Redis:
+    """A client that answers or fails within ``timeout`` (no retry hiding an outage)."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry_on_timeout=False,
+        decode_responses=False,
+        # No CLIENT SETINFO: it would read the package metadata (file I/O) on the event loop at
+        # each new connection.
+        driver_info=None,
+    )
 
 
 class PostgresPool:

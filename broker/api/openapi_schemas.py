@@ -1,0 +1,297 @@
+"""The component schemas of the OpenAPI document (``openapi.py`` holds the operations): the
+bodies our routes accept and answer, each forbidding unknown fields as the handlers do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.attestation.stored import MAX_REASON_CHARS
+from broker.attested_release import MAX_KEYS
+from broker.core.errors import ErrorCode
+from broker.core.fields import MAX_VERSION
+from broker.core.protocol import Algorithm
+from broker.crypto.wrap import WRAP_MODES
+from broker.keys.service import KEY_NAME, MAX_KEY_NAME
+from broker.keys.store.base import Purpose, VersionState
+from broker.nonces import MAX_NONCE_CHARS
+
+JSON = "application/json"
+KEY_NAME_SCHEMA = {"type": "string", "pattern": KEY_NAME.pattern, "maxLength": MAX_KEY_NAME}
+VERSION_SCHEMA = {"type": "integer", "minimum": 1, "maximum": MAX_VERSION}
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+WORKER_REPORT: dict[str, Any] = {
+    "type": "object",
+    "required": ["worker", "digest", "ok"],
+    "properties": {
+        "worker": {"type": "integer", "minimum": 0},
+        "digest": {"type": "string"},
+        "ok": {"type": "boolean"},
+        "problem": {"type": "string"},
+    },
+}  # one worker's policy after a reload
+
+
+def object_schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "additionalProperties": False,
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["code", "message", "request_id"],
+                "properties": {
+                    "code": {"type": "string", "enum": sorted(c.value for c in ErrorCode)},
+                    "message": {"type": "string"},
+                    "request_id": {"type": "string"},
+                    "reasons": {"type": "array", "items": {"type": "string"}},
+                    "decision_id": {"type": "string"},
+                    "checks": {"type": "object"},
+                    "problem": {"type": ["string", "null"]},
+                    "active_digest": {"type": "string"},
+                    "log_index": {"type": "integer", "minimum": 0},
+                    "workers": {"type": "array", "items": WORKER_REPORT},
+                    "silent_workers": {"type": "array", "items": {"type": "integer"}},
+                },
+            }
+        },
+    },
+    "Challenge": object_schema(
+        {
+            "nonce": {"type": "string"},
+            "expires_at": {"type": "string", "format": "date-time"},
+            "audience": {"type": "string"},
+        },
+        ["nonce", "expires_at", "audience"],
+    ),
+    "AttestRequest": object_schema(
+        {
+            "nonce": {"type": "string", "minLength": 1, "maxLength": MAX_NONCE_CHARS},
+            "evidence": {
+                "type": "object",
+                "minProperties": 1,
+                "description": "as for a release; binds attestation_thumbprint(runner_key, "
+                "pop_key) where a release binds the runner key's thumbprint",
+            },
+            "runner_key": {
+                "type": "object",
+                "description": "the encryption key keys are wrapped to (a release's runner_key)",
+                "required": ["kty"],
+            },
+            "pop_key": {
+                "type": "object",
+                "description": "public EC P-256 JWK: the result's cnf.jwk (DPoP proofs)",
+                "required": ["kty"],
+            },
+        },
+        ["nonce", "evidence", "runner_key", "pop_key"],
+    ),
+    "Attestation": object_schema(
+        {
+            "jti": {"type": "string"},
+            "status": {"type": "string", "enum": ["active", "revoked"]},
+            "reason": {"type": ["string", "null"]},
+            "expires_at": {"type": "string", "format": "date-time"},
+        },
+        ["jti", "status", "reason"],
+    ),
+    "Revocation": object_schema(
+        {"reason": {"type": "string", "minLength": 1, "maxLength": MAX_REASON_CHARS}}, ["reason"]
+    ),
+    "ReleaseRequest": object_schema(
+        {
+            "key": KEY_NAME_SCHEMA,
+            "version": {**VERSION_SCHEMA, "type": ["integer", "null"]},
+            "nonce": {"type": "string", "minLength": 1, "maxLength": MAX_NONCE_CHARS},
+            "evidence": {
+                "type": "object",
+                "minProperties": 1,
+                "description": "one of gca/ita (a JWT) and at most one of nras/nvidia",
+                "properties": {
+                    "gca": {"type": "string"},
+                    "ita": {"type": "string"},
+                    "nras": {"type": ["array", "string"]},
+                    "nvidia": {"type": "object"},
+                },
+                "additionalProperties": False,
+            },
+            "runner_key": {
+                "type": "object",
+                "description": "public JWK (EC P-256/P-384, RSA, OKP X25519) or HPKE hybrid",
+                "required": ["kty"],
+            },
+            "wrap": {"type": "string", "enum": list(WRAP_MODES)},
+        },
+        ["key", "nonce", "evidence", "runner_key"],
+    ),
+    "Release": object_schema(
+        {
+            "key": KEY_NAME_SCHEMA,
+            "version": VERSION_SCHEMA,
+            "decision_id": {"type": "string"},
+            "wrapped_key": {"type": "string"},
+            "wrap": {"type": "string", "enum": list(WRAP_MODES)},
+            "algorithm": {"type": "string"},
+            "log_index": {"type": "integer", "minimum": 0},
+            "leaf_hash": {"type": "string", "description": "RFC 6962 leaf hash, base64"},
+        },
+        [
+            "key",
+            "version",
+            "decision_id",
+            "wrapped_key",
+            "wrap",
+            "algorithm",
+            "log_index",
+            "leaf_hash",
+        ],
+    ),
+    "AttestedReleaseRequest": object_schema(
+        {
+            "keys": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_KEYS,
+                "items": {
+                    "oneOf": [
+                        KEY_NAME_SCHEMA,
+                        object_schema({"key": KEY_NAME_SCHEMA, "version": VERSION_SCHEMA}, ["key"]),
+                    ]
+                },
+            },
+            "wrap": {"type": "string", "enum": list(WRAP_MODES)},
+        },
+        ["keys"],
+    ),
+    "AttestedRelease": object_schema(
+        {
+            "release_id": {"type": "string", "description": "in each wrapped key's AAD"},
+            "attestation": {"type": "string", "description": "the EAR's jti"},
+            "wrap": {"type": "string", "enum": list(WRAP_MODES)},
+            "keys": {
+                "type": "array",
+                "description": "in the order asked: a wrapped key, or that key's error",
+                "items": {
+                    "type": "object",
+                    "required": ["key"],
+                    "properties": {
+                        "key": KEY_NAME_SCHEMA,
+                        "version": {**VERSION_SCHEMA, "type": ["integer", "null"]},
+                        "wrapped_key": {"type": "string"},
+                        "algorithm": {"type": "string"},
+                        "policy_digest": {"type": "string", "description": "in the AAD"},
+                        "error": {"type": "object"},
+                    },
+                },
+            },
+            "log_index": {"type": "integer", "minimum": 0},
+            "leaf_hash": {"type": "string", "description": "RFC 6962 leaf hash, base64"},
+        },
+        ["release_id", "attestation", "wrap", "keys", "log_index", "leaf_hash"],
+    ),
+    "KeyVersion": object_schema(
+        {
+            "name": KEY_NAME_SCHEMA,
+            "version": VERSION_SCHEMA,
+            "purpose": {"type": "string", "enum": [p.value for p in Purpose]},
+            "algorithm": {"type": "string", "enum": [a.value for a in Algorithm]},
+            "state": {"type": "string", "enum": [s.value for s in VersionState]},
+            "kek": {"type": "string"},
+            "created_at": {"type": "string", "format": "date-time"},
+            "updated_at": {"type": ["string", "null"], "format": "date-time"},
+        },
+        ["name", "version", "purpose", "algorithm", "state", "kek", "created_at", "updated_at"],
+    ),
+    "KeyList": object_schema(
+        {"keys": {"type": "array", "items": ref("KeyVersion")}},
+        ["keys"],
+    ),
+    "CreateKey": object_schema(
+        {
+            "name": KEY_NAME_SCHEMA,
+            "purpose": {"type": "string", "enum": [p.value for p in Purpose]},
+            "algorithm": {"type": "string", "enum": [a.value for a in Algorithm]},
+        },
+        ["name", "purpose"],
+    ),
+    "KeyName": object_schema({"name": KEY_NAME_SCHEMA}, ["name"]),
+    "KeyNameVersion": object_schema(
+        {"name": KEY_NAME_SCHEMA, "version": VERSION_SCHEMA}, ["name", "version"]
+    ),
+    "PublicKey": object_schema(
+        {
+            "key": KEY_NAME_SCHEMA,
+            "version": VERSION_SCHEMA,
+            "algorithm": {"type": "string"},
+            "statement": {"type": "string", "description": "ES256 JWS over the public key"},
+        },
+        ["key", "version", "algorithm", "statement"],
+    ),
+    "Jwks": {
+        "type": "object",
+        "required": ["keys"],
+        "properties": {"keys": {"type": "array", "items": {"type": "object"}}},
+    },
+    "PolicyReload": object_schema(
+        {
+            "ok": {"type": "boolean"},
+            "trigger": {"type": "string"},
+            "time": {"type": "string", "format": "date-time"},
+            "active_digest": {"type": "string"},
+            "previous_digest": {"type": ["string", "null"]},
+            "changed": {"type": "boolean"},
+            "problem": {"type": ["string", "null"]},
+            "workers": {"type": "array", "items": WORKER_REPORT},
+        },
+        [
+            "ok",
+            "trigger",
+            "time",
+            "active_digest",
+            "previous_digest",
+            "changed",
+            "problem",
+            "workers",
+        ],
+    ),
+    "Proof": {
+        "type": "object",
+        "required": ["hashes"],
+        "properties": {
+            "index": {"type": "integer"},
+            "tree_size": {"type": "integer"},
+            "first": {"type": "integer"},
+            "second": {"type": "integer"},
+            "hashes": {"type": "array", "items": {"type": "string"}},
+        },
+        "additionalProperties": False,
+    },
+    "Health": object_schema(
+        {
+            "status": {"type": "string", "const": "ok"},
+            "worker": {"type": "integer", "minimum": 0, "description": "which worker answered"},
+        },
+        ["status", "worker"],
+    ),
+    "Ready": object_schema(
+        {
+            "status": {"type": "string", "const": "ready"},
+            "checks": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+        ["status", "checks"],
+    ),
+}
