@@ -26,7 +26,7 @@ from broker.app import create_app, server_ssl_context
 from broker.config import Settings, load_settings
 from broker.core.errors import BrokerError, ConfigError, InputError
 from broker.policy.workers import WorkerGroup
-from broker.supervisor import WORKER_FLAG, Supervisor
+from broker.supervisor import Supervisor, worker_pipe_fd
 
 T = TypeVar("T")
 
@@ -65,7 +65,6 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--workers", type=int, help="worker processes on the port (overrides [server] workers)"
     )
-    serve.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
 
     demo = commands.add_parser("demo", help="run the end-to-end demo on loopback")
@@ -106,10 +105,11 @@ def _serve(args: argparse.Namespace) -> int:
     environ = dict(os.environ)
     if args.workers is not None:
         environ["BROKER_SERVER_WORKERS"] = str(args.workers)
+    life_pipe = worker_pipe_fd(environ)  # set only by the supervisor for its workers
     settings = load_settings(args.config, environ)
-    if settings.server.workers > 1 and not args.worker:
+    if settings.server.workers > 1 and life_pipe is None:
         return run_loop(Supervisor(settings, args.config).run(), settings.server.event_loop)
-    run_loop(_serve_until_signalled(settings, reuse_port=args.worker), settings.server.event_loop)
+    run_loop(_serve_until_signalled(settings, life_pipe=life_pipe), settings.server.event_loop)
     return 0
 
 
@@ -122,8 +122,9 @@ def run_loop(main: Coroutine[object, object, T], event_loop: str) -> T:
     return asyncio.run(main)
 
 
-async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down cleanly (connections drained)."""
+async def _serve_until_signalled(settings: Settings, *, life_pipe: int | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down cleanly (connections drained). A worker
+    (``life_pipe`` set) binds with SO_REUSEPORT and also stops when its supervisor is gone."""
     workers = WorkerGroup.for_log(settings.audit.log, os.environ)  # from the supervisor
     runner = BrokerRunner(
         create_app(settings, workers=workers),
@@ -137,7 +138,7 @@ async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False
             settings.server.host,
             settings.server.port,
             ssl_context=server_ssl_context(settings),
-            reuse_port=reuse_port or None,
+            reuse_port=(life_pipe is not None) or None,
         )
         await site.start()
         bound = ", ".join(
@@ -150,6 +151,13 @@ async def _serve_until_signalled(settings: Settings, *, reuse_port: bool = False
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        if life_pipe is not None:  # end-of-file: the supervisor died (even by SIGKILL)
+
+            def supervisor_gone() -> None:
+                loop.remove_reader(life_pipe)
+                stop.set()
+
+            loop.add_reader(life_pipe, supervisor_gone)
         reloads: set[asyncio.Task[object]] = set()
         policies = runner.app[POLICIES]  # set by the composition root during runner.setup()
 

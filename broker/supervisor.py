@@ -15,6 +15,16 @@ connections over the workers' listening sockets. The supervisor:
 * on SIGTERM or SIGINT stops restarting, sends SIGTERM to every worker (each drains its
   connections and closes its stores), waits ``STOP_GRACE_SECONDS``, then SIGKILLs stragglers.
 
+One supervisor per broker, and no worker outlives it (an orphan would serve a policy no reload
+reaches). The supervisor holds an exclusive ``flock`` on ``<log>.supervisor.lock`` and refuses to
+start when that lock is taken or when something already accepts connections on its (non-zero)
+listen port. A worker is started with no command-line flag at all (a flag one letter from
+``--workers`` was reachable by a typo): the supervisor hands it the read end of a pipe whose write
+end only the supervisor holds (``BROKER_SUPERVISOR_FD``). The worker asks the kernel for SIGTERM
+when its parent dies (``PR_SET_PDEATHSIG``), checks that its parent is still the supervisor that
+started it (the parent may have died before that request), and also stops when the pipe reads
+end-of-file, so even a ``kill -9`` of the supervisor leaves no worker serving.
+
 Shared state lives where every worker sees it: nonces in the configured shared store (SQLite on
 this host by default), keys in the key store, decisions in the one log file (writers take turns
 under ``flock``; the chain and the tree stay intact, docs/audit.md).
@@ -23,18 +33,24 @@ under ``flock``; the chain and the tree stay intact, docs/audit.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import fcntl
 import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.multiprocess import mark_process_dead
 
 from broker.config import Settings, nonce_store_setting, split_listen
+from broker.core.errors import ConfigError
 from broker.core.metrics import MULTIPROCESS_ENV
 from broker.policy.workers import WorkerGroup
 
@@ -43,7 +59,11 @@ STOP_GRACE_SECONDS = 30.0
 MAX_BACKOFF_SECONDS = 30.0
 HEALTHY_AFTER_SECONDS = 60.0
 SERVING_TIMEOUT_SECONDS = 120.0  # start-up compiles the policy and opens every store
-WORKER_FLAG = "--worker"  # hidden: ``broker serve --worker`` binds with SO_REUSEPORT
+# A worker is a ``broker serve`` started by a supervisor with these set (never a CLI flag).
+SUPERVISOR_FD_ENV = "BROKER_SUPERVISOR_FD"  # the read end of the supervisor's life pipe
+SUPERVISOR_PID_ENV = "BROKER_SUPERVISOR_PID"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PROBE_TIMEOUT_SECONDS = 1.0
 
 
 @dataclass
@@ -65,6 +85,83 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+@contextlib.contextmanager
+def supervisor_lock(log_path: Path) -> Iterator[None]:
+    """Hold ``<log>.supervisor.lock`` exclusively for as long as this supervisor runs.
+
+    Raises:
+        ConfigError: another supervisor holds it (its pid in the message).
+    """
+    path = log_path.with_name(log_path.name + ".supervisor.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            raise ConfigError(
+                "server.workers",
+                f"another broker supervisor (pid {holder}) already serves the log {log_path}; "
+                "stop it first (SIGTERM) or give this broker its own [audit] log",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def refuse_served_address(host: str, port: int) -> None:
+    """Refuse to share a port with a server that already accepts connections on it: with
+    SO_REUSEPORT the kernel would split connections between that server and ours.
+
+    Raises:
+        ConfigError: something accepts connections on ``host:port``.
+    """
+    if port == 0:
+        return
+    probe = "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)  # noqa: S104
+    try:
+        with socket.create_connection((probe, port), timeout=PROBE_TIMEOUT_SECONDS):
+            pass
+    except OSError:
+        return
+    raise ConfigError(
+        "server.listen",
+        f"{host}:{port} is already served (another broker?); stop it or choose another port",
+    )
+
+
+def worker_pipe_fd(environ: Mapping[str, str]) -> int | None:
+    """The supervisor's life pipe when this process is one of its workers, else ``None``.
+
+    Raises:
+        ConfigError: the variables are set but do not name this process's supervisor and a pipe.
+    """
+    value = environ.get(SUPERVISOR_FD_ENV)
+    if value is None:
+        return None
+    try:
+        fd, supervisor = int(value), int(environ.get(SUPERVISOR_PID_ENV, ""))
+        is_pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except (ValueError, OSError):
+        is_pipe, supervisor = False, -1
+    if not is_pipe:
+        raise ConfigError(SUPERVISOR_FD_ENV, "is set only by `broker serve --workers N`")
+    _die_with_parent()
+    if os.getppid() != supervisor:  # the supervisor died before the request above took effect
+        raise ConfigError(SUPERVISOR_FD_ENV, "the supervisor that started this worker is gone")
+    return fd
+
+
+def _die_with_parent() -> None:
+    """Ask Linux for SIGTERM when the parent (the supervisor) dies, however it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 class Supervisor:
     def __init__(self, settings: Settings, config: Path) -> None:
         self._settings = settings
@@ -75,10 +172,27 @@ class Supervisor:
         log_path = settings.audit.log
         self._metrics_dir = log_path.with_name(log_path.name + ".metrics")
         self._group = WorkerGroup.for_log(log_path, {})
+        self._read_end = self._life_pipe = -1  # the life pipe, while run() runs
 
     async def run(self) -> int:
-        self._prepare_metrics_directory()
-        host, port = split_listen(self._settings.server.listen)
+        """Run the workers until SIGTERM or SIGINT.
+
+        Raises:
+            ConfigError: another supervisor serves this log, or the port is already served.
+        """
+        with supervisor_lock(self._settings.audit.log):
+            host, port = split_listen(self._settings.server.listen)
+            refuse_served_address(host, port)
+            self._prepare_metrics_directory()
+            read_end, self._life_pipe = os.pipe()  # the write end never leaves this process
+            self._read_end = read_end
+            try:
+                return await self._serve(host, port)
+            finally:
+                os.close(read_end)
+                os.close(self._life_pipe)
+
+    async def _serve(self, host: str, port: int) -> int:
         reserved = reserve_port(host, port)
         try:
             bound_port = reserved.getsockname()[1]
@@ -145,6 +259,8 @@ class Supervisor:
             "BROKER_WORKER_INDEX": str(worker.index),
             "BROKER_WORKER_COUNT": str(len(self._workers)),  # a reload waits for every worker
             MULTIPROCESS_ENV: str(self._metrics_dir),  # one /metrics for all workers
+            SUPERVISOR_FD_ENV: str(self._read_end),
+            SUPERVISOR_PID_ENV: str(os.getpid()),
         }
         worker.process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -153,9 +269,9 @@ class Supervisor:
             "serve",
             "--config",
             str(self._config),
-            WORKER_FLAG,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
+            pass_fds=(self._read_end,),
         )
         worker.started = time.monotonic()
         worker.waiter = asyncio.create_task(worker.process.wait())
