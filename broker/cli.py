@@ -20,7 +20,7 @@ from typing import TypeVar
 from aiohttp import web
 
 from broker import cli_audit, cli_dev, cli_keys, cli_policy, cli_status, cli_weights, offline
-from broker.api.server import BrokerRunner
+from broker.api.server import BrokerRunner, reload_server_certificate
 from broker.api.services import POLICIES
 from broker.app import create_app, server_ssl_context
 from broker.config import Settings, load_settings
@@ -133,11 +133,12 @@ async def _serve_until_signalled(settings: Settings, *, life_pipe: int | None = 
     )
     await runner.setup()
     try:
+        tls = server_ssl_context(settings)
         site = web.TCPSite(
             runner,
             settings.server.host,
             settings.server.port,
-            ssl_context=server_ssl_context(settings),
+            ssl_context=tls,
             reuse_port=(life_pipe is not None) or None,
         )
         await site.start()
@@ -161,7 +162,10 @@ async def _serve_until_signalled(settings: Settings, *, life_pipe: int | None = 
         reloads: set[asyncio.Task[object]] = set()
         policies = runner.app[POLICIES]  # set by the composition root during runner.setup()
 
-        def reload_policy() -> None:  # SIGHUP: check, test and swap the policy
+        def reload_policy() -> None:  # SIGHUP: the TLS pair; check, test and swap the policy
+            cert, key = settings.server.tls_cert, settings.server.tls_key
+            if tls is not None and cert is not None and key is not None:
+                reload_server_certificate(tls, cert, key)
             task = asyncio.create_task(policies.on_signal())
             reloads.add(task)
             task.add_done_callback(reloads.discard)

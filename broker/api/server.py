@@ -14,16 +14,22 @@ number of connections. ``BrokerRunner`` replaces aiohttp's per-connection handle
 * at most ``max_connections_per_ip`` connections per remote address; the next is closed at once.
 
 Request bodies have their own deadline (``body_timeout_seconds``, 408) in ``api.body``.
+SIGHUP reloads the TLS certificate and key (``reload_server_certificate``) with the policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import ssl
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -179,3 +185,37 @@ class BrokerRunner(web.AppRunner):
             limits=self._limits,
             **plain._kwargs,
         )
+
+
+def reload_server_certificate(context: ssl.SSLContext, cert: Path, key: Path) -> bool:
+    """SIGHUP: serve the certificate and key now in ``cert`` and ``key`` to new connections.
+
+    Each file is read once; those bytes are checked (the key must match the certificate) in a
+    throwaway context and then loaded, from the same in-memory copies, into the live context, so
+    a file swapped between the check and the load cannot go live. A pair that does not load
+    leaves the current certificate serving and says why in the log.
+
+    Returns:
+        Whether the new pair is now served.
+    """
+    try:
+        pem = cert.read_bytes(), key.read_bytes()
+        with _memory_file(pem[0]) as cert_path, _memory_file(pem[1]) as key_path:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_path, key_path)
+            context.load_cert_chain(cert_path, key_path)
+    except (OSError, ssl.SSLError) as exc:
+        log.error("TLS certificate %s not reloaded (the old one keeps serving): %s", cert, exc)  # noqa: TRY400 - one line, no traceback
+        return False
+    log.warning("TLS certificate reloaded from %s", cert)
+    return True
+
+
+@contextlib.contextmanager
+def _memory_file(data: bytes) -> Iterator[str]:
+    """A path to ``data`` that no other process can change (a memfd of this process)."""
+    fd = os.memfd_create("broker-tls", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
