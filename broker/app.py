@@ -22,7 +22,10 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from broker.api.log import LOG_PEERS
+from broker.api.log_peers import LogPeers
 from broker.api.middleware import METRICS, request_context
+from broker.api.readiness import Readiness
 from broker.api.routes import register
 from broker.api.services import (
     ATTESTATIONS,
@@ -40,10 +43,10 @@ from broker.api.services import (
     Attestations,
     Clock,
     NoCheckpoints,
-    Readiness,
     StatementKey,
 )
 from broker.attest import AttestService, LocalResultSigner, ResultSigner, result_keys
+from broker.attest_redecide import Redecider
 from broker.attestation.jwks import JwksError
 from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
 from broker.attestation.nvidia.sources import (
@@ -56,6 +59,7 @@ from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
 from broker.attestation_stores import open_attestation_store
 from broker.attested_release import AttestedReleaseService
+from broker.audit.identity import adopt_signing_key, claim_origin
 from broker.audit.log import DecisionLog
 from broker.audit.mask import load_or_create_mask_key
 from broker.audit.publisher import CheckpointPublisher
@@ -72,7 +76,7 @@ from broker.keys.service import KeyService
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
 from broker.policy.engine import PolicyEngine
-from broker.policy.manager import PolicyManager
+from broker.policy.manager import SYSTEM_WHO, PolicyManager
 from broker.policy.workers import WorkerGroup
 from broker.release import ReleaseService
 
@@ -118,13 +122,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         )
         stack.push_async_callback(nonces.close)
         await nonces.open()  # the challenge key: before the first challenge
-        audit = DecisionLog(
-            settings.audit.log,
-            segment_bytes=settings.audit.segment_bytes,
-            replica=settings.server.replica_id,
-        )
-        await audit.open()
-        stack.push_async_callback(audit.close)
+        audit = await _decision_log(settings, stack)
         sink = None  # listening before anything is logged: the start-up record is streamed too
         if settings.audit.sink is not None:
             sink = AuditSink(settings.audit.sink, session, metrics)
@@ -133,10 +131,16 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         keys = await stack.enter_async_context(
             open_key_service(settings.keys, change_log=audit.append)
         )
-        policies = PolicyManager(settings.policy, metrics, clock=clock, workers=group)
+        policies = PolicyManager(
+            settings.policy,
+            metrics,
+            clock=clock,
+            workers=group,
+            state_dir=settings.audit.log.with_name(settings.audit.log.name + ".policy"),
+        )
         engine = await policies.open(audit.append, audit.append_policy_change, session=session)
         stack.push_async_callback(policies.close)
-        verifier, mask_key = await _verifier_and_mask_key(settings, session)
+        verifier, mask_key = await _verifier_and_mask_key(settings, session, metrics)
         attestations = await _attestations(
             settings,
             stack,
@@ -148,9 +152,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             keys=keys,
             metrics=metrics,
         )
-        if attestations.service is not None:
-            attest = attestations.service
-            policies.on_change(lambda who: attest.revalidate(who=who, now=clock()))
+        await _redecided(attestations.service, policies, clock, stack)
         release = ReleaseService(
             nonces=nonces,
             verifier=verifier,
@@ -163,7 +165,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             seen=None if attestations.service is None else attestations.service.seen,
         )
         statements = StatementKey(await _statement_signer(settings))
-        publisher = await _checkpoints(settings, audit, session, stack)
+        publisher = await _checkpoints(settings, audit, session, stack, now=clock())
         facts = {
             "keys": _store_kind(settings.keys.store),
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
@@ -179,17 +181,21 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         app[RELEASE] = release
         app[STATEMENTS] = statements
         app[ATTESTATIONS] = attestations
-        app[CHECKPOINTS] = publisher if publisher is not None else NoCheckpoints()
-        app[READINESS] = Readiness(
+        await _serve_logs(app, publisher, session)
+        app[READINESS] = readiness = Readiness(
             facts=facts,
             policies=policies,
             policy=engine,
             decisions=audit,
             keys=keys,
             nonces=nonces,
-            statements=statements,
+            statement_key_set=statements.key is not None,
+            clock=clock,
+            interval=settings.server.health_interval_seconds,
         )
+        await readiness.refresh()  # /readyz answers from this until the background task runs
         background = _background(policies, publisher, sink)
+        background.append(asyncio.create_task(readiness.run(), name="readiness"))
         log.info("broker ready: %s", {"policy": engine.digest, **facts})
         try:
             yield
@@ -203,14 +209,66 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
                     log.exception("the final checkpoint could not be signed or written")
 
 
+async def _serve_logs(
+    app: web.Application, publisher: CheckpointPublisher | None, session: aiohttp.ClientSession
+) -> None:
+    """What the log API serves: this replica's checkpoints, and the way to the other logs (its
+    TLS context reads the peers' CA file: in a thread)."""
+    app[CHECKPOINTS] = publisher if publisher is not None else NoCheckpoints()
+    app[LOG_PEERS] = await asyncio.to_thread(LogPeers, app[SETTINGS], session)
+
+
+async def _decision_log(settings: Settings, stack: AsyncExitStack) -> DecisionLog:
+    """This replica's log, open, under its own origin (``claim_origin``: before any record)."""
+    audit = DecisionLog(
+        settings.audit.log,
+        segment_bytes=settings.audit.segment_bytes,
+        replica=settings.server.replica_id,
+    )
+    await audit.open()
+    stack.push_async_callback(audit.close)
+    await asyncio.to_thread(
+        claim_origin,
+        settings.audit.log,
+        origin=settings.audit.origin,
+        replica=settings.server.replica_id,
+    )
+    return audit
+
+
+async def _redecided(
+    service: AttestService | None, policies: PolicyManager, clock: Clock, stack: AsyncExitStack
+) -> None:
+    """Attestation results re-decided now (start-up: the policy may be another than the one
+    they were decided under), after each policy change, and again until a failed run succeeds
+    (``attest_redecide.py``)."""
+    if service is None:
+        return
+    redecider = Redecider(service.revalidate, clock)
+    stack.push_async_callback(redecider.close)
+    policies.on_change(lambda who: redecider.now(who, "policy_change"))
+    await redecider.now(SYSTEM_WHO, "startup")
+
+
 async def _checkpoints(
-    settings: Settings, audit: DecisionLog, session: aiohttp.ClientSession, stack: AsyncExitStack
+    settings: Settings,
+    audit: DecisionLog,
+    session: aiohttp.ClientSession,
+    stack: AsyncExitStack,
+    *,
+    now: datetime,
 ) -> CheckpointPublisher | None:
-    """The checkpoint publisher (none without ``[audit] signing_key``), having published once."""
+    """The checkpoint publisher (none without ``[audit] signing_key``), having published once,
+    under the log's key (a rotation from ``previous_signing_key`` is handed over first)."""
     signer = await open_checkpoint_signer(settings)
     if signer is None:
         return None
     stack.push_async_callback(close_checkpoint_signer, signer)
+    previous = await open_checkpoint_signer(settings, previous=True)
+    try:
+        await adopt_signing_key(audit, signer, previous, now=now.isoformat())
+    finally:
+        await close_checkpoint_signer(previous)
     witnesses = [
         Witness(url, WitnessKey.parse(key))
         for url, key in zip(settings.audit.witnesses, settings.audit.witness_keys, strict=True)
@@ -228,9 +286,10 @@ async def _checkpoints(
 
 
 async def _evidence_verifier(
-    settings: Settings, session: aiohttp.ClientSession
+    settings: Settings, session: aiohttp.ClientSession, metrics: Metrics
 ) -> EvidenceVerifier:
-    """Trust from configuration; key sets, RIMs and OCSP answers fetched per request."""
+    """Trust from configuration; key sets, RIMs and OCSP answers fetched per request (each
+    request sent counted in ``broker_outbound_requests_total``)."""
     issuers: dict[str, IssuerTrust] = {}
     sources: dict[str, JwksSource] = {}
     for index, entry in enumerate(settings.issuers):
@@ -245,6 +304,7 @@ async def _evidence_verifier(
                 session,
                 cache_seconds=entry.jwks_cache_seconds,
                 refresh_min_seconds=entry.jwks_refresh_min_seconds,
+                on_request=metrics.outbound_counter("jwks"),
             )
         roots = await _certificates(f"issuers[{index}].root_cert", entry.root_cert)
         issuers[entry.issuer] = IssuerTrust(settings=entry, roots=roots)
@@ -257,10 +317,13 @@ async def _evidence_verifier(
         rim_roots=await _certificates("nvidia.rim_root", nvidia.rim_root),
         local_gpu=nvidia.enabled,
     )
-    return EvidenceVerifier(trust, key_sources=sources, gpu=_gpu_sources(settings, session))
+    gpu = _gpu_sources(settings, session, metrics)
+    return EvidenceVerifier(trust, key_sources=sources, gpu=gpu)
 
 
-def _gpu_sources(settings: Settings, session: aiohttp.ClientSession) -> GpuSources | None:
+def _gpu_sources(
+    settings: Settings, session: aiohttp.ClientSession, metrics: Metrics
+) -> GpuSources | None:
     nvidia = settings.nvidia
     if not nvidia.enabled:
         return None
@@ -270,6 +333,7 @@ def _gpu_sources(settings: Settings, session: aiohttp.ClientSession) -> GpuSourc
         session=session,
         cache_seconds=nvidia.rim_cache_seconds,
         timeout_seconds=nvidia.upstream_timeout_seconds,
+        on_request=metrics.outbound_counter("rim"),
     )
     ocsp: OcspSource = (
         HttpOcspSource(
@@ -277,6 +341,7 @@ def _gpu_sources(settings: Settings, session: aiohttp.ClientSession) -> GpuSourc
             session,
             timeout_seconds=nvidia.upstream_timeout_seconds,
             cache_seconds=nvidia.ocsp_cache_seconds,
+            on_request=metrics.outbound_counter("ocsp"),
         )
         if nvidia.ocsp_url
         else NoOcsp()
@@ -323,12 +388,12 @@ async def _result_signer(settings: Settings, key: str, stack: AsyncExitStack) ->
 
 
 async def _verifier_and_mask_key(
-    settings: Settings, session: aiohttp.ClientSession
+    settings: Settings, session: aiohttp.ClientSession, metrics: Metrics
 ) -> tuple[EvidenceVerifier, bytes]:
     """The evidence verifier and the key that masks record fields: releases and attestations
     share both."""
     mask_key = await asyncio.to_thread(load_or_create_mask_key, _mask_key_path(settings))
-    return await _evidence_verifier(settings, session), mask_key
+    return await _evidence_verifier(settings, session, metrics), mask_key
 
 
 async def _attestations(
@@ -368,6 +433,7 @@ async def _attestations(
         mask_key=mask_key,
         mask=settings.audit.mask,
         require_nonce=settings.attest.dpop_nonce,
+        public_urls=settings.server.public_base_urls,
     )
     return Attestations(
         AttestService(

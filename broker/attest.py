@@ -4,10 +4,11 @@ proof-of-possession key (``cnf.jwk``: every later use comes with a DPoP proof by
 encryption key (keys released on the result are wrapped to it). Issue 19; releasing keys on a
 result is not wired yet.
 
-Order, as for a release (``release.py``): the body's shape; the nonce, spent atomically; the
-evidence, bound to the nonce and to ``attestation_thumbprint(encryption key, PoP key)``; the
-attestation policy (``data.broker.attest``, same bundle); then the EAR is signed, its record
-appended durably, and only then answered. Every request whose body parsed ends in exactly one
+Order, as for a release (``release.py``): the body's shape; the nonce, a challenge this broker
+made (no store); the evidence, bound to the nonce and to ``attestation_thumbprint(encryption
+key, PoP key)``, and only once it verified the nonce spent atomically; the attestation policy
+(``data.broker.attest``, same bundle); then the EAR is signed, its record appended durably, and
+only then answered. Every request whose body parsed ends in exactly one
 ``attestation`` record (``allow``, ``deny`` or ``error``); the whole sequence is shielded from
 the client hanging up.
 """
@@ -272,10 +273,11 @@ class AttestService:
         return Attested(token, outcome.jti, outcome.expires_at, appended.index)
 
     async def _decide(self, outcome: _Outcome, request: AttestRequest, now: datetime) -> str:
-        await self._nonces.consume(request.nonce, now)
+        challenge = self._nonces.verify_challenge(request.nonce, now)
         outcome.evidence = evidence = await self._verifier.verify(
             request.unverified_evidence, nonce=request.nonce, thumbprint=request.binding, now=now
         )
+        await self._nonces.spend_challenge(challenge, now)  # authentic evidence: spent now
         await self.seen(evidence, now)
         policy_input = build_attest_input(
             runner_key_thumbprint=request.encryption_key.thumbprint,
@@ -342,11 +344,12 @@ class AttestService:
         await self._log_revocation(jti, revocation.entry, now, who=who)
         return revocation.entry
 
-    async def revalidate(self, *, who: str, now: datetime) -> int:
-        """After a policy change: re-decide every unexpired active attestation with the
-        attestation policy now in force, on its stored input at ``now``; revoke (for every
-        worker and replica, one record each) those it no longer allows. Several workers
-        re-deciding at once log each revocation once (the store says who revoked first).
+    async def revalidate(self, *, who: str, now: datetime, trigger: str = "policy_change") -> int:
+        """Re-decide every unexpired active attestation with the attestation policy now in
+        force, on its stored input at ``now``; revoke (for every worker and replica, one record
+        each, naming ``trigger``) those it no longer allows. Several workers re-deciding at
+        once log each revocation once (the store says who revoked first). Run after each policy
+        change, at start-up and again until a failed run succeeds (``attest_redecide.py``).
 
         Returns the number revoked here. Raises: UpstreamError (store or policy down)."""
         revoked = 0
@@ -362,6 +365,7 @@ class AttestService:
                 reason,
                 now,
                 who=who,
+                trigger=trigger,
                 policy_digest=decision.policy_digest,
                 reasons=list(decision.reasons),
             )

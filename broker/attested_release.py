@@ -3,10 +3,13 @@ proof (RFC 9449) and a list of keys; no evidence is verified again (issue 19).
 
 Order, for every request whose body parsed:
 
-0. the body's shape (``keys``: 1..``MAX_KEYS`` names, optionally with versions; ``wrap``);
+0. the ``Host`` header is a host[:port] (``host_invalid`` otherwise; it is used for nothing
+   else); the body's shape (``keys``: 1..``MAX_KEYS`` names, optionally with versions; ``wrap``);
 1. the EAR: this broker's result key, ``iss``/``aud``, times (``ear.verify_ear``);
-2. the DPoP proof: ``htm``, ``htu``, ``iat``, ``ath`` of this EAR, the server's ``DPoP-Nonce``
-   (when required), signed by the EAR's ``cnf.jwk`` (``dpop.verify_dpop_proof``);
+2. the DPoP proof: its key is the EAR's ``cnf.jwk`` (checked before anything else of it), then
+   ``htm``, ``htu`` (one of ``[server] public_urls`` + this route, never the request's ``Host``),
+   ``iat``, ``ath`` of this EAR, the server's ``DPoP-Nonce`` (when required)
+   (``dpop.verify_dpop_proof``);
 3. the stored attestation: known, unexpired, not revoked (the shared store: every worker and
    replica sees a revocation at once);
 4. the proof's ``jti`` spent in the shared store (a replayed proof: ``dpop_proof_reused``);
@@ -14,7 +17,9 @@ Order, for every request whose body parsed:
    stored input with this request's facts, unwrap the DEK and wrap it to the EAR's encryption
    key with the release id, key version and policy digest in the AAD;
 6. one ``attested_release`` record (the attestation's jti and log index, the proof's jti, per
-   key: version, result, reasons, policy digest, masked input), durable before the answer.
+   key: version, result, reasons, policy digest, masked input), durable before the answer. Its
+   top-level ``result`` is ``allow`` when every key was released, ``partial`` when some were
+   and some were not, else ``deny`` (or ``error`` when a failure was the broker's).
 
 Total and shielded like a full-evidence release (``release.py``): whatever fails, one record,
 and nothing leaves before it is durable.
@@ -37,19 +42,27 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from broker.attestation.claims import RequestFacts, build_input
 from broker.attestation.ear import CLAIM, PresentedEar, verify_ear
 from broker.attestation.stored import REVOKED, AttestationEntry, AttestationStore
+from broker.attested_request import (
+    RELEASE_PATH,
+    AttestedRequest,
+    KeyAsk,
+    Presented,
+    check_host,
+    parse_attested_request,
+    presented_token,
+)
 from broker.audit.log import DecisionLog
 from broker.audit.mask import masked
+from broker.audit.outcomes import overall
 from broker.core.encoding import canonical
 from broker.core.errors import (
     AttestationError,
     BrokerError,
     ErrorCode,
-    InputError,
     InternalFailure,
     PolicyDenied,
     UpstreamError,
 )
-from broker.core.fields import optional_version
 from broker.core.metrics import Metrics
 from broker.crypto.dpop import (
     FUTURE_LEEWAY,
@@ -59,89 +72,14 @@ from broker.crypto.dpop import (
     verify_dpop_proof,
 )
 from broker.crypto.jwk import RunnerKey, parse_runner_key
-from broker.crypto.wrap import WRAP_MODES, check_wrap_mode, key_id, wrap_to_runner
-from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
+from broker.crypto.wrap import check_wrap_mode, key_id, wrap_to_runner
+from broker.keys.service import KeyService
 from broker.keys.store.base import KeyVersionRecord
 from broker.nonces import NonceStore
 from broker.policy.engine import Decision, PolicyEngine
 
 log = logging.getLogger(__name__)
-MAX_KEYS = 16
-ATTESTED_FIELDS = ("keys",)
-ATTESTED_OPTIONAL = ("wrap",)
-SCHEME = "DPoP"
-MAX_AUTHORIZATION_CHARS = 8 * 1024
 RECORD_TYPE = "attested_release"
-
-
-@dataclass(frozen=True)
-class KeyAsk:
-    key: str
-    version: int | None = None
-
-
-@dataclass(frozen=True)
-class AttestedRequest:
-    keys: tuple[KeyAsk, ...]
-    wrap: str = "jwe"
-
-
-def parse_attested_request(unverified_body: Mapping[str, Any]) -> AttestedRequest:
-    """``{"keys": ["name" | {"key": "name", "version": n}, …], "wrap"?}``.
-
-    Raises:
-        InputError: ``bad_request`` naming the field.
-    """
-    keys = unverified_body.get("keys")
-    if not isinstance(keys, list) or not 0 < len(keys) <= MAX_KEYS:
-        raise InputError(f"keys must be a list of 1..{MAX_KEYS} key names")
-    asks: list[KeyAsk] = []
-    for item in keys:
-        if isinstance(item, str):
-            asks.append(KeyAsk(validate_key_name(_bounded(item))))
-        elif isinstance(item, Mapping) and set(item) <= {"key", "version"}:
-            name = item.get("key")
-            if not isinstance(name, str):
-                raise InputError("each key must be a name or {key, version}")
-            asks.append(KeyAsk(validate_key_name(_bounded(name)), optional_version(item)))
-        else:
-            raise InputError("each key must be a name or {key, version}")
-    if len(set(asks)) != len(asks):
-        raise InputError("a key is listed twice")
-    wrap = unverified_body.get("wrap", "jwe")
-    if not isinstance(wrap, str) or wrap not in WRAP_MODES:
-        raise InputError(f"wrap must be one of {', '.join(WRAP_MODES)}")
-    return AttestedRequest(tuple(asks), wrap)
-
-
-def _bounded(name: str) -> str:
-    if len(name) > MAX_KEY_NAME:
-        raise InputError(f"a key name is longer than {MAX_KEY_NAME} characters")
-    return name
-
-
-def presented_token(authorization: str | None) -> str:
-    """The EAR in ``Authorization: DPoP <EAR>``.
-
-    Raises:
-        AttestationError: no such header, another scheme, or not one token.
-    """
-    if not authorization or len(authorization) > MAX_AUTHORIZATION_CHARS:
-        raise AttestationError("Authorization: DPoP <attestation result> is required")
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != SCHEME.lower() or not token or " " in token.strip():
-        raise AttestationError("Authorization must be: DPoP <attestation result>")
-    return token.strip()
-
-
-@dataclass(frozen=True)
-class Presented:
-    """What the request's headers present: ``Authorization`` and ``DPoP`` (untrusted), and the
-    URLs the client may have addressed (as served, and the public one behind a proxy)."""
-
-    authorization: str | None
-    proof: str | None
-    urls: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -209,10 +147,13 @@ class AttestedReleaseService:
         audit: DecisionLog,
         metrics: Metrics,
         mask_key: bytes,
+        public_urls: Sequence[str] = (),
         mask: tuple[str, ...] = (),
         require_nonce: bool = True,
     ) -> None:
         self._issuer = issuer
+        # what a proof's htu must name ([server] public_urls): none configured, none accepted
+        self._release_urls = tuple(url.rstrip("/") + RELEASE_PATH for url in public_urls)
         self._result_keys = result_keys
         self._store = store
         self._nonces = nonces
@@ -256,6 +197,7 @@ class AttestedReleaseService:
         started = time.perf_counter()
         outcome = _Outcome(release_id=str(uuid.uuid4()))
         try:
+            check_host(presented.host)
             outcome.request = parse_attested_request(unverified_body)
             await self._admit(outcome, presented, now)
             for ask in outcome.request.keys:
@@ -305,15 +247,14 @@ class AttestedReleaseService:
         outcome.proof = checked = verify_dpop_proof(
             presented.proof,
             method="POST",
-            url=presented.urls,
+            url=self._release_urls,
             now=now,
             access_token=token,
             nonce_valid=(lambda n: self._nonces.server_nonce_valid(n, now))
             if self._require_nonce
             else None,
+            bound_to=ear.pop_thumbprint,
         )
-        if checked.thumbprint != ear.pop_thumbprint:
-            raise DpopError("the DPoP proof is not signed by the key the result is bound to")
         entry = await self._store.get(ear.jti, now)
         if entry is None:
             raise AttestationError(
@@ -331,7 +272,7 @@ class AttestedReleaseService:
         if outcome.request is not None:
             check_wrap_mode(outcome.request.wrap, outcome.encryption_key)
         try:  # good once, in the store every worker and replica shares
-            await self._nonces.spend(
+            await self._nonces.spend_jti(
                 f"dpop:{ear.pop_thumbprint}:{checked.jti}",
                 checked.issued_at + MAX_PROOF_AGE + FUTURE_LEEWAY,
                 now,
@@ -401,7 +342,7 @@ class AttestedReleaseService:
     def _record(self, outcome: _Outcome, now: datetime, request_id: str) -> dict[str, Any]:
         entry, ear, proof, error = outcome.entry, outcome.ear, outcome.proof, outcome.error
         results = [_result(k.error) for k in outcome.keys]
-        result = _result(error) if error is not None or not results else _worst(results)
+        result = _result(error) if error is not None or not results else overall(results)
         return {
             "type": RECORD_TYPE,
             "decision_id": outcome.release_id,
@@ -420,6 +361,14 @@ class AttestedReleaseService:
             if outcome.encryption_key is None
             else outcome.encryption_key.thumbprint,
             "wrap": None if outcome.request is None else outcome.request.wrap,
+            # who asked: the attestation's identity, once its stored entry matched the signed
+            # result (OCSF's actor, `audit query --image/--project`)
+            "identity": None
+            if entry is None or outcome.encryption_key is None
+            else attestation_identity(entry),
+            "asked": []
+            if outcome.request is None
+            else [{"key": a.key, "version": a.version} for a in outcome.request.keys],
             "keys": [self._key_record(k) for k in outcome.keys],
         }
 
@@ -470,6 +419,23 @@ def signed_content(ear: PresentedEar, entry: AttestationEntry) -> RunnerKey:
     return parse_runner_key(dict(own["encryption_key"]))
 
 
+def attestation_identity(entry: AttestationEntry) -> dict[str, Any]:
+    """The attestation a release came through, as records name a runner: its jti, and the
+    workload, project and instance its verified claims named."""
+    tee = entry.policy_input.get("tee")
+    tee = tee if isinstance(tee, Mapping) else {}
+    workload, platform = tee.get("workload"), tee.get("platform")
+    workload = workload if isinstance(workload, Mapping) else {}
+    platform = platform if isinstance(platform, Mapping) else {}
+    return {
+        "attestation": entry.jti,
+        "issuer": tee.get("issuer"),
+        "image_digest": workload.get("image_digest"),
+        "project_id": platform.get("project_id"),
+        "instance_id": platform.get("instance_id"),
+    }
+
+
 def release_input(entry: AttestationEntry, facts: RequestFacts, now: datetime) -> dict[str, Any]:
     """The release policy's input for a key asked on a stored attestation: the input a
     full-evidence release would have had (the same claims, normalised when they were verified),
@@ -493,13 +459,6 @@ def _result(error: BrokerError | None) -> str:
     if error is None:
         return "allow"
     return "deny" if error.status < 500 else "error"
-
-
-def _worst(results: Sequence[str]) -> str:
-    for result in ("error", "deny"):
-        if result in results:
-            return result
-    return "allow"
 
 
 def _key_summary(key: _Key) -> dict[str, Any]:

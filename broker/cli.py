@@ -23,6 +23,7 @@ from broker import cli_audit, cli_dev, cli_keys, cli_policy, cli_status, cli_wei
 from broker.api.server import BrokerRunner, reload_server_certificate
 from broker.api.services import POLICIES
 from broker.app import create_app, server_ssl_context
+from broker.audit.records import LogCorrupt
 from broker.config import Settings, load_settings
 from broker.core.errors import BrokerError, ConfigError, InputError
 from broker.policy.workers import WorkerGroup
@@ -53,6 +54,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
+    except LogCorrupt as exc:  # a damaged decision log met outside `audit verify` (start-up)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # a bug: one line, and the traceback with -v (always for serve)
+        if args.verbose:
+            raise
+        if args.run is _serve:  # an operator's log keeps what a bug report needs
+            logging.getLogger("broker").error("serve failed", exc_info=True)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(
+            f"error: unexpected {type(exc).__name__}: {first[:300]} (a bug; run `broker -v …` "
+            "for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return EXIT_NO
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -146,8 +162,6 @@ async def _serve_until_signalled(settings: Settings, *, life_pipe: int | None = 
             f"{a[0]}:{a[1]}" for a in runner.addresses
         )  # the port, if listen ends in :0
         print(f"broker serving on {bound}", file=sys.stderr, flush=True)
-        if workers.supervisor_pid is not None:
-            await asyncio.to_thread(workers.mark_serving)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -171,6 +185,8 @@ async def _serve_until_signalled(settings: Settings, *, life_pipe: int | None = 
             task.add_done_callback(reloads.discard)
 
         loop.add_signal_handler(signal.SIGHUP, reload_policy)
+        if workers.supervisor_pid is not None:  # only now: the supervisor then sends SIGHUP,
+            await asyncio.to_thread(workers.mark_serving)  # whose default action kills
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -183,19 +199,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    """The verdict as JSON on stdout: exit 1 for evidence that does not verify; exit 2, with the
+    same JSON and one line on stderr, for a file or an option the command cannot use."""
     try:
         result = offline.run(args)
     except (InputError, ConfigError) as exc:
-        print(
-            json.dumps(
-                {
-                    "error": {
-                        "code": exc.code.value,
-                        "message": exc.message,
-                    }
-                }
-            )
-        )
+        print(json.dumps({"error": {"code": exc.code.value, "message": exc.message}}))
+        if isinstance(exc, ConfigError):
+            print(f"error: {exc.message}", file=sys.stderr)
+            return EXIT_USAGE
         return EXIT_NO
     print(json.dumps(result, indent=2, default=str))
     return 0

@@ -64,7 +64,13 @@ def add_commands(audit: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="a signed checkpoint (note) to check (one log); with several logs and --key, each "
         "log's own <log>.checkpoint is checked",
     )
-    verify.add_argument("--key", help="the verifier key (<name>+<hash>+<key>)")
+    verify.add_argument(
+        "--key",
+        action="append",
+        default=[],
+        help="the verifier key (<name>+<hash>+<key>); with several logs one per replica "
+        "(repeatable: each log is checked with the key named after its checkpoint's origin)",
+    )
     verify.add_argument("--head", help="a record hash known from earlier that must be present")
     verify.add_argument(
         "--witness-key",
@@ -133,9 +139,10 @@ def _tree(lines: list[bytes]) -> MerkleTree:
 def _verify(args: argparse.Namespace) -> int:
     groups = group_logs(args.logs)
     if len(groups) == 1:
-        note = _single_log_note(groups[0][-1], args.checkpoint, args.key)
+        key = key_for(groups[0][-1], args.key, args.checkpoint)
+        note = _single_log_note(groups[0][-1], args.checkpoint, key)
         report = verify_log(
-            groups[0], note=note, key=args.key, head=args.head, witness_keys=args.witness_key
+            groups[0], note=note, key=key, head=args.head, witness_keys=args.witness_key
         )
     else:
         if args.checkpoint is not None or args.head is not None:
@@ -144,9 +151,30 @@ def _verify(args: argparse.Namespace) -> int:
                 "names one log; with several logs use --key (each log's own "
                 "checkpoint file is checked)",
             )
-        report = verify_logs(groups, key=args.key, witness_keys=args.witness_key)
+        report = verify_logs(groups, keys=args.key, witness_keys=args.witness_key)
     print(json.dumps(report))
     return 0 if report["ok"] else EXIT_NO
+
+
+def key_for(log: Path, keys: Sequence[str], checkpoint: Path | None = None) -> str | None:
+    """The verifier key a log is checked with: the only one given, or (one per replica) the one
+    named after the origin of its checkpoint (``checkpoint``, else ``<log>.checkpoint``).
+
+    Raises:
+        ConfigError: ``--key`` when several are given and none is named after that origin.
+    """
+    if len(keys) <= 1:
+        return keys[0] if keys else None
+    path = checkpoint or checkpoint_paths(log)[0]
+    note = _read(path, "checkpoint").decode("utf-8", "replace") if path.is_file() else ""
+    try:
+        origin = parse_checkpoint(note[: note.rfind("\n\n") + 1]).origin
+    except NoteError:
+        origin = None
+    for key in keys:
+        if key.split("+", 1)[0] == origin:
+            return key
+    raise ConfigError("--key", f"none of the keys is named after {log}'s origin ({origin})")
 
 
 def _single_log_note(log: Path, checkpoint: Path | None, key: str | None) -> str | None:
@@ -183,7 +211,7 @@ def group_logs(paths: list[Path]) -> list[list[Path]]:
 
 
 def verify_logs(
-    groups: list[list[Path]], *, key: str | None, witness_keys: Sequence[str] = ()
+    groups: list[list[Path]], *, keys: Sequence[str], witness_keys: Sequence[str] = ()
 ) -> dict[str, Any]:
     """Several replicas' logs: each is a chain and tree of its own, verified on its own (against
     its own latest checkpoint when ``key`` is given and the file exists). No two logs may come
@@ -193,6 +221,7 @@ def verify_logs(
     ok = True
     for group in groups:
         log = group[-1]
+        key = key_for(log, keys)
         note_path = checkpoint_paths(log)[0]
         note = _read(note_path, "checkpoint").decode() if key and note_path.is_file() else None
         report = {
@@ -231,7 +260,7 @@ def verify_log(
         report |= _replica(lines)
         if note is None:  # no checkpoint: the chain names the first changed record
             report["head"] = verify_bytes(data, expected_head=head).head.hash
-            report |= _not_shorter_than_its_checkpoint(logs[-1], tree)
+            report |= _against_its_checkpoint_file(logs[-1], tree)
         else:
             report |= _against_checkpoint(logs[0], note, key, tree)
             report |= _cosigned(note, witness_keys)
@@ -243,13 +272,16 @@ def verify_log(
     return report
 
 
-def _not_shorter_than_its_checkpoint(log: Path, tree: MerkleTree) -> dict[str, Any]:
-    """A chain-only verify still reads the size the log's own checkpoint file states (its
-    signature cannot be checked without the key, so this can only fail a log, never pass one):
-    a log shorter than a checkpoint the broker published was truncated.
+def _against_its_checkpoint_file(log: Path, tree: MerkleTree) -> dict[str, Any]:
+    """A chain-only verify still compares the log with the checkpoint file beside it (size and
+    root; its signature cannot be checked without the key, so this can only fail a log, never
+    pass one): a log shorter than a checkpoint the broker published was truncated, and one whose
+    first records no longer hash to that checkpoint's root was rewritten, however well its chain
+    was recomputed. The records before the first checkpoint (of ``<log>.checkpoints``) the log
+    still matches are intact; the first changed one is named as closely as those allow.
 
     Raises:
-        LogCorrupt: when the checkpoint file states a larger tree.
+        LogCorrupt: when the checkpoint file states a larger tree or another root.
     """
     note_path = checkpoint_paths(log)[0]
     if not note_path.is_file():
@@ -259,13 +291,32 @@ def _not_shorter_than_its_checkpoint(log: Path, tree: MerkleTree) -> dict[str, A
         stated = parse_checkpoint(note[: note.rfind("\n\n") + 1])
     except NoteError:
         return {"checkpoint_file": "unreadable (not checked: pass --key to verify it)"}
+    unsigned = "signature not checked without --key"
     if stated.size > tree.size:
         raise LogCorrupt(
             tree.size + 1,
-            f"log truncated: its checkpoint file ({note_path.name}, signature not checked "
-            f"without --key) covers {stated.size} records, the log has {tree.size}",
+            f"log truncated: its checkpoint file ({note_path.name}, {unsigned}) covers "
+            f"{stated.size} records, the log has {tree.size}",
+        )
+    if tree.root(stated.size) != stated.root:
+        good, bad = _bracket(log, None, tree, below=stated.size)
+        raise LogCorrupt(
+            good + 1,
+            f"the log's first {stated.size} records do not hash to the root of its checkpoint "
+            f"file ({note_path.name}, {unsigned}): {_which_changed(good, bad)}",
         )
     return {"checkpoint_file_size": stated.size}
+
+
+def _which_changed(good: int, bad: int) -> str:
+    """Records ``[0, good)`` match a checkpoint, ``[0, bad)`` do not: say which changed."""
+    if bad == good + 1:
+        intact = f" (records 0..{good - 1} are intact)" if good else ""
+        return f"record {good} was changed, removed or moved{intact}"
+    return (
+        f"the first changed record is one of records {good}..{bad - 1} (records before "
+        f"{good} are intact; checkpoints were published at no size in between)"
+    )
 
 
 def _replica(lines: list[bytes]) -> dict[str, Any]:
@@ -297,11 +348,11 @@ def _against_checkpoint(log: Path, note: str, key: str | None, tree: MerkleTree)
             f"{tree.size}",
         )
     if tree.root(checkpoint.size) != checkpoint.root:
-        good = _last_good_size(log, verifier, tree, below=checkpoint.size)
+        good, bad = _bracket(log, verifier, tree, below=checkpoint.size)
         raise LogCorrupt(
             good + 1,
             f"records below {checkpoint.size} were changed, removed or reordered: the log's "
-            f"root differs from the checkpoint's (intact through {good} records)",
+            f"root differs from the checkpoint's; {_which_changed(good, bad)}",
         )
     return {"checkpoint_size": checkpoint.size}
 
@@ -320,22 +371,28 @@ def _cosigned(note: str, witness_keys: Sequence[str]) -> dict[str, Any]:
     return {"witnesses": names} if names else {}
 
 
-def _last_good_size(log: Path, verifier: NoteVerifier, tree: MerkleTree, *, below: int) -> int:
-    """The largest size of a verified historical checkpoint the log still matches."""
+def _bracket(
+    log: Path, verifier: NoteVerifier | None, tree: MerkleTree, *, below: int
+) -> tuple[int, int]:
+    """From the log's checkpoint history (``<log>.checkpoints``; each note verified when a
+    ``verifier`` is given): the largest size whose root the log still has, and the smallest
+    larger one whose root it no longer has (at most ``below``). A tree that matches at a size
+    has its records up to that size intact, so the first changed record lies between them."""
     _, history = checkpoint_paths(log)
-    good = 0
-    if not history.is_file():
-        return good
-    for line in history.read_text(encoding="utf-8").splitlines():
-        try:
-            entry = json.loads(line)
-            checkpoint = parse_checkpoint(verifier.open(entry["note"]), origin=verifier.name)
-        except (ValueError, KeyError, NoteError):
-            continue
-        in_range = good < checkpoint.size < below and checkpoint.size <= tree.size
-        if in_range and tree.root(checkpoint.size) == checkpoint.root:
-            good = checkpoint.size
-    return good
+    stated: dict[int, bytes] = {}
+    if history.is_file():
+        for line in history.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                note = str(json.loads(line)["note"])
+                body = verifier.open(note) if verifier else note[: note.rfind("\n\n") + 1]
+                checkpoint = parse_checkpoint(body, origin=verifier.name if verifier else None)
+            except (ValueError, KeyError, TypeError, NoteError):
+                continue
+            if 0 < checkpoint.size < below:
+                stated[checkpoint.size] = checkpoint.root
+    good = max((n for n, root in stated.items() if tree.root(n) == root), default=0)
+    bad = min((n for n, root in stated.items() if n > good and tree.root(n) != root), default=below)
+    return good, bad
 
 
 def _repair(args: argparse.Namespace) -> int:

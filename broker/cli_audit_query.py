@@ -12,12 +12,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from broker.audit.ocsf import ocsf_events
+from broker.audit.outcomes import RESULTS
 from broker.audit.records import LogCorrupt
 from broker.audit.segments import log_files
-from broker.core.errors import ConfigError
+from broker.core.errors import ConfigError, FileFormatError
 from broker.core.jsonsafe import loads_bounded
-
-OCSF_API_ACTIVITY = 6003  # OCSF "API Activity" (Application Activity category)
 
 
 def add_parsers(audit: Any) -> None:
@@ -58,11 +58,41 @@ def with_segments(paths: list[Path]) -> list[Path]:
     return expanded
 
 
+NOT_A_LOG = "name a decision log the broker wrote ([audit] log) or one of its segments"
+
+
 def read_file(path: Path, what: str) -> bytes:
+    """The file's bytes; a log (``LOG``, ``--log``) only if it starts like a decision log, a
+    checkpoint (``checkpoint``, ``--checkpoint``) only if it is text.
+
+    Raises:
+        ConfigError: the file cannot be read, or is not what ``what`` names.
+    """
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(what, f"cannot read {path}") from exc
+    if what in ("LOG", "--log") and data and not _is_record(data.split(b"\n", 1)[0]):
+        raise FileFormatError(
+            path, "not a decision log (its first line is not a record)", NOT_A_LOG
+        )
+    if what in ("checkpoint", "--checkpoint"):
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FileFormatError(
+                path, "not a checkpoint (not text)", "name the <log>.checkpoint the broker wrote"
+            ) from exc
+    return data
+
+
+def _is_record(line: bytes) -> bool:
+    """A line as the broker writes records: a JSON object with ``seq`` and ``hash``."""
+    try:
+        record = loads_bounded(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "seq" in record and "hash" in record
 
 
 def record_lines(data: bytes) -> list[bytes]:
@@ -72,14 +102,24 @@ def record_lines(data: bytes) -> list[bytes]:
 
 
 def _records(paths: list[Path]) -> Iterator[dict[str, Any]]:
+    """Every record of the logs (and their segments), in order.
+
+    Raises:
+        ConfigError: a file that is not a log; LogCorrupt (with its path): a damaged line.
+    """
     for path in with_segments(paths) or paths:
-        for line in record_lines(read_file(path, "LOG")):
-            record = loads_bounded(line)
+        try:
+            lines = record_lines(read_file(path, "LOG"))
+        except LogCorrupt as exc:
+            fix = f"after a crash, `broker audit repair {path}` cuts a torn last record"
+            raise LogCorrupt(exc.line, f"{exc.problem}; {fix}", path=path) from exc
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = loads_bounded(line)
+            except ValueError as exc:
+                raise LogCorrupt(number, "not a JSON record", path=path) from exc
             if isinstance(record, dict):
                 yield record
-
-
-RESULTS = ("allow", "deny", "error")
 
 
 def instant(text: str) -> datetime:
@@ -109,9 +149,13 @@ def _within(record: dict[str, Any], since: datetime | None, until: datetime | No
 
 def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
     identity = record.get("identity") or {}
+    if args.result is not None and args.result not in (
+        record.get("result"),
+        record.get("release_result"),  # a key's row of a partial release: the request's
+    ):
+        return False
     checks = [
         (args.key, record.get("key")),
-        (args.result, record.get("result")),
         (args.code, record.get("code")),
         (args.image, identity.get("image_digest")),
         (args.project, identity.get("project_id")),
@@ -141,6 +185,8 @@ def per_key(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
         "attestation": attestation.get("jti"),
         "attestation_log_index": attestation.get("log_index"),
         "dpop_jti": record.get("dpop_jti"),
+        "identity": record.get("identity"),
+        "release_result": record.get("result"),  # the request's: partial when some keys were
     }
     keys = record.get("keys") or []
     if not keys:  # refused before any key was decided
@@ -190,53 +236,9 @@ def _export(args: argparse.Namespace) -> int:
     for record in _records([args.log]):
         if not _within(record, args.since, args.until):
             continue
-        print(json.dumps(ocsf_event(record) if args.format == "ocsf" else record))
+        if args.format == "ocsf":  # one event per key for a release on a result
+            for event in ocsf_events(record):
+                print(json.dumps(event))
+        else:
+            print(json.dumps(record))
     return 0
-
-
-def ocsf_event(record: dict[str, Any]) -> dict[str, Any]:
-    """One record as an OCSF 1.x "API Activity" event (docs/audit.md has the mapping)."""
-    kind = str(record.get("type", "release"))
-    result = record.get("result")
-    identity = record.get("identity") or {}
-    when = str(record.get("time", ""))
-    try:
-        epoch_ms = int(datetime.fromisoformat(when).timestamp() * 1000)
-    except ValueError:
-        epoch_ms = 0
-    status_id = {"allow": 1, "deny": 2, "error": 2}.get(str(result), 0)
-    if kind == "policy_reload_failed":
-        status_id = 2
-    who = record.get("who")  # changes say who made them (admin token id, user@host, broker)
-    return {
-        "class_uid": OCSF_API_ACTIVITY,
-        "category_uid": 6,
-        "activity_id": 99,  # Other: a key release or a change
-        "type_uid": OCSF_API_ACTIVITY * 100 + 99,
-        "time": epoch_ms,
-        "severity_id": 1 if status_id != 2 else 3,
-        "status_id": status_id,
-        "status": {1: "Success", 2: "Failure"}.get(status_id, "Unknown"),
-        "status_code": record.get("code"),
-        "message": "; ".join(record.get("reasons") or [])
-        or record.get("message")
-        or record.get("problem"),
-        "api": {
-            "operation": kind if kind != "release" else "release",
-            "request": {"uid": record.get("request_id")},
-        },
-        "actor": {
-            "user": {
-                "uid": identity.get("sub") or who,
-                "name": identity.get("image_digest") or who,
-            }
-        },
-        "resources": [{"name": record.get("key"), "version": str(record.get("version"))}],
-        "metadata": {
-            "product": {"name": "sealed-runner key broker"},
-            "version": "1.1.0",
-            "uid": record.get("decision_id"),
-            "sequence": record.get("index", record.get("seq")),
-        },
-        "unmapped": {"policy_digest": record.get("policy_digest"), "hash": record.get("hash")},
-    }

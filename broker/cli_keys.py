@@ -18,7 +18,7 @@ from typing import Any
 from broker import cli_keys_transfer as transfer
 from broker.audit.log import DecisionLog
 from broker.config import load_settings
-from broker.core.errors import ConfigError
+from broker.core.errors import FileFormatError
 from broker.core.protocol import Algorithm
 from broker.keys import admin
 from broker.keys.factory import open_key_service
@@ -27,6 +27,7 @@ from broker.keys.service import KeyService
 from broker.keys.store.base import Purpose
 
 EXIT_USAGE = 2
+MATERIAL_BYTES = 32  # keys import: AES-256
 Work = Callable[[KeyService, datetime], Awaitable[Any]]
 
 
@@ -68,12 +69,22 @@ def add_commands(keys: Any) -> None:
     rewrap.add_argument("--to", required=True, metavar="KEK_URI")
     migrate = command(
         "migrate",
-        "create or upgrade the key store's schema (PostgreSQL); with --from/--to, copy every "
-        "wrapped key between stores (idempotent, verified)",
+        "create or upgrade the key store's schema (PostgreSQL); with --from and/or --to, copy "
+        "every wrapped key between stores (idempotent, verified)",
         _migrate,
     )
-    migrate.add_argument("--from", dest="source", metavar="STORE", help="e.g. sqlite:///…")
-    migrate.add_argument("--to", metavar="STORE", help="e.g. postgresql://…")
+    migrate.add_argument(
+        "--from",
+        dest="source",
+        metavar="STORE",
+        help="the store to copy from (default: the configured [keys] store / BROKER_KEYS_STORE)",
+    )
+    migrate.add_argument(
+        "--to",
+        metavar="STORE",
+        help="the store to copy to (default: the configured store); e.g. "
+        "postgresql://USER@HOST/DB, password from PGPASSWORD, a passfile or the URL",
+    )
     transfer.add_commands(command)
     kek = keys.add_parser("kek-create", help="generate a PKCS#11 KEK (non-extractable AES-256)")
     kek.add_argument("uri", metavar="PKCS11_URI")
@@ -116,9 +127,7 @@ def run_keys(
 def _migrate(args: argparse.Namespace) -> int:
     """PostgreSQL: create or upgrade the schema (idempotent). SQLite and Secret Manager need no
     migration (the store creates what it needs); say so."""
-    if (args.source is None) != (args.to is None):
-        raise ConfigError("--from", "--from and --to go together")
-    if args.source is not None:
+    if args.source is not None or args.to is not None:
         return _print(transfer.migrate_stores(args))
     settings = load_settings(args.config)
     store = settings.keys.store
@@ -157,6 +166,12 @@ def _create(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     name, purpose = admin.key_name(args.name), admin.purpose(args.purpose)
     material = args.material_file.read_bytes()
+    if len(material) != MATERIAL_BYTES:
+        raise FileFormatError(
+            args.material_file,
+            f"{len(material)} bytes, not the {MATERIAL_BYTES} bytes of an AES-256 key",
+            "give a file of exactly 32 raw bytes (not hex or base64)",
+        )
     record = run_keys(
         args,
         lambda keys, now: keys.import_key(name, purpose, material, now=now, who=admin.cli_actor()),

@@ -14,25 +14,34 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from broker.audit.log import DecisionLog
-from broker.audit.records import iter_records
+from broker.audit.records import LogCorrupt, iter_records
 from broker.config import Settings, load_settings
-from broker.core.errors import ConfigError, InputError
+from broker.config_tables import resolve_sqlite_uri
+from broker.core.errors import ConfigError, FileFormatError, InputError
 from broker.core.jsonsafe import loads_bounded
 from broker.keys.admin import cli_actor
 from broker.keys.factory import open_store
-from broker.keys.store.base import KeyStore
+from broker.keys.store.base import KeyStore, KeyVersionRecord
 from broker.keys.transfer import backup_document, copy_versions, read_backup
 
 MAX_BACKUP_BYTES = 1024 * 1024 * 1024
+STORE_FORMS = "sqlite:///PATH, postgresql://USER@HOST/DB or secretmanager:projects/P"
+NOT_A_BACKUP = "name a file `broker keys backup -o FILE` wrote"
 
 
 def add_commands(command: Any) -> None:
     backup = command("backup", "write every wrapped DEK and its metadata to a file", _backup)
     backup.add_argument("-o", "--output", type=Path, required=True)
     restore = command("restore", "copy a backup file's versions into the key store", _restore)
-    restore.add_argument("file", type=Path)
+    restore.add_argument(
+        "file",
+        type=Path,
+        metavar="FILE",
+        help="a key backup (broker.keys-backup/v1 JSON) that `broker keys backup -o FILE` wrote",
+    )
     restore.add_argument(
         "--digest", help="the digest you trust (default: one a `backup` record in the log names)"
     )
@@ -59,22 +68,52 @@ async def _log(settings: Settings, action: str, detail: dict[str, Any]) -> None:
         await audit.close()
 
 
+def store_argument(option: str, uri: str | None, settings: Settings) -> str:
+    """The store ``--from``/``--to`` names, or the configured one (``[keys] store``, with
+    ``BROKER_KEYS_STORE`` applied, as ``serve`` reads it) when the option is absent. A relative
+    SQLite path on the command line is relative to the working directory.
+
+    Raises:
+        ConfigError: ``option`` for another form.
+    """
+    if uri is None:
+        return settings.keys.store
+    parts = urlsplit(uri)
+    if not (
+        uri.startswith(("sqlite:///", "secretmanager:projects/"))
+        or (parts.scheme in {"postgresql", "postgres"} and parts.hostname)
+    ):
+        raise ConfigError(option, f"expected {STORE_FORMS}")
+    return resolve_sqlite_uri(option, uri, Path.cwd())
+
+
 def migrate_stores(args: argparse.Namespace) -> dict[str, Any]:
-    """``keys migrate --from A --to B``: copy, idempotently, and verify."""
+    """``keys migrate --from A --to B``: copy, idempotently, and verify. Either side defaults
+    to the configured store.
+
+    Raises:
+        ConfigError: for a malformed store, or the same store on both sides.
+    """
     settings = load_settings(args.config)
-    if args.to.startswith(("postgresql://", "postgres://")):
+    source = store_argument("--from", args.source, settings)
+    to = store_argument("--to", args.to, settings)
+    if source == to:
+        raise ConfigError(
+            "--to", "the source and the target are the same store: name the other with --from/--to"
+        )
+    if to.startswith(("postgresql://", "postgres://")):
         from broker.keys.store.postgres import migrate  # noqa: PLC0415
 
-        asyncio.run(migrate(args.to, timeout_seconds=settings.keys.upstream_timeout_seconds))
+        asyncio.run(migrate(to, timeout_seconds=settings.keys.upstream_timeout_seconds))
 
     async def run() -> dict[str, Any]:
-        source, target = await _open(settings, args.source), await _open(settings, args.to)
+        source_store, target = await _open(settings, source), await _open(settings, to)
         try:
-            report = await copy_versions(await source.list_versions(), target)
+            report = await copy_versions(await source_store.list_versions(), target)
         finally:
-            await source.close()
+            await source_store.close()
             await target.close()
-        detail = {"from": _kind(args.source), "to": _kind(args.to), **report.describe()}
+        detail = {"from": _kind(source), "to": _kind(to), **report.describe()}
         await _log(settings, "migrate-store", detail)
         return detail
 
@@ -102,19 +141,7 @@ def _backup(args: argparse.Namespace) -> int:
 
 def _restore(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
-    try:
-        raw = args.file.read_bytes()
-    except OSError as exc:
-        raise ConfigError("FILE", f"cannot read {args.file}") from exc
-    if len(raw) > MAX_BACKUP_BYTES:
-        raise InputError("the backup file is too large")
-    try:
-        document = loads_bounded(raw)
-    except ValueError as exc:
-        raise InputError("the backup file is not JSON") from exc
-    if not isinstance(document, dict):
-        raise InputError("the backup file is not a key backup")
-    records, digest = read_backup(document)
+    records, digest = _read_backup_file(args.file)
     trusted = args.digest or _logged_backup_digest(settings, digest)
     if trusted != digest:
         raise InputError(
@@ -136,15 +163,50 @@ def _restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_backup_file(path: Path) -> tuple[list[KeyVersionRecord], str]:
+    """The versions and the digest of a ``keys backup`` file whose content matches that digest
+    (whether the digest is one to trust is the caller's question).
+
+    Raises:
+        FileFormatError: the file cannot be read or is not a key backup (exit 2).
+        InputError: a backup whose content does not match its digest (exit 1).
+    """
+    try:
+        if path.stat().st_size > MAX_BACKUP_BYTES:
+            raise FileFormatError(path, "too large for a key backup", NOT_A_BACKUP)
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise FileFormatError(path, f"cannot read it ({exc.strerror})", NOT_A_BACKUP) from exc
+    try:
+        document = loads_bounded(raw)
+    except ValueError as exc:
+        raise FileFormatError(path, "not a key backup (not JSON)", NOT_A_BACKUP) from exc
+    if not isinstance(document, dict) or "versions" not in document:
+        raise FileFormatError(path, "not a key backup (broker.keys-backup/v1)", NOT_A_BACKUP)
+    try:
+        return read_backup(document)
+    except InputError as exc:
+        if "match its digest" in exc.message:  # changed after it was made: the answer is no
+            raise
+        raise FileFormatError(path, exc.message, NOT_A_BACKUP) from exc
+
+
 def _logged_backup_digest(settings: Settings, digest: str) -> str | None:
     """``digest`` when a ``key_admin`` ``backup`` record in the decision log names it."""
     try:
         data = settings.audit.log.read_bytes()
     except OSError:
         return None
-    for _, record in iter_records(data):
-        if record.get("action") == "backup" and record.get("digest") == digest:
-            return digest
+    try:
+        for _, record in iter_records(data):
+            if record.get("action") == "backup" and record.get("digest") == digest:
+                return digest
+    except LogCorrupt as exc:
+        raise FileFormatError(
+            settings.audit.log,
+            f"the decision log is damaged at {exc}",
+            "run `broker audit verify` on it, or pass --digest with the digest you trust",
+        ) from exc
     return None
 
 
@@ -158,7 +220,8 @@ def _write_private(path: Path, text: str) -> None:
 
 def _kind(uri: str) -> str:
     """A store for records: its kind and place, never credentials."""
-    kind, _, rest = uri.partition(":")
-    if kind in ("postgresql", "postgres"):
-        return f"postgresql://{rest.rsplit('@', 1)[-1]}"
+    parts = urlsplit(uri)
+    if parts.scheme in ("postgresql", "postgres"):  # no user, password or query (passfile=…)
+        host = parts.netloc.rsplit("@", 1)[-1]
+        return f"postgresql://{host}{parts.path}"
     return uri

@@ -10,26 +10,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from broker.cli_audit_query import per_key
-from broker.core.errors import ConfigError
+from broker.core.errors import ConfigError, FileFormatError
 from broker.core.jsonsafe import loads_bounded
 from broker.policy.build import (
     build_bundle,
     check_policy_dir,
     compile_entrypoints,
     compile_policy_dir,
+    default_freshness,
     load_bundle,
+    load_bundle_as_built,
     run_opa,
 )
 from broker.policy.engine import Decision
-from broker.policy.testing import find_opa
+from broker.policy.freshness import MAX_VERSION
+from broker.policy.testing import OPA_ENV, find_opa
 from broker.policy.wasm import CompiledPolicy, WasmPolicyInstance
 
 EXIT_NO = 1
@@ -71,27 +77,29 @@ def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     check = command("check", "opa check --strict, structure rules, and an input-schema lint")
     check.add_argument("dir", type=Path)
     check.add_argument("--strict", action="store_true", help="warnings fail the check (for CI)")
-    check.set_defaults(run=_check)
+    check.set_defaults(run=_existing("dir", _check))
     fmt = command("fmt", "opa fmt (rewrites files; --check only lists what would change)")
     fmt.add_argument("dir", type=Path)
     fmt.add_argument("--check", action="store_true")
-    fmt.set_defaults(run=_fmt)
+    fmt.set_defaults(run=_existing("dir", _fmt))
     test = command("test", "the Rego unit tests with OPA and through the broker's engine")
     test.add_argument("dir", type=Path, nargs="?", default=Path("policies"))
-    test.set_defaults(run=_test)
+    test.set_defaults(run=_existing("dir", _test))
     evaluate = command("eval", "decide one input as the broker would")
     evaluate.add_argument("--policy", type=Path, default=Path("policies"), help="DIR or BUNDLE")
     evaluate.add_argument("--input", required=True, help="FILE, or - for standard input")
     evaluate.add_argument("--explain", action="store_true", help="OPA's trace (opa eval)")
     evaluate.add_argument("--verification-key", type=Path, help="PEM: a signed BUNDLE's key")
-    evaluate.set_defaults(run=_eval)
+    evaluate.add_argument("--scope", default="", help="the signed BUNDLE's scope (environment)")
+    evaluate.set_defaults(run=_existing("policy", _eval))
     replay = command("replay", "re-decide logged decisions with a candidate policy")
     replay.add_argument("--log", type=Path, required=True, action="append")
     replay.add_argument("--policy", type=Path, default=Path("policies"), help="DIR or BUNDLE")
     replay.add_argument("--since", help="RFC 3339: only decisions at or after this time")
     replay.add_argument("--key", help="only decisions about this key")
     replay.add_argument("--verification-key", type=Path, help="PEM: a signed BUNDLE's key")
-    replay.set_defaults(run=_replay)
+    replay.add_argument("--scope", default="", help="the signed BUNDLE's scope (environment)")
+    replay.set_defaults(run=_existing("policy", _replay))
     build = command("build", "an OPA bundle (Wasm) for deployment, optionally signed")
     build.add_argument("dir", type=Path)
     build.add_argument("-o", "--output", type=Path, required=True)
@@ -99,7 +107,50 @@ def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     build.add_argument(
         "--revision", default="", help="written into .manifest and logged (e.g. the git commit)"
     )
-    build.set_defaults(run=_build)
+    build.add_argument(
+        "--scope",
+        default="",
+        help="with --signing-key (required): the environment the bundle is for, e.g. prod; "
+        "brokers refuse it unless their bundle_verification_scope is the same",
+    )
+    build.add_argument(
+        "--version",
+        type=int,
+        dest="policy_version",
+        help="with --signing-key: policy_version, a positive integer every published bundle "
+        "must raise (default: the build time in Unix seconds, SOURCE_DATE_EPOCH when set)",
+    )
+    build.add_argument(
+        "--expires-in",
+        default="30d",
+        help="with --signing-key: how long brokers accept the bundle after the build time, "
+        "e.g. 30d, 12h, 90m, 3600s (default 30d)",
+    )
+    build.set_defaults(run=_existing("dir", _build))
+
+
+POLICY_FIX = (
+    "name a policy directory (Rego modules and data.json, or a ConfigMap mount) or a bundle "
+    "`broker policy build` wrote"
+)
+
+
+def _existing(
+    attribute: str, run: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    """``run``, once the policy path in ``args.<attribute>`` is known to exist.
+
+    Raises:
+        FileFormatError: one line naming the missing path and what to name instead (exit 2).
+    """
+
+    def checked(args: argparse.Namespace) -> int:
+        path: Path = getattr(args, attribute)
+        if not path.exists():
+            raise FileFormatError(path, "no such file or directory", POLICY_FIX)
+        return run(args)
+
+    return checked
 
 
 def _opa(args: argparse.Namespace) -> Path:
@@ -207,20 +258,52 @@ def _test(args: argparse.Namespace) -> int:
     return 0 if failures == 0 and differences == 0 else EXIT_NO
 
 
-def _compiled(policy: Path, opa: Path, verification_key: Path | None = None) -> CompiledPolicy:
+def _opa_if_any(args: argparse.Namespace) -> Path | None:
+    """OPA where one is found; ``eval`` and ``replay`` of a bundle run without it."""
+    try:
+        return _opa(args)
+    except ConfigError:
+        if args.opa:
+            raise  # the user named a binary that is not there: say so
+        return None
+
+
+def _compiled(
+    policy: Path, opa: Path | None, verification_key: Path | None = None, scope: str = ""
+) -> CompiledPolicy:
+    """A directory compiled with OPA; a bundle verified, and without OPA run on its own Wasm.
+
+    Raises:
+        ConfigError: a directory and no OPA (naming the directory and the two ways out).
+        PolicyLoadError: the policy does not load (naming the user's files).
+    """
     if policy.is_dir():
+        if opa is None:
+            raise ConfigError(
+                "--policy",
+                f"{policy} is a policy directory: compiling its Rego needs OPA, and none was "
+                f"found (--opa, ${OPA_ENV}, PATH). Build a bundle with `broker policy build` "
+                "where OPA is installed, or install OPA",
+            )
         return compile_policy_dir(policy, opa=opa)
-    return load_bundle(policy, verification_key=verification_key)
+    if opa is None:
+        print(
+            f"note: no OPA here: {policy} is decided by its own policy.wasm (signature checked); "
+            "a broker also rebuilds it from its Rego and checks the structure rules",
+            file=sys.stderr,
+        )
+        return load_bundle_as_built(policy, verification_key=verification_key, scope=scope)
+    return load_bundle(policy, verification_key=verification_key, scope=scope, opa=opa)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    opa = _opa(args)
+    opa = _opa_if_any(args)
     raw = sys.stdin.buffer.read() if args.input == "-" else _read(Path(args.input), "--input")
     try:
         document = loads_bounded(raw)
     except ValueError as exc:
         raise ConfigError("--input", f"not JSON: {exc}") from exc
-    compiled = _compiled(args.policy, opa, args.verification_key)
+    compiled = _compiled(args.policy, opa, args.verification_key, args.scope)
     decision = Decision.from_result(
         WasmPolicyInstance(compiled).evaluate(document), compiled.digest
     )
@@ -236,6 +319,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.explain:
         if not args.policy.is_dir():
             raise ConfigError("--explain", "needs --policy DIR (a Wasm bundle carries no Rego)")
+        if opa is None:
+            raise ConfigError("--explain", "OPA's trace needs OPA (--opa, $BROKER_OPA, PATH)")
         done = run_opa(
             opa,
             "eval",
@@ -264,7 +349,7 @@ def _read(path: Path, what: str) -> bytes:
 
 def _replay(args: argparse.Namespace) -> int:
     since = _time(args.since) if args.since else None
-    compiled = _compiled(args.policy, _opa(args), args.verification_key)
+    compiled = _compiled(args.policy, _opa_if_any(args), args.verification_key, args.scope)
     instance = WasmPolicyInstance(compiled)
     summary = {
         "decisions": 0,
@@ -335,8 +420,27 @@ def _time(text: str) -> datetime:
 
 
 def _build(args: argparse.Namespace) -> int:
+    freshness = None
+    if args.signing_key is None:
+        if args.scope or args.policy_version is not None:
+            raise ConfigError("--scope", "--scope and --version go with --signing-key")
+    else:
+        if not args.scope:
+            raise ConfigError("--scope", "a signed bundle needs the environment it is for")
+        expires_in = _duration(args.expires_in)
+        freshness = default_freshness(os.environ, time.time(), expires_in=expires_in)
+        if args.policy_version is not None:
+            if not 0 < args.policy_version <= MAX_VERSION:
+                raise ConfigError("--version", "a positive integer")
+            freshness = replace(freshness, version=args.policy_version)
     compiled = build_bundle(
-        args.dir, args.output, opa=_opa(args), signing_key=args.signing_key, revision=args.revision
+        args.dir,
+        args.output,
+        opa=_opa(args),
+        signing_key=args.signing_key,
+        revision=args.revision,
+        scope=args.scope,
+        freshness=freshness,
     )
     print(
         json.dumps(
@@ -346,7 +450,31 @@ def _build(args: argparse.Namespace) -> int:
                 "revision": compiled.revision,
                 "policy_digest": compiled.digest,
                 "source_digest": compiled.source_digest,
+                **(
+                    {
+                        "scope": args.scope,
+                        "policy_version": freshness.version,
+                        "policy_expires": freshness.expires_at,
+                    }
+                    if freshness is not None
+                    else {}
+                ),
             }
         )
     )
     return 0
+
+
+DURATION_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def _duration(text: str) -> int:
+    """``30d``, ``12h``, ``90m``, ``3600s`` (or plain seconds) as seconds.
+
+    Raises:
+        ConfigError: anything else, or not positive.
+    """
+    number, unit = (text[:-1], text[-1]) if text[-1:] in DURATION_UNITS else (text, "s")
+    if not number.isdigit() or int(number) <= 0:
+        raise ConfigError("--expires-in", f"not a duration like 30d, 12h or 3600s: {text!r}")
+    return int(number) * DURATION_UNITS[unit]

@@ -6,8 +6,9 @@ action ``weights-encrypt`` before any byte is encrypted) and writes BRKW1 files
 (docs/weights-format.md): one file, or a whole directory such as a Hugging Face snapshot, with
 ``manifest.json``. Segments are encrypted on a thread pool (AES-GCM releases the GIL) while
 the file is read once, in order; memory stays at ``2 * workers`` segments whatever the size.
-``decrypt`` is for the owner's own checks (same logging, digests compared with the manifest);
-``inspect`` reads a header and needs no key.
+``OUT`` may be ``gs://bucket/object`` (or a prefix for a directory): encrypted locally, then
+uploaded (``cloud/storage_upload.py``). ``decrypt`` is for the owner's own checks (same
+logging, digests compared with the manifest); ``inspect`` reads a header and needs no key.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,8 +32,9 @@ from tqdm import tqdm
 
 from broker.audit.log import DecisionLog
 from broker.client.weights import decrypt_to, open_source, read_sealed
+from broker.cloud.storage_upload import split_gs_uri, storage_client, upload
 from broker.config import load_settings
-from broker.core.errors import InputError
+from broker.core.errors import FileFormatError, InputError
 from broker.crypto.weights import (
     DEFAULT_SEGMENT,
     MAX_SEGMENT,
@@ -57,7 +60,11 @@ Advance = Callable[[int], object]
 def add_commands(weights: Any) -> None:
     encrypt = weights.add_parser("encrypt", help="encrypt a weights file or a model directory")
     encrypt.add_argument("source", type=Path, metavar="IN")
-    encrypt.add_argument("target", type=Path, metavar="OUT", help="a file, or a directory")
+    encrypt.add_argument(
+        "target",
+        metavar="OUT",
+        help="a file or a directory; gs://BUCKET/NAME uploads (the [gcs] extra)",
+    )
     encrypt.add_argument("--key", required=True)
     encrypt.add_argument("--version", type=int, help="default: the newest enabled version")
     encrypt.add_argument("--config", type=Path, required=True)
@@ -161,15 +168,34 @@ def model_files(directory: Path) -> Iterator[Path]:
 
 
 def _encrypt(args: argparse.Namespace) -> int:
+    """Encrypt to a path, or to ``gs://`` (encrypted locally, then uploaded)."""
+    target = str(args.target)
+    if not target.startswith("gs://"):
+        print(json.dumps(_encrypt_to(args, Path(target)), indent=2))
+        return 0
+    split_gs_uri(target)
+    client = storage_client()  # a missing [gcs] extra is said before the key is used
+    with tempfile.TemporaryDirectory(prefix="broker-weights-") as tmp:
+        name = "out" if args.source.is_dir() else target.rstrip("/").rsplit("/", 1)[-1]
+        local = Path(tmp) / name
+        result = _encrypt_to(args, local)
+        result["uploaded"] = upload(local, target, client=client)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _encrypt_to(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Encrypt ``args.source`` to ``out`` (a file, or a directory); the kid and entries."""
     if not 1 <= args.segment_size <= MAX_SEGMENT:
         raise InputError(f"--segment-size must be 1..{MAX_SEGMENT}")
+    fix = "name a weights file or a model directory (*.safetensors, *.bin, *.gguf)"
     if not args.source.exists():
-        raise InputError(f"no such file or directory: {args.source}")
+        raise FileFormatError(args.source, "no such file or directory", fix)
     if args.source.is_dir():
         plan = [p for p in model_files(args.source) if p.name.endswith(WEIGHT_SUFFIXES)]
         if not plan:
-            raise InputError(f"{args.source} holds no *.safetensors, *.bin or *.gguf files")
-        args.target.mkdir(parents=True, exist_ok=True)
+            raise FileFormatError(args.source, "holds no weights files", fix)
+        out.mkdir(parents=True, exist_ok=True)
     else:
         plan = [args.source]
     total = sum(p.stat().st_size for p in plan)
@@ -202,11 +228,11 @@ def _encrypt(args: argparse.Namespace) -> int:
         for path in plan:
             if args.source.is_dir():
                 relative = path.relative_to(args.source).as_posix()
-                target = args.target / (relative + SEALED_SUFFIX)
+                target = out / (relative + SEALED_SUFFIX)
                 target.parent.mkdir(parents=True, exist_ok=True)
             else:
                 relative = path.name
-                target = args.target
+                target = out
             entry = encrypt_file(
                 material,
                 kid,
@@ -229,7 +255,7 @@ def _encrypt(args: argparse.Namespace) -> int:
     if args.source.is_dir():
         for other in model_files(args.source):
             if other not in plan:  # configs, tokenizers: not secret, copied as they are
-                copy = args.target / other.relative_to(args.source)
+                copy = out / other.relative_to(args.source)
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(other, copy)
         manifest = {
@@ -238,9 +264,8 @@ def _encrypt(args: argparse.Namespace) -> int:
             "segment_size": args.segment_size,
             "files": entries,
         }
-        (args.target / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    print(json.dumps({"kid": kid, "files": entries}, indent=2))
-    return 0
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return {"kid": kid, "files": entries}
 
 
 # --- decrypt -------------------------------------------------------------------------------
@@ -248,15 +273,18 @@ def _encrypt(args: argparse.Namespace) -> int:
 
 def _decrypt(args: argparse.Namespace) -> int:
     if args.source.is_dir():
-        manifest = json.loads((args.source / MANIFEST).read_text())
-        jobs = [
-            (args.source / e["encrypted"], args.target / e["path"], e.get("sha256"))
-            for e in manifest["files"]
-        ]
-        kid = str(manifest["kid"])
+        manifest = _manifest(args.source)
+        try:
+            jobs = [
+                (args.source / e["encrypted"], args.target / e["path"], e.get("sha256"))
+                for e in manifest["files"]
+            ]
+            kid = str(manifest["kid"])
+        except (KeyError, TypeError) as exc:
+            raise FileFormatError(args.source / MANIFEST, "not a manifest", NOT_WEIGHTS) from exc
     else:
         jobs = [(args.source, args.target, None)]
-        kid = _sealed_file(args.source).header.kid
+        kid = _header_of(args.source)["kid"]
     name, _, version = kid.rpartition("#")
     if not name or not version.isdigit():
         raise InputError(f"key id {kid!r} is not <key>#<version>")
@@ -357,23 +385,44 @@ def _sealed_file(path: Path) -> SealedFile:
         source.close()
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    """One file's header; for a model directory, its manifest and every file's header."""
+NOT_WEIGHTS = "name a .brkw file or a model directory `broker weights encrypt` wrote"
+
+
+def _manifest(directory: Path) -> dict[str, Any]:
+    """An encrypted model directory's manifest.
+
+    Raises:
+        FileFormatError: missing, unreadable or not a JSON object.
+    """
+    path = directory / MANIFEST
     try:
-        if not args.file.is_dir():
-            print(json.dumps(_header_of(args.file), indent=2))
-            return 0
-        manifest = json.loads((args.file / MANIFEST).read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise FileFormatError(path, f"cannot read it ({exc.strerror})", NOT_WEIGHTS) from exc
+    except ValueError as exc:
+        raise FileFormatError(path, "not a manifest (not JSON)", NOT_WEIGHTS) from exc
+    if not isinstance(manifest, dict):
+        raise FileFormatError(path, "not a manifest", NOT_WEIGHTS)
+    return manifest
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """One file's header; for a model directory, its manifest and every file's header.
+
+    Raises:
+        FileFormatError: a file that is not BRKW1, a directory without a valid manifest.
+    """
+    if not args.file.is_dir():
+        print(json.dumps(_header_of(args.file), indent=2))
+        return 0
+    manifest = _manifest(args.file)
+    try:
         files = [
             {"path": entry["path"], **_header_of(args.file / entry["encrypted"])}
             for entry in manifest["files"]
         ]
-    except WeightsFormatError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_NO
-    except (ValueError, KeyError, TypeError) as exc:
-        print(f"error: {args.file / MANIFEST}: not a manifest ({exc})", file=sys.stderr)
-        return EXIT_NO
+    except (KeyError, TypeError) as exc:
+        raise FileFormatError(args.file / MANIFEST, "not a manifest", NOT_WEIGHTS) from exc
     print(json.dumps({"manifest": manifest, "files": files}, indent=2))
     return 0
 
@@ -383,7 +432,7 @@ def _header_of(path: Path) -> dict[str, Any]:
         sealed = _sealed_file(path)
         sealed.check()
     except WeightsFormatError as exc:
-        raise WeightsFormatError(f"{path}: {exc}") from exc
+        raise FileFormatError(path, str(exc), NOT_WEIGHTS) from exc
     header = sealed.header
     return {
         "format": "BRKW1",

@@ -12,7 +12,6 @@ Environment overrides: ``BROKER_<SECTION>_<KEY>`` (upper case) replaces ``[secti
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 import re
 import socket
@@ -24,8 +23,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from broker.attestation.issuers import DEFAULT_ALGORITHMS, IssuerSettings
-from broker.config_tables import config_table, convert_value, resolve_path
-from broker.core.errors import ConfigError
+from broker.config_tables import (
+    config_table,
+    convert_value,
+    resolve_local_kek,
+    resolve_path,
+    resolve_sqlite_uri,
+)
+from broker.core.errors import ConfigError, FileFormatError
+from broker.core.hostnames import in_domain, is_loopback_host
 
 ISSUER_KINDS = frozenset({"gca", "ita", "nras"})
 # Signature algorithms each kind of issuer uses when the entry does not list its own.
@@ -64,7 +70,7 @@ class ServerSettings:
     insecure_http: bool = False
     max_body_bytes: int = 256 * 1024
     nonce_ttl_seconds: int = 120
-    max_outstanding_nonces: int = 100_000  # spent nonces within one TTL (memory, SQLite stores)
+    max_outstanding_nonces: int = 1_000_000  # spent within one TTL, each namespace (memory, SQLite)
     clock_leeway_seconds: int = 30
     # Slow-client limits (docs/configuration.md): a connection that has not sent a complete
     # request head in header_timeout_seconds is closed; an idle keep-alive connection is closed
@@ -77,6 +83,12 @@ class ServerSettings:
     # (429 rate_limited with Retry-After past it); 0: off. Bursts of rate_limit_burst.
     rate_limit_per_ip: float = 100.0
     rate_limit_burst: int = 200
+    # GET /readyz answers from checks run in the background every health_interval_seconds (one
+    # cheap call per store each time); it is limited to readyz_rate_per_ip requests per second
+    # per client address, per worker (0: off), in bursts of readyz_burst.
+    health_interval_seconds: float = 5.0
+    readyz_rate_per_ip: float = 5.0
+    readyz_burst: int = 20
     event_loop: str = "uvloop"  # or "asyncio" (the standard library's loop)
     # Names this replica in every decision record and in the default log file name
     # ("{replica}" in [audit] log); default: the host name (a pod's name on Kubernetes).
@@ -86,6 +98,19 @@ class ServerSettings:
     # A Server-Timing header on each release answer: where its time went, stage by stage
     # (bench/release_bench.py --single). Off by default: timings are for the operator.
     server_timing: bool = False
+    # The base URLs runners reach this broker at (behind a proxy: the proxy's). A DPoP proof's
+    # htu must name one of them (+ the route's path); the request's own Host header is never
+    # used. Empty: the audience, when it is an http(s) URL.
+    public_urls: tuple[str, ...] = ()
+
+    @property
+    def public_base_urls(self) -> tuple[str, ...]:
+        """``public_urls``, or the audience when it is an absolute http(s) URL (else none:
+        every DPoP proof is then refused as made for another URL)."""
+        if self.public_urls:
+            return self.public_urls
+        parts = urlsplit(self.audience)
+        return (self.audience,) if parts.scheme in ("https", "http") and parts.hostname else ()
 
     @property
     def host(self) -> str:
@@ -130,7 +155,10 @@ class PolicySettings:
     # reload_seconds (ETag / generation); replicas converge within one interval
     bundle_url: str | None = None
     bundle_verification_key: Path | None = None  # require a bundle signed with this key
-    bundle_verification_scope: str = ""  # the signature's scope must equal this (as OPA's --scope)
+    # the signature's scope must equal this (as OPA's --scope): required, naming the
+    # environment (e.g. "prod"), whenever bundle_verification_key is set
+    bundle_verification_scope: str = ""
+    bundle_ca: Path | None = None  # PEM CA(s) for an https bundle_url server with a private CA
     opa_url: str | None = None  # engine = "opa"
     opa_binary: Path | None = None  # compiles `dir`; default: next to the broker, or on PATH
     reload_seconds: int = 5  # poll dir/bundle for changes; 0 = only SIGHUP / admin reload
@@ -141,7 +169,7 @@ class PolicySettings:
 class KeySettings:
     # or postgresql://USER@HOST/DB (replicas; `broker keys migrate` first),
     # or secretmanager:projects/P
-    store: str = "sqlite:///var/lib/broker/keys.db"
+    store: str = "sqlite:////var/lib/broker/keys.db"  # sqlite:///keys.db: beside the config
     kek: str = "local:/var/lib/broker/kek.key"  # or pkcs11:… or cloudkms:projects/…
     kek_previous: tuple[str, ...] = ()  # older KEKs: unwrap only, until `keys rewrap` is done
     kms_endpoint: str = "cloudkms.googleapis.com"
@@ -158,7 +186,10 @@ class KeySettings:
 @dataclass(frozen=True)
 class AuditSettings:
     log: Path = Path("/var/lib/broker/decisions-{replica}.log")  # {replica}: [server] replica_id
-    origin: str = "broker.invalid/decisions"  # checkpoints' origin line and note key name
+    # Checkpoints' origin line and note key name: one per replica, so the last part is the
+    # replica id ("{replica}": [server] replica_id); a deployment of several replicas (a shared
+    # nonce store, or peer_url) must end it with "{replica}" (docs/audit.md, "Replicas")
+    origin: str = "broker.invalid/decisions/{replica}"
     # Ed25519 PEM path, or "cloudkms:projects/…/cryptoKeyVersions/N" (EC_SIGN_ED25519);
     # unset: no checkpoints (docs/audit.md)
     signing_key: str | None = None
@@ -172,6 +203,14 @@ class AuditSettings:
     # start-up or by `broker audit key` when absent; default <log directory>/mask.key
     mask: tuple[str, ...] = ()
     mask_key: Path | None = None
+    # Where the other replicas of this deployment answer ("{replica}": a replica id), so that
+    # each log is reachable by its origin through any replica: e.g.
+    # "https://{replica}.broker-headless.broker.svc.cluster.local:8443"; unset: none
+    peer_url: str | None = None
+    peer_ca: Path | None = None  # the CA of the peers' TLS certificates (default: the system's)
+    # The key that signed this log's checkpoints until signing_key replaced it: the broker then
+    # signs a hand-over naming the new key and records the rotation (docs/audit.md)
+    previous_signing_key: str | None = None
 
 
 NONCE_STORE_FORMS = (
@@ -272,9 +311,15 @@ def split_listen(listen: str) -> tuple[str, int]:
 
 def is_development_issuer(url: str) -> bool:
     """An issuer under the reserved ``.invalid`` domain (RFC 2606): a development issuer
-    (``broker dev``, the demo, the tests), never a real one."""
-    host = (urlsplit(url).hostname or "").lower()
-    return host == "invalid" or host.endswith(".invalid")
+    (``broker dev``, the demo, the tests), never a real one. The host is compared in its one
+    normal spelling (``core/hostnames.py``: ``dev.invalid.`` and ``DEV.INVALID`` are
+    ``dev.invalid``); an issuer whose host cannot be read counts as one (refused off loopback).
+    """
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return True
+    return host is None or in_domain(host, "invalid")
 
 
 def _listens_on_loopback(server: ServerSettings) -> bool:
@@ -284,14 +329,31 @@ def _listens_on_loopback(server: ServerSettings) -> bool:
         return False
 
 
+def replica_origin(template: str, replica_id: str) -> str:
+    """``[audit] origin`` with ``{replica}`` (allowed once, as its last part) expanded.
+
+    Raises:
+        ConfigError: ``{replica}`` elsewhere than as the origin's last part.
+    """
+    if "{replica}" in template and not (
+        template.count("{replica}") == 1 and template.endswith("/{replica}")
+    ):
+        raise ConfigError(
+            "audit.origin", "{replica} may appear once, as the last part: …/{replica}"
+        )
+    return template.replace("{replica}", replica_id)
+
+
+def origin_prefix(origin: str, replica_id: str) -> str | None:
+    """What every replica's origin of this deployment starts with (its own origin less its
+    replica id), or ``None`` when the origin does not end with ``/<replica id>``."""
+    head, _, last = origin.rpartition("/")
+    return head + "/" if head and last == replica_id else None
+
+
 def is_loopback(host: str) -> bool:
-    """True when ``host`` names only this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """True when ``host``, however spelled (``core/hostnames.py``), names only this machine."""
+    return is_loopback_host(host)
 
 
 def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
@@ -300,12 +362,19 @@ def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Setti
     Raises:
         ConfigError: naming the first bad key.
     """
+    fix = "fix the file (docs/configuration.md)"
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ConfigError(str(path), f"cannot read config file ({exc.strerror})") from exc
+        raise FileFormatError(
+            path,
+            f"cannot read the config file ({exc.strerror})",
+            "give --config the path of a broker.toml (`broker dev init DIR` writes one)",
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise FileFormatError(path, "not a TOML config file (not UTF-8 text)", fix) from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(str(path), f"not valid TOML: {exc}") from exc
+        raise FileFormatError(path, f"not valid TOML: {exc}", fix) from exc
     return settings_from_mapping(raw, base_dir=path.parent, environ=environ)
 
 
@@ -324,13 +393,17 @@ def settings_from_mapping(
             raise ConfigError(key, "unknown section")
     server = config_table(ServerSettings, "server", raw, env, base_dir)
     policy = config_table(PolicySettings, "policy", raw, env, base_dir)
-    keys = config_table(KeySettings, "keys", raw, env, base_dir)
+    keys = _keys_resolved(config_table(KeySettings, "keys", raw, env, base_dir), base_dir)
     audit = config_table(AuditSettings, "audit", raw, env, base_dir)
     audit = replace(audit, log=Path(str(audit.log).replace("{replica}", server.replica_id)))
+    audit = replace(audit, origin=replica_origin(audit.origin, server.replica_id))
     if audit.mask_key is None:
         audit = replace(audit, mask_key=audit.log.parent / "mask.key")
     if audit.signing_key and not audit.signing_key.startswith("cloudkms:"):  # a file: resolve it
         audit = replace(audit, signing_key=str(resolve_path(base_dir, audit.signing_key)))
+    previous = audit.previous_signing_key
+    if previous and not previous.startswith("cloudkms:"):
+        audit = replace(audit, previous_signing_key=str(resolve_path(base_dir, previous)))
     nvidia = config_table(NvidiaSettings, "nvidia", raw, env, base_dir)
     nonces = config_table(NonceSettings, "nonces", raw, env, base_dir)
     if nonces.challenge_key is None:
@@ -365,6 +438,21 @@ def settings_from_mapping(
     )
     _validate(settings)
     return settings
+
+
+def _keys_resolved(keys: KeySettings, base_dir: Path) -> KeySettings:
+    """``[keys]`` with the SQLite store's and the local KEKs' relative paths made absolute
+    against the config file's directory (``sqlite:///keys.db``, ``local:kek.key``).
+
+    Raises:
+        ConfigError: ``keys.store`` for a relative path that used to name another file.
+    """
+    return replace(
+        keys,
+        store=resolve_sqlite_uri("keys.store", keys.store, base_dir),
+        kek=resolve_local_kek(keys.kek, base_dir),
+        kek_previous=tuple(resolve_local_kek(uri, base_dir) for uri in keys.kek_previous),
+    )
 
 
 def _admin_tokens(raw: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -436,6 +524,7 @@ def _validate(settings: Settings) -> None:
             "memory nonces live in one process; with [server] workers > 1 use sqlite:///PATH, "
             "redis://… or postgresql://… (or leave it unset for the SQLite default)",
         )
+    _validate_replica_origin(settings)
     if sum(1 for i in settings.issuers if i.kind == "nras") > 1:
         raise ConfigError("issuers", "at most one nras issuer entry")
 
@@ -462,12 +551,29 @@ def _validate_policy(policy: PolicySettings) -> None:
             raise ConfigError("policy.bundle", f"no such file: {policy.bundle}")
     elif not policy.dir.is_dir():
         raise ConfigError("policy.dir", f"not a directory: {policy.dir}")
+    _validate_bundle_trust(policy)
+
+
+def _validate_bundle_trust(policy: PolicySettings) -> None:
+    """The signature key, the scope it must name, and the bundle server's CA."""
     key = policy.bundle_verification_key
     bundled = policy.bundle is not None or policy.bundle_url is not None
     if key is not None and (not bundled or not key.is_file()):
         raise ConfigError(
             "policy.bundle_verification_key", "needs policy.bundle or bundle_url, and a PEM file"
         )
+    if key is not None and not policy.bundle_verification_scope.strip():
+        raise ConfigError(
+            "policy.bundle_verification_scope",
+            'signed bundles need a scope naming this environment (e.g. "prod"; the '
+            "signature's scope must equal it, so a bundle signed for another one is refused)",
+        )
+    if policy.bundle_ca is not None and (
+        policy.bundle_url is None
+        or not policy.bundle_url.startswith("https://")
+        or not policy.bundle_ca.is_file()
+    ):
+        raise ConfigError("policy.bundle_ca", "needs an https:// bundle_url and a PEM file")
 
 
 def _validate_audit(audit: AuditSettings) -> None:
@@ -484,6 +590,33 @@ def _validate_audit(audit: AuditSettings) -> None:
             return
         if not _url_allowed(audit.sink):
             raise ConfigError("audit.sink", "syslog://HOST:PORT or https://… (http on loopback)")
+
+
+def _validate_replica_origin(settings: Settings) -> None:
+    """Replicas of one deployment (a nonce store shared across hosts, or peers) never share an
+    origin: each signs its own log's checkpoints, so the origin must end with the replica id.
+
+    Raises:
+        ConfigError: ``audit.origin`` when two replicas would sign under one origin.
+    """
+    audit = settings.audit
+    shared = settings.nonces.store.startswith(("redis://", "rediss://", "postgresql://"))
+    if (shared or audit.peer_url) and origin_prefix(
+        audit.origin, settings.server.replica_id
+    ) is None:
+        raise ConfigError(
+            "audit.origin",
+            "replicas sharing a store each keep their own log: end the origin with "
+            '"/{replica}" (every replica would otherwise sign checkpoints under one origin)',
+        )
+    if audit.peer_url is not None:
+        parts = urlsplit(audit.peer_url.replace("{replica}", "replica"))
+        if "{replica}" not in audit.peer_url or not _url_allowed(
+            audit.peer_url.replace("{replica}", "r")
+        ):
+            raise ConfigError("audit.peer_url", "an https URL with {replica} (http on loopback)")
+        if parts.path not in ("", "/") or parts.query or parts.username:
+            raise ConfigError("audit.peer_url", "scheme, host and port only")
 
 
 def _validate_attest(attest: AttestSettings) -> None:
@@ -587,13 +720,43 @@ def _validate_server(server: ServerSettings) -> None:
         "server.keepalive_timeout_seconds": server.keepalive_timeout_seconds,
         "server.body_timeout_seconds": server.body_timeout_seconds,
         "server.max_connections_per_ip": server.max_connections_per_ip,
+        "server.health_interval_seconds": server.health_interval_seconds,
+        "server.readyz_burst": server.readyz_burst,
     }
     for key, value in limits.items():
         if value <= 0:
             raise ConfigError(key, "must be positive")
+    if server.readyz_rate_per_ip < 0:
+        raise ConfigError("server.readyz_rate_per_ip", "must not be negative (0: off)")
     if not 0 <= server.clock_leeway_seconds <= 300:
         raise ConfigError("server.clock_leeway_seconds", "must be between 0 and 300")
+    _validate_public_urls(server.public_urls)
     _validate_processes(server)
+
+
+def _validate_public_urls(urls: tuple[str, ...]) -> None:
+    for url in urls:
+        _validate_public_url(url)
+
+
+def _validate_public_url(url: str) -> None:
+    """An absolute https URL (http on loopback), without query, fragment or user info."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a port out of range
+    except ValueError as exc:
+        raise ConfigError("server.public_urls", f"{url!r} is not a URL") from exc
+    if (
+        not _url_allowed(url)
+        or not parts.hostname
+        or parts.query
+        or parts.fragment
+        or "@" in parts.netloc
+    ):
+        raise ConfigError(
+            "server.public_urls",
+            f"{url!r}: each must be an https URL (http on loopback), no query, fragment or user",
+        )
 
 
 def _validate_processes(server: ServerSettings) -> None:

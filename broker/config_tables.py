@@ -35,7 +35,7 @@ def config_table(
         values[key] = value
     for key in allowed:
         env_name = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
-        if env_name in env:
+        if env.get(env_name, ""):  # an empty variable counts as unset (as a shell's ${X:-})
             values[key] = env[env_name]
     converted = {
         key: convert_value(f"{name}.{key}", value, allowed[key].type, base_dir)
@@ -91,3 +91,39 @@ def resolve_path(base_dir: Path, value: str) -> Path:
     """``value`` as a path; a relative one is relative to the config file's directory."""
     path = Path(value).expanduser()
     return path if path.is_absolute() else (base_dir / path).resolve()
+
+
+SQLITE = "sqlite:///"
+
+
+def resolve_sqlite_uri(key: str, uri: str, base_dir: Path) -> str:
+    """A ``sqlite:///PATH`` store URI with PATH made absolute, as ``sqlite:////ABSOLUTE``.
+
+    SQLAlchemy's convention: ``sqlite:///keys.db`` is relative (here: to ``base_dir``, the config
+    file's directory), ``sqlite:////var/lib/broker/keys.db`` absolute. Other URIs are returned
+    unchanged.
+
+    Raises:
+        ConfigError: ``key`` when a relative PATH would silently stand for another file than
+            the absolute one an older broker read (``/PATH`` exists, ``base_dir/PATH`` not).
+    """
+    if not uri.startswith(SQLITE) or len(uri) == len(SQLITE):
+        return uri
+    text = uri.removeprefix(SQLITE)
+    path = resolve_path(base_dir, text)
+    legacy = Path("/" + text)
+    if not Path(text).is_absolute() and not path.exists() and legacy.is_file():
+        raise ConfigError(
+            key,
+            f"{uri} is relative to the config file ({path}, absent), but {legacy} exists: "
+            f'write "sqlite:///{legacy}" for that file (four slashes: an absolute path)',
+        )
+    return f"{SQLITE}{path}"
+
+
+def resolve_local_kek(uri: str, base_dir: Path) -> str:
+    """A ``local:PATH`` KEK URI with a relative PATH made absolute against ``base_dir`` (the
+    config file's directory); other URIs unchanged."""
+    if not uri.startswith("local:") or len(uri) == len("local:"):
+        return uri
+    return f"local:{resolve_path(base_dir, uri.removeprefix('local:'))}"

@@ -33,6 +33,7 @@ import base64
 import hashlib
 import json
 import secrets
+import socket
 import ssl
 import struct
 import sys
@@ -106,7 +107,11 @@ async def _run(workdir: Path) -> bool:
         extra_toml=f'[admin]\ntoken_sha256 = ["{_sha256(admin_token)}"]\n\n'
         '[attest]\nenabled = true\nsigning_key = "result-signing.pem"\n',
     )
-    settings = load_settings(config, environ={})
+    listening = socket.socket()  # bound first: DPoP proofs name its URL ([server] public_urls)
+    listening.bind(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    public = f"{AUDIENCE},https://127.0.0.1:{port}"
+    settings = load_settings(config, environ={"BROKER_SERVER_PUBLIC_URLS": public})
     _say("setup", f"config {config} (TLS on loopback, development issuer {issuer.issuer})")
 
     change_log = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
@@ -125,9 +130,8 @@ async def _run(workdir: Path) -> bool:
     storage = await _storage_server(workdir / "bucket", workdir)
     runner = BrokerRunner(create_app(settings), settings.server)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl_context(settings))
+    site = web.SockSite(runner, listening, ssl_context=server_ssl_context(settings))
     await site.start()
-    port = runner.addresses[0][1]
     client_tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
     ok = False
     try:

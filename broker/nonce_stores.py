@@ -1,6 +1,9 @@
 """Where spent nonces live across processes and replicas: SQLite (one host), Redis and
 PostgreSQL (replicas).
 
+Two namespaces, each with its own bound where the store has one: challenges (``challenge``) and
+DPoP proofs' ``jti``s (``dpop_jti``), in a table, key prefix or map of their own.
+
 Each keeps ``broker.nonces.SpentNonces``' contract: a nonce is spent by one atomic
 insert-if-absent in the store itself and remembered until it would have expired, so of any
 number of concurrent uses across processes and replicas exactly one succeeds; the others see
@@ -36,38 +39,55 @@ log = logging.getLogger(__name__)
 def open_nonce_store(
     uri: str, *, ttl: timedelta, capacity: int, timeout: float, key_path: Path
 ) -> NonceStore:
-    """Challenges MAC'd with the key in ``key_path``; spent nonces where ``[nonces] store``
-    names (validated by the config loader)."""
+    """Challenges MAC'd with the key in ``key_path``; spent nonces and spent DPoP ``jti``s where
+    ``[nonces] store`` names (validated by the config loader), each namespace bounded by
+    ``capacity`` on its own."""
     return StatelessNonceStore(
-        open_spent_store(uri, capacity=capacity, timeout=timeout), key_path=key_path, ttl=ttl
+        open_spent_store(uri, capacity=capacity, timeout=timeout, namespace=CHALLENGES),
+        key_path=key_path,
+        ttl=ttl,
+        jtis=open_spent_store(uri, capacity=capacity, timeout=timeout, namespace=DPOP_JTIS),
     )
 
 
-def open_spent_store(uri: str, *, capacity: int, timeout: float) -> SpentNonces:
+CHALLENGES = "challenge"
+DPOP_JTIS = "dpop_jti"
+# table (SQLite, PostgreSQL) and key prefix (Redis) of each namespace; the challenges' are the
+# names stores have always used, so an upgrade keeps what was spent
+SQLITE_TABLES = {CHALLENGES: "spent_nonces", DPOP_JTIS: "spent_dpop_jtis"}
+
+
+def open_spent_store(
+    uri: str, *, capacity: int, timeout: float, namespace: str = CHALLENGES
+) -> SpentNonces:
     if uri == "memory":
         return MemorySpentNonces(capacity=capacity)
     if uri.startswith("sqlite:///"):
         return SqliteSpentNonces(
-            Path(uri.removeprefix("sqlite://")), capacity=capacity, timeout=timeout
+            Path(uri.removeprefix("sqlite://")),
+            capacity=capacity,
+            timeout=timeout,
+            table=SQLITE_TABLES[namespace],
         )
     # The Redis and PostgreSQL clients load only where such a store is configured.
     if uri.startswith(("redis://", "rediss://")):
         from broker.nonce_stores_shared import RedisSpentNonces  # noqa: PLC0415
 
-        return RedisSpentNonces(uri, timeout=timeout)
+        return RedisSpentNonces(uri, timeout=timeout, namespace=namespace)
     if uri.startswith(("postgresql://", "postgres://")):
         from broker.nonce_stores_shared import PostgresSpentNonces  # noqa: PLC0415
 
-        return PostgresSpentNonces(uri, timeout=timeout)
+        return PostgresSpentNonces(uri, timeout=timeout, namespace=namespace)
     raise ConfigError("nonces.store", NONCE_STORE_FORMS)
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS spent_nonces (
+def _schema(table: str) -> str:
+    return f"""
+CREATE TABLE IF NOT EXISTS {table} (
     nonce TEXT PRIMARY KEY,
     expires_at REAL NOT NULL
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS spent_nonces_expiry ON spent_nonces (expires_at);
+CREATE INDEX IF NOT EXISTS {table}_expiry ON {table} (expires_at);
 """
 
 
@@ -84,13 +104,18 @@ class SqliteSpentNonces:
 
     MAX_PURGE_EVERY = 256
 
-    def __init__(self, path: Path, *, capacity: int, timeout: float) -> None:
+    def __init__(
+        self, path: Path, *, capacity: int, timeout: float, table: str = "spent_nonces"
+    ) -> None:
+        if table not in SQLITE_TABLES.values():
+            raise ValueError(f"unknown spent-nonce table {table!r}")
         self._capacity = capacity
+        self._table = table
         self._db = SqliteThread(
             path,
             timeout=timeout,
-            schema=_SCHEMA,
-            thread_name="nonce-sqlite",
+            schema=_schema(table),
+            thread_name=f"nonce-sqlite-{table}",
             unavailable=unavailable,
         )
         self._spends = 0
@@ -118,13 +143,13 @@ class SqliteSpentNonces:
         self, db: sqlite3.Connection, nonce: str, expires_at: float, now: float, purge: bool
     ) -> str:
         if purge:
-            db.execute("DELETE FROM spent_nonces WHERE expires_at <= ?", (now,))
-            (count,) = db.execute("SELECT count(*) FROM spent_nonces").fetchone()
+            db.execute(f"DELETE FROM {self._table} WHERE expires_at <= ?", (now,))  # noqa: S608
+            (count,) = db.execute(f"SELECT count(*) FROM {self._table}").fetchone()  # noqa: S608
             self._full = count >= self._capacity
         if self._full:
             return "full"
         inserted = db.execute(
-            "INSERT OR IGNORE INTO spent_nonces (nonce, expires_at) VALUES (?, ?)",
+            f"INSERT OR IGNORE INTO {self._table} (nonce, expires_at) VALUES (?, ?)",  # noqa: S608
             (nonce, expires_at),
         ).rowcount
         return "ok" if inserted == 1 else "reused"

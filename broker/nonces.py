@@ -9,11 +9,20 @@ workers of a host share, created if absent; replicas behind one load balancer mu
 covers the other 20 bytes. Handing one out touches no store, so an unauthenticated flood of
 ``POST /v1/challenge`` cannot fill anything or lock anyone out.
 
-Using one: the MAC (constant-time), the key id and the expiry are checked first (``nonce_unknown``
-when any fails — forged, from another key, expired, malformed); then the nonce is *spent* in the
-configured store, one atomic insert-if-absent, and kept there only until it would have expired, so
-of any number of concurrent uses across processes and replicas exactly one succeeds and the others
-see ``nonce_reused``. Where spent nonces live is chosen by ``[nonces] store``:
+Using one is two steps, in this order (``release.py``, ``attest.py``):
+
+1. ``verify_challenge``: the MAC (constant-time), the key id and the expiry, no store touched
+   (``nonce_unknown`` when any fails — forged, from another key, expired, malformed);
+2. the evidence that carries the nonce is verified (signature, issuer, audience, binding to
+   this nonce and the runner key); only then ``spend_challenge``: one atomic insert-if-absent
+   in the configured store, kept only until the challenge would have expired, so of any number
+   of concurrent uses across processes and replicas exactly one succeeds and the others see
+   ``nonce_reused``. Forged or garbage evidence therefore spends nothing, and the spent store
+   holds only nonces of evidence an attestation service really signed for this broker.
+
+DPoP proofs' ``jti``s (``spend_jti``) live in a namespace of their own with a bound of their own
+(a second table, key prefix or map), so a flood of proofs cannot fill the challenges' space, nor
+the other way round. Where spent values live is chosen by ``[nonces] store``:
 
 * ``memory`` — one process (the default);
 * ``sqlite:///PATH`` — several processes on one host;
@@ -21,9 +30,10 @@ see ``nonce_reused``. Where spent nonces live is chosen by ``[nonces] store``:
 * ``postgresql://USER@HOST/DB`` — replicas without Redis (``INSERT … ON CONFLICT DO NOTHING``).
 
 A store that cannot answer raises ``503 nonce_store_unavailable``: a nonce is never accepted
-without the store having recorded it spent. The memory and SQLite stores are bounded
-(``[server] max_outstanding_nonces`` spent nonces within one TTL, 503 ``nonce_store_full``
-past it); only a release request can add to them, and those are rate-limited per client.
+without the store having recorded it spent. The memory and SQLite stores are bounded, each
+namespace on its own (``[server] max_outstanding_nonces`` values within their lifetime, 503
+``nonce_store_full`` past it); docs/decisions.md gives the arithmetic of why no client or
+handful of addresses can reach that bound.
 """
 
 from __future__ import annotations
@@ -34,7 +44,6 @@ import logging
 import math
 import secrets
 import struct
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -53,6 +62,7 @@ MAC_CONTEXT = b"sealed-broker challenge v1\0"
 # so one can never pass for the other; not single use, good for DPOP_NONCE_TTL
 DPOP_NONCE_CONTEXT = b"sealed-broker dpop-nonce v1\0"
 DPOP_NONCE_TTL = timedelta(minutes=5)
+DEFAULT_JTI_CAPACITY = 100_000  # spent DPoP jtis within their lifetime, when none is configured
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Challenge:
     nonce: str  # base64url of NONCE_BYTES
+    expires_at: datetime
+
+
+@dataclass(frozen=True)
+class VerifiedChallenge:
+    """A challenge this broker made and that has not expired (``verify_challenge``); not yet
+    spent. Only such a value can be spent (``spend_challenge``)."""
+
+    nonce: str
     expires_at: datetime
 
 
@@ -74,13 +93,23 @@ class NonceStore(Protocol):
         """A fresh challenge (no store is touched)."""
         ...
 
-    async def consume(self, nonce: str, now: datetime) -> None:
-        """Atomically mark ``nonce`` used; raise ``nonce_unknown`` or ``nonce_reused``."""
+    def verify_challenge(self, nonce: str, now: datetime) -> VerifiedChallenge:
+        """Step 1: this broker made ``nonce`` and it is fresh (no store is touched); raise
+        ``nonce_unknown``."""
         ...
 
-    async def spend(self, value: str, expires_at: datetime, now: datetime) -> None:
-        """Spend any single-use value (a DPoP proof's ``jti``) in the same shared store; raise
-        ``nonce_reused`` if it already was."""
+    async def spend_challenge(self, challenge: VerifiedChallenge, now: datetime) -> None:
+        """Step 2, once the evidence carrying it verified: atomically mark it used; raise
+        ``nonce_reused`` (or 503 ``nonce_store_full`` / ``nonce_store_unavailable``)."""
+        ...
+
+    async def consume(self, nonce: str, now: datetime) -> None:
+        """Steps 1 and 2 at once (for callers with nothing to verify in between)."""
+        ...
+
+    async def spend_jti(self, value: str, expires_at: datetime, now: datetime) -> None:
+        """Spend a DPoP proof's ``jti`` in its own namespace of the shared store (its own
+        bound); raise ``nonce_reused`` if it already was."""
         ...
 
     def server_nonce(self, now: datetime) -> str:
@@ -155,10 +184,19 @@ class ChallengeCodec:
 
 
 class StatelessNonceStore:
-    """``NonceStore``: challenges from a ``ChallengeCodec``, spent nonces in ``spent``."""
+    """``NonceStore``: challenges from a ``ChallengeCodec``, spent nonces in ``spent``, spent
+    DPoP ``jti``s in ``jtis`` (default: a process-local store of ``DEFAULT_JTI_CAPACITY``)."""
 
-    def __init__(self, spent: SpentNonces, *, key_path: Path, ttl: timedelta) -> None:
+    def __init__(
+        self,
+        spent: SpentNonces,
+        *,
+        key_path: Path,
+        ttl: timedelta,
+        jtis: SpentNonces | None = None,
+    ) -> None:
         self._spent = spent
+        self._jtis = jtis if jtis is not None else MemorySpentNonces(capacity=DEFAULT_JTI_CAPACITY)
         self._key_path = key_path
         self._ttl = ttl
         self._codec: ChallengeCodec | None = None
@@ -174,12 +212,17 @@ class StatelessNonceStore:
     async def issue(self, now: datetime) -> Challenge:
         return self._ready().issue(now)
 
-    async def consume(self, nonce: str, now: datetime) -> None:
-        expires_at = self._ready().verify(nonce, now)
-        await self._spent.spend(nonce, expires_at, now)
+    def verify_challenge(self, nonce: str, now: datetime) -> VerifiedChallenge:
+        return VerifiedChallenge(nonce, self._ready().verify(nonce, now))
 
-    async def spend(self, value: str, expires_at: datetime, now: datetime) -> None:
-        await self._spent.spend(value, expires_at, now)
+    async def spend_challenge(self, challenge: VerifiedChallenge, now: datetime) -> None:
+        await self._spent.spend(challenge.nonce, challenge.expires_at, now)
+
+    async def consume(self, nonce: str, now: datetime) -> None:
+        await self.spend_challenge(self.verify_challenge(nonce, now), now)
+
+    async def spend_jti(self, value: str, expires_at: datetime, now: datetime) -> None:
+        await self._jtis.spend(value, expires_at, now)
 
     def server_nonce(self, now: datetime) -> str:
         if self._dpop is None:
@@ -197,9 +240,13 @@ class StatelessNonceStore:
 
     async def check(self) -> None:
         await self._spent.check()
+        await self._jtis.check()
 
     async def close(self) -> None:
-        await self._spent.close()
+        try:
+            await self._spent.close()
+        finally:
+            await self._jtis.close()
 
     def _ready(self) -> ChallengeCodec:
         if self._codec is None:
@@ -229,27 +276,30 @@ def store_unavailable() -> UpstreamError:
 
 
 class MemorySpentNonces:
-    """Spent nonces of one process. Operations are atomic: no ``await`` inside them."""
+    """Spent values of one process: 16 bytes of each value's SHA-256 with its expiry (unix
+    seconds), ~110 bytes an entry. Insertion order is (nearly) expiry order: expired entries
+    are dropped from the front. Operations are atomic: no ``await`` inside them."""
 
     def __init__(self, *, capacity: int) -> None:
         self._capacity = capacity
-        # nonce -> expires_at; insertion order is expiry order (one TTL for all)
-        self._entries: OrderedDict[str, datetime] = OrderedDict()
+        self._entries: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     async def spend(self, nonce: str, expires_at: datetime, now: datetime) -> None:
+        cutoff = now.timestamp()
         while self._entries:
             oldest, expiry = next(iter(self._entries.items()))
-            if expiry > now:
+            if expiry > cutoff:
                 break
             del self._entries[oldest]
-        if nonce in self._entries:
+        value = hashlib.sha256(nonce.encode("utf-8", "surrogatepass")).digest()[:16]
+        if value in self._entries:
             raise reused_nonce()
         if len(self._entries) >= self._capacity:
             raise store_full()
-        self._entries[nonce] = expires_at
+        self._entries[value] = math.ceil(expires_at.timestamp())
 
     async def check(self) -> None:
         return None

@@ -25,7 +25,8 @@ from broker.core.errors import AttestationError, ConfigError
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
 
-CERTS = Path(__file__).resolve().parent.parent / "certs"
+# certs/ of the repository, installed with the package (pyproject: package-data)
+CERTS = Path(__file__).resolve().parent / "shipped" / "certs"
 DEFAULT_ROOTS = {
     "gca": CERTS / "google_confidential_space_root.crt",
     "ita": CERTS / "intel_trust_authority_root_ca.pem",

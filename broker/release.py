@@ -4,8 +4,10 @@ Order, for every request body that parsed as a JSON object:
 
 0. check the body's shape (key name, version, nonce, runner key, wrap) — a malformed request
    is a ``deny`` record like any other, its nonce untouched (it cannot be trusted to name one);
-1. consume the nonce atomically (whatever happens next, it is spent);
-2. verify the evidence and its binding to the nonce and the runner key;
+1. check the nonce is a challenge this broker made and that has not expired (a MAC: no store);
+2. verify the evidence and its binding to the nonce and the runner key, then spend the nonce
+   atomically (whatever happens next, it is spent): forged or garbage evidence spends nothing,
+   so junk releases carrying fresh challenges cannot fill the spent-nonce store;
 3. resolve the key version;
 4. normalise claims and evaluate the policy;
 5. if allowed, unwrap the DEK and wrap it to the runner key, in memory only;
@@ -201,8 +203,7 @@ class ReleaseService:
         )
 
     async def _decide(self, outcome: _Outcome, request: ReleaseRequest, now: datetime) -> str:
-        await self._nonces.consume(request.nonce, now)
-        outcome.lap("nonce")
+        challenge = self._nonces.verify_challenge(request.nonce, now)
         outcome.evidence = await self._verifier.verify(
             request.unverified_evidence,
             nonce=request.nonce,
@@ -210,6 +211,8 @@ class ReleaseService:
             now=now,
         )
         outcome.lap("evidence")
+        await self._nonces.spend_challenge(challenge, now)  # authentic evidence: spent now
+        outcome.lap("nonce")
         if self._seen is not None:  # what OCSP revoked revokes attestation results too
             await self._seen(outcome.evidence, now)
         outcome.record = record = await self._keys.resolve(request.key, request.version)

@@ -10,8 +10,11 @@ connections over the workers' listening sockets. The supervisor:
   (``BROKER_SERVER_LISTEN``, ``BROKER_NONCES_STORE``; a worker never picks a per-process store);
 * restarts a worker that exits, with a back-off that grows while it keeps dying young
   (1 s, 2 s, … at most 30 s) and resets once it has run for a minute;
-* forwards SIGHUP (policy reload) to every worker; a worker that receives an admin reload sends
-  SIGHUP here and waits until every worker reports the new policy (``policy/workers.py``);
+* forwards SIGHUP (policy reload, TLS certificate) to every worker; a worker that receives an
+  admin reload sends SIGHUP here and waits until every worker reports the new policy
+  (``policy/workers.py``). A worker gets SIGHUP only once it says it serves (it installs its
+  handler first): SIGHUP's default action would kill a worker still starting, so one that
+  arrives meanwhile is held and sent when the worker is up;
 * on SIGTERM or SIGINT stops restarting, sends SIGTERM to every worker (each drains its
   connections and closes its stores), waits ``STOP_GRACE_SECONDS``, then SIGKILLs stragglers.
 
@@ -73,6 +76,8 @@ class Worker:
     started: float = 0.0
     failures: int = 0  # consecutive early exits
     waiter: asyncio.Task[int] | None = field(default=None, repr=False)
+    serving: bool = False  # its SIGHUP handler is installed (it marked itself serving)
+    owed_sighup: bool = False  # a SIGHUP arrived while it was starting
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -205,10 +210,12 @@ class Supervisor:
             for worker in self._workers:
                 await self._start(worker)
             announcer = asyncio.create_task(self._until_serving())
+            tracker = asyncio.create_task(self._track_serving())
             try:
                 await self._watch()
             finally:
                 announcer.cancel()
+                tracker.cancel()
         finally:
             await self._stop_all()
             reserved.close()
@@ -250,6 +257,20 @@ class Supervisor:
                 )
             await asyncio.sleep(0.05)
 
+    async def _track_serving(self) -> None:
+        """Note each worker (and each restart) once it serves; hand it a SIGHUP held for it."""
+        while True:
+            for worker in self._workers:
+                process = worker.process
+                if process is None or worker.serving or process.returncode is not None:
+                    continue
+                if await asyncio.to_thread(self._group.serving_pid, worker.index) == process.pid:
+                    worker.serving = True
+                    if worker.owed_sighup:
+                        worker.owed_sighup = False
+                        process.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.05)
+
     async def _start(self, worker: Worker) -> None:
         env = {
             **os.environ,
@@ -274,6 +295,7 @@ class Supervisor:
             pass_fds=(self._read_end,),
         )
         worker.started = time.monotonic()
+        worker.serving = False
         worker.waiter = asyncio.create_task(worker.process.wait())
 
     async def _watch(self) -> None:
@@ -316,6 +338,9 @@ class Supervisor:
     def _forward(self, signum: int) -> None:
         for worker in self._workers:
             if worker.process is not None and worker.process.returncode is None:
+                if signum == signal.SIGHUP and not worker.serving:
+                    worker.owed_sighup = True  # sent once it serves (_track_serving)
+                    continue
                 worker.process.send_signal(signum)
 
     async def _stop_all(self) -> None:

@@ -17,7 +17,7 @@ from aiohttp import web
 from broker.api.body import read_json_object, string_field
 from broker.api.services import ATTESTATIONS, CLOCK, KEYS, POLICIES, SETTINGS
 from broker.attestation.stored import MAX_REASON_CHARS
-from broker.core.errors import Conflict, ErrorCode, Unauthorized, UpstreamError
+from broker.core.errors import Conflict, ErrorCode, InputError, Unauthorized, UpstreamError
 from broker.keys import admin
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -115,11 +115,23 @@ async def _version_action(request: web.Request, action: str) -> web.Response:
 
 async def reload_policy(request: web.Request) -> web.Response:
     """``POST /v1/admin/policy/reload`` (role ``policy-admin``): check, test and swap the policy;
-    the last good one keeps serving if anything fails."""
+    the last good one keeps serving if anything fails. ``{"allow_downgrade": true, "reason":
+    "…"}`` lets a signed bundle older than the one in force go live (the only way to roll back
+    on purpose); the ``policy_change`` record names who and why."""
+    body: dict[str, object] = {}
     if request.can_read_body:
-        await read_json_object(request, required=())
+        body = await read_json_object(request, required=(), optional=("allow_downgrade", "reason"))
+    downgrade = body.get("allow_downgrade", False)
+    if not isinstance(downgrade, bool):
+        raise InputError("allow_downgrade must be a boolean")
+    reason = string_field(body, "reason", max_chars=MAX_REASON_CHARS) if downgrade else None
+    if not downgrade and "reason" in body:
+        raise InputError("reason goes with allow_downgrade: true")
     reloaded = await request.app[POLICIES].reload_everywhere(
-        trigger="admin", who=request[ADMIN_WHO]
+        trigger="admin-downgrade" if downgrade else "admin",
+        who=request[ADMIN_WHO],
+        allow_downgrade=downgrade,
+        reason=reason,
     )
     workers = [r.describe() for r in reloaded.reports]
     if reloaded.refused or not reloaded.outcome.ok:

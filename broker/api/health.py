@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from aiohttp import web
 
-from broker.api.middleware import METRICS
+from broker.api.admin import check_admin
+from broker.api.middleware import METRICS, REQUEST_ID
 from broker.api.openapi import openapi_document
 from broker.api.services import READINESS
+from broker.config import ADMIN_ROLES
+from broker.core.errors import ErrorCode, Unauthorized
 
 # ``broker serve --workers N`` numbers its workers (supervisor.py); a single process is worker 0.
 WORKER_INDEX = int(os.environ.get("BROKER_WORKER_INDEX", "0") or 0)
@@ -21,13 +25,54 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Live readiness: policy digest, key store reachable, decision log size now, and every
-    declared feature able to work (query keys need ``[keys] signing_key`` for their statements).
+    """``GET /readyz``: the state the background checks left (``api/readiness.py``), so a hit
+    costs no call to any store. Anyone gets ``{"status": "ready"|"degraded"|"not_ready"}``;
+    a bearer token holding any admin role also gets each check, problem and warning. A
+    not-ready broker answers 503 with the ``not_ready`` error (its problems to admins only).
 
     Raises:
-        UpstreamError: ``not_ready`` (503) naming each service that does not answer.
+        Unauthorized: an ``Authorization`` header that holds no admin role (401).
     """
-    return web.json_response({"status": "ready", "checks": await request.app[READINESS].report()})
+    report = request.app[READINESS].report(time.monotonic())
+    body: dict[str, object] = {"status": report.status}
+    admin = _admin(request)
+    if admin:
+        body |= {
+            "checks": report.checks,
+            "problems": list(report.problems),
+            "warnings": list(report.warnings),
+            "checked_at": report.checked_at,
+            "age_seconds": report.age_seconds,
+        }
+    if report.status != "not_ready":
+        return web.json_response(body)
+    message = "not ready: " + "; ".join(report.problems) if admin else "not ready"
+    error: dict[str, object] = {
+        "code": ErrorCode.NOT_READY.value,
+        "message": message,
+        "request_id": request[REQUEST_ID],
+    }
+    if admin:
+        error["checks"] = report.checks
+    return web.json_response({**body, "error": error}, status=503)
+
+
+def _admin(request: web.Request) -> bool:
+    """Whether the request holds an admin token (any role); without an ``Authorization``
+    header it is an anonymous probe.
+
+    Raises:
+        Unauthorized: a header that holds no admin role (the admin API's one answer).
+    """
+    if "Authorization" not in request.headers:
+        return False
+    for role in sorted(ADMIN_ROLES):
+        try:
+            check_admin(request, role)
+        except Unauthorized:
+            continue
+        return True
+    raise Unauthorized("admin credentials are missing or wrong")
 
 
 _OPENAPI = json.dumps(openapi_document(), sort_keys=True).encode()

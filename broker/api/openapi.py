@@ -86,8 +86,12 @@ def openapi_document() -> dict[str, Any]:
             },
             "/readyz": {
                 "get": {
-                    "summary": "readiness, live",
-                    "responses": {"200": _json(_ref("Ready"), "ready"), **_errors()},
+                    "summary": "readiness, from background checks (details to admins)",
+                    "responses": {
+                        "200": _json(_ref("Ready"), "ready or degraded"),
+                        **_errors(401, 429),
+                        "503": _json(_ref("Ready"), "not ready (with the not_ready error)"),
+                    },
                 }
             },
             "/metrics": {
@@ -163,7 +167,11 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {
                         "201": {
                             "description": "the signed EAR (compact JWS)",
-                            "headers": {"Location": {"schema": {"type": "string"}}},
+                            "headers": {
+                                "Location": {"schema": {"type": "string"}},
+                                "Broker-Log-Origin": {"schema": {"type": "string"}},
+                                "Broker-Log-Index": {"schema": {"type": "string"}},
+                            },
                             "content": {EAR_MEDIA_TYPE: {"schema": {"type": "string"}}},
                         },
                         **_errors(400, 401, 403, 404, 408, 413, 415),
@@ -172,12 +180,13 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/attestations/{jti}": {
                 "get": {
-                    "summary": "an attestation result's status (active or revoked, and why)",
+                    "summary": "an attestation result's status (active or revoked); why it "
+                    "was revoked only with an auditor or key-admin bearer token",
                     "tags": ["runner"],
                     "parameters": [jti],
                     "responses": {
                         "200": _json(_ref("Attestation"), "the status"),
-                        **_errors(404),
+                        **_errors(401, 404),
                     },
                 }
             },
@@ -246,25 +255,43 @@ def openapi_document() -> dict[str, Any]:
             "/v1/admin/policy/reload": {
                 "post": {
                     **_admin(
-                        "swap the policy in every worker; answered once all serve it",
+                        "swap the policy in every worker; answered once all serve it "
+                        "(allow_downgrade with a reason: a deliberate rollback to an older "
+                        "signed bundle, logged with who and why)",
                         None,
                         (200, "PolicyReload"),
+                        400,
                         409,
                     ),
                     "tags": ["admin"],
                     "security": [{"bearer": []}],
-                    "requestBody": _body(_object_schema({}, []), required=False),
+                    "requestBody": _body(
+                        _object_schema(
+                            {
+                                "allow_downgrade": {"type": "boolean"},
+                                "reason": {"type": "string", "minLength": 1, "maxLength": 512},
+                            },
+                            [],
+                        ),
+                        required=False,
+                    ),
                 }
             },
             "/v1/log/key": {
                 "get": {
-                    "summary": "the note verifier key of the log's checkpoints, and its name",
+                    "summary": "the note verifier key of the log's checkpoints, its name (the "
+                    "origin) and the hand-overs from earlier keys; ?origin=: another replica's",
                     "tags": ["audit"],
+                    "parameters": [_query("origin", {"type": "string"})],
                     "responses": {
                         "200": _json(
                             _object_schema(
-                                {"name": {"type": "string"}, "verifier_key": {"type": "string"}},
-                                ["name", "verifier_key"],
+                                {
+                                    "name": {"type": "string"},
+                                    "verifier_key": {"type": "string"},
+                                    "handovers": {"type": "array", "items": {"type": "string"}},
+                                },
+                                ["name", "verifier_key", "handovers"],
                             ),
                             "pin this key",
                         ),
@@ -274,8 +301,10 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/log/checkpoint": {
                 "get": {
-                    "summary": "the latest signed checkpoint (C2SP signed note)",
+                    "summary": "the latest signed checkpoint (C2SP signed note); ?origin=: "
+                    "another replica's log",
                     "tags": ["audit"],
+                    "parameters": [_query("origin", {"type": "string"})],
                     "responses": {
                         "200": {
                             "description": "a signed note",
@@ -310,8 +339,12 @@ def openapi_document() -> dict[str, Any]:
                     "parameters": [
                         _query("index", {"type": "integer", "minimum": 0}, required=True),
                         _query("tree_size", {"type": "integer", "minimum": 1}, required=True),
+                        _query("origin", {"type": "string"}),
                     ],
-                    "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 429)},
+                    "responses": {
+                        "200": _json(_ref("Proof"), "the proof"),
+                        **_errors(400, 404, 429),
+                    },
                 }
             },
             "/v1/log/proof/consistency": {
@@ -321,8 +354,12 @@ def openapi_document() -> dict[str, Any]:
                     "parameters": [
                         _query("first", {"type": "integer", "minimum": 1}, required=True),
                         _query("second", {"type": "integer", "minimum": 1}, required=True),
+                        _query("origin", {"type": "string"}),
                     ],
-                    "responses": {"200": _json(_ref("Proof"), "the proof"), **_errors(400, 429)},
+                    "responses": {
+                        "200": _json(_ref("Proof"), "the proof"),
+                        **_errors(400, 404, 429),
+                    },
                 }
             },
             "/v1/admin/keys/destroy": {

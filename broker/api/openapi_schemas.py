@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.attestation.stored import MAX_REASON_CHARS
-from broker.attested_release import MAX_KEYS
+from broker.attested_request import MAX_KEYS
 from broker.core.errors import ErrorCode
 from broker.core.fields import MAX_VERSION
 from broker.core.protocol import Algorithm
@@ -18,6 +18,10 @@ from broker.nonces import MAX_NONCE_CHARS
 JSON = "application/json"
 KEY_NAME_SCHEMA = {"type": "string", "pattern": KEY_NAME.pattern, "maxLength": MAX_KEY_NAME}
 VERSION_SCHEMA = {"type": "integer", "minimum": 1, "maximum": MAX_VERSION}
+LOG_ORIGIN = {
+    "type": "string",
+    "description": "the origin of the log the record is in (each replica keeps its own)",
+}
 
 
 def ref(name: str) -> dict[str, str]:
@@ -64,6 +68,7 @@ SCHEMAS: dict[str, Any] = {
                     "problem": {"type": ["string", "null"]},
                     "active_digest": {"type": "string"},
                     "log_index": {"type": "integer", "minimum": 0},
+                    "log_origin": LOG_ORIGIN,
                     "workers": {"type": "array", "items": WORKER_REPORT},
                     "silent_workers": {"type": "array", "items": {"type": "integer"}},
                 },
@@ -104,10 +109,13 @@ SCHEMAS: dict[str, Any] = {
         {
             "jti": {"type": "string"},
             "status": {"type": "string", "enum": ["active", "revoked"]},
-            "reason": {"type": ["string", "null"]},
+            "reason": {
+                "type": ["string", "null"],
+                "description": "why it was revoked: only with an auditor or key-admin token",
+            },
             "expires_at": {"type": "string", "format": "date-time"},
         },
-        ["jti", "status", "reason"],
+        ["jti", "status"],
     ),
     "Revocation": object_schema(
         {"reason": {"type": "string", "minLength": 1, "maxLength": MAX_REASON_CHARS}}, ["reason"]
@@ -148,6 +156,7 @@ SCHEMAS: dict[str, Any] = {
             "algorithm": {"type": "string"},
             "log_index": {"type": "integer", "minimum": 0},
             "leaf_hash": {"type": "string", "description": "RFC 6962 leaf hash, base64"},
+            "log_origin": LOG_ORIGIN,
         },
         [
             "key",
@@ -158,6 +167,7 @@ SCHEMAS: dict[str, Any] = {
             "algorithm",
             "log_index",
             "leaf_hash",
+            "log_origin",
         ],
     ),
     "AttestedReleaseRequest": object_schema(
@@ -200,8 +210,9 @@ SCHEMAS: dict[str, Any] = {
             },
             "log_index": {"type": "integer", "minimum": 0},
             "leaf_hash": {"type": "string", "description": "RFC 6962 leaf hash, base64"},
+            "log_origin": LOG_ORIGIN,
         },
-        ["release_id", "attestation", "wrap", "keys", "log_index", "leaf_hash"],
+        ["release_id", "attestation", "wrap", "keys", "log_index", "leaf_hash", "log_origin"],
     ),
     "KeyVersion": object_schema(
         {
@@ -255,6 +266,7 @@ SCHEMAS: dict[str, Any] = {
             "previous_digest": {"type": ["string", "null"]},
             "changed": {"type": "boolean"},
             "problem": {"type": ["string", "null"]},
+            "version": {"type": "integer", "description": "policy_version of the signed bundle"},
             "workers": {"type": "array", "items": WORKER_REPORT},
         },
         [
@@ -287,11 +299,17 @@ SCHEMAS: dict[str, Any] = {
         },
         ["status", "worker"],
     ),
+    # GET /readyz: ``status`` to anyone; the rest with an admin token; ``error`` when 503.
     "Ready": object_schema(
         {
-            "status": {"type": "string", "const": "ready"},
-            "checks": {"type": "object", "additionalProperties": {"type": "string"}},
+            "status": {"type": "string", "enum": ["ready", "degraded", "not_ready"]},
+            "checks": {"type": "object"},
+            "problems": {"type": "array", "items": {"type": "string"}},
+            "warnings": {"type": "array", "items": {"type": "string"}},
+            "checked_at": {"type": "string"},
+            "age_seconds": {"type": "number"},
+            "error": {"$ref": "#/components/schemas/Error/properties/error"},
         },
-        ["status", "checks"],
+        ["status"],
     ),
 }

@@ -42,11 +42,12 @@ class Route:
     handler: Handler
     permission: Permission
     rate_limited: bool = False  # per client address ([server] rate_limit_per_ip)
+    probe_limited: bool = False  # per client address ([server] readyz_rate_per_ip)
 
 
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/healthz", health.healthz, Permission.PUBLIC),
-    Route("GET", "/readyz", health.readyz, Permission.PUBLIC),
+    Route("GET", "/readyz", health.readyz, Permission.PUBLIC, probe_limited=True),
     Route("GET", "/metrics", health.metrics, Permission.PUBLIC),
     Route("GET", "/openapi.json", health.openapi, Permission.PUBLIC),
     Route("POST", "/v1/challenge", runner.challenge, Permission.RUNNER, rate_limited=True),
@@ -97,4 +98,6 @@ def register(app: web.Application, settings: ServerSettings) -> None:
             handler = admin.require_role(handler, route.permission.value)
         if route.rate_limited:
             handler = rate_limited(handler, settings.rate_limit_per_ip, settings.rate_limit_burst)
+        if route.probe_limited:
+            handler = rate_limited(handler, settings.readyz_rate_per_ip, settings.readyz_burst)
         app.router.add_route(route.method, route.path, handler)

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
+from collections.abc import Iterator
 
 from aiohttp import web
 
+from broker.api.admin import check_admin
 from broker.api.body import read_json_object
 from broker.api.middleware import REQUEST_ID, STARTED
 from broker.api.services import ATTESTATIONS, CLOCK, NONCES, RELEASE, SETTINGS
 from broker.attest import ATTEST_FIELDS
 from broker.attestation.ear import MEDIA_TYPE
 from broker.attestation.stored import AttestationEntry
-from broker.attested_release import (
-    ATTESTED_FIELDS,
-    ATTESTED_OPTIONAL,
-    AttestedRelease,
-    Presented,
-    ReleasedOnResult,
-)
-from broker.core.errors import BrokerError, ErrorCode
+from broker.attested_release import AttestedRelease, ReleasedOnResult
+from broker.attested_request import ATTESTED_FIELDS, ATTESTED_OPTIONAL, Presented
+from broker.core.errors import BrokerError, ErrorCode, Unauthorized
 from broker.release import RELEASE_FIELDS, RELEASE_OPTIONAL
 
 
@@ -52,9 +50,10 @@ async def release(request: web.Request) -> web.Response:
         return await _release_on_result(request)
     body = await read_json_object(request, required=RELEASE_FIELDS, optional=RELEASE_OPTIONAL)
     read = time.perf_counter()
-    released = await request.app[RELEASE].release(
-        body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
-    )
+    with _naming_the_log(request):
+        released = await request.app[RELEASE].release(
+            body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
+        )
     headers = {}
     if request.app[SETTINGS].server.server_timing:  # W3C Server-Timing, in milliseconds
         # body: reading and parsing it; the service's stages; total: arrival to this answer
@@ -75,8 +74,21 @@ async def release(request: web.Request) -> web.Response:
             "algorithm": released.algorithm,
             "log_index": released.log_index,
             "leaf_hash": base64.b64encode(released.leaf_hash).decode(),
+            "log_origin": request.app[SETTINGS].audit.origin,
         },
     )
+
+
+@contextlib.contextmanager
+def _naming_the_log(request: web.Request) -> Iterator[None]:
+    """A refusal that was logged names the log (origin) beside its index: each replica keeps
+    its own log, and the index alone does not say which."""
+    try:
+        yield
+    except BrokerError as exc:
+        if "log_index" in exc.details:
+            exc.details["log_origin"] = request.app[SETTINGS].audit.origin
+        raise
 
 
 async def _release_on_result(request: web.Request) -> web.Response:
@@ -87,18 +99,19 @@ async def _release_on_result(request: web.Request) -> web.Response:
     clock = request.app[CLOCK]
     try:
         body = await read_json_object(request, required=ATTESTED_FIELDS, optional=ATTESTED_OPTIONAL)
-        public = request.app[SETTINGS].server.audience.rstrip("/") + request.path
-        presented = Presented(
+        hosts = request.headers.getall("Host", [])
+        presented = Presented(  # htu is compared with [server] public_urls, never with Host
             authorization=request.headers.get("Authorization"),
             proof=request.headers.get("DPoP"),
-            urls=(str(request.url.with_query(None)), public),
+            host=",".join(hosts) if hosts else None,  # two Host fields: refused (a comma)
         )
-        released = await service.release(
-            body,
-            presented=presented,
-            now=clock(),
-            request_id=request[REQUEST_ID],
-        )
+        with _naming_the_log(request):
+            released = await service.release(
+                body,
+                presented=presented,
+                now=clock(),
+                request_id=request[REQUEST_ID],
+            )
     except BrokerError as exc:
         exc.headers["DPoP-Nonce"] = service.server_nonce(clock())
         challenge = _CHALLENGES.get(exc.code)
@@ -106,7 +119,7 @@ async def _release_on_result(request: web.Request) -> web.Response:
             exc.headers["WWW-Authenticate"] = f'DPoP algs="ES256", error="{challenge}"'
         raise
     return web.json_response(
-        _describe_release(released),
+        _describe_release(released) | {"log_origin": request.app[SETTINGS].audit.origin},
         headers={"DPoP-Nonce": service.server_nonce(clock()), "Cache-Control": "no-store"},
     )
 
@@ -115,6 +128,9 @@ _CHALLENGES = {
     ErrorCode.DPOP_PROOF_INVALID: "invalid_dpop_proof",
     ErrorCode.DPOP_PROOF_REUSED: "invalid_dpop_proof",
     ErrorCode.DPOP_NONCE_REQUIRED: "use_dpop_nonce",
+    ErrorCode.DPOP_KEY_MISMATCH: "invalid_dpop_proof",
+    ErrorCode.DPOP_HTU_MISMATCH: "invalid_dpop_proof",
+    ErrorCode.DPOP_IAT_INVALID: "invalid_dpop_proof",
 }
 
 
@@ -152,13 +168,19 @@ async def attest(request: web.Request) -> web.Response:
     ``201``, the signed EAR as ``application/eat+jwt``, ``Location`` naming it."""
     service = request.app[ATTESTATIONS].require()
     body = await read_json_object(request, required=ATTEST_FIELDS)
-    attested = await service.attest(body, now=request.app[CLOCK](), request_id=request[REQUEST_ID])
+    with _naming_the_log(request):
+        attested = await service.attest(
+            body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
+        )
     return web.Response(
         status=201,
         body=attested.token.encode("ascii"),
         headers={
             "Content-Type": MEDIA_TYPE,
             "Location": f"/v1/attestations/{attested.jti}",
+            # the attestation record's place: which replica's log (origin), which leaf
+            "Broker-Log-Origin": request.app[SETTINGS].audit.origin,
+            "Broker-Log-Index": str(attested.log_index),
             "Cache-Control": "no-store",
             # the first release's proof needs no round trip to learn one
             "DPoP-Nonce": request.app[NONCES].server_nonce(request.app[CLOCK]()),
@@ -173,18 +195,40 @@ async def result_keys(request: web.Request) -> web.Response:
     return web.json_response(published.jwks if published is not None else {"keys": []})
 
 
+REASON_ROLES = ("auditor", "key-admin")  # who may read why a result was revoked
+
+
 async def attestation_status(request: web.Request) -> web.Response:
     """``GET /v1/attestations/{jti}``: whether a result may still be used (``active``) or was
-    revoked, and why; 404 once it expired."""
+    revoked; 404 once it expired. The reason (which can name a policy's reasons, an image, a
+    revoked GPU) only with an auditor's or key admin's bearer token; a token that holds
+    neither role is 401, as on the admin routes."""
     service = request.app[ATTESTATIONS].require()
+    with_reason = _reason_allowed(request)
     entry = await service.status(request.match_info["jti"], request.app[CLOCK]())
-    return web.json_response(_describe(entry))
+    return web.json_response(_describe(entry, with_reason=with_reason))
 
 
-def _describe(entry: AttestationEntry) -> dict[str, object]:
-    return {
+def _reason_allowed(request: web.Request) -> bool:
+    """Raises: Unauthorized when an ``Authorization`` header is sent but holds no such role."""
+    if "Authorization" not in request.headers:
+        return False
+    for role in REASON_ROLES[:-1]:
+        try:
+            check_admin(request, role)
+        except Unauthorized:
+            continue
+        return True
+    check_admin(request, REASON_ROLES[-1])
+    return True
+
+
+def _describe(entry: AttestationEntry, *, with_reason: bool = True) -> dict[str, object]:
+    described: dict[str, object] = {
         "jti": entry.jti,
         "status": entry.status,
-        "reason": entry.reason,
         "expires_at": entry.expires_at.isoformat().replace("+00:00", "Z"),
     }
+    if with_reason:
+        described["reason"] = entry.reason
+    return described

@@ -15,13 +15,13 @@ from typing import Protocol
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from broker.api.readiness import Readiness
 from broker.attest import AttestService, ResultKeys
 from broker.attested_release import AttestedReleaseService
 from broker.audit.log import DecisionLog
 from broker.config import Settings
-from broker.core.errors import ErrorCode, NotFound, UpstreamError
+from broker.core.errors import ErrorCode, NotFound
 from broker.keys.service import KeyService
-from broker.keys.store.base import Purpose
 from broker.nonces import NonceStore
 from broker.policy.engine import PolicyEngine
 from broker.policy.manager import PolicyManager
@@ -92,58 +92,6 @@ def _off() -> NotFound:
         "this broker issues no attestation results ([attest] enabled is false)",
         code=ErrorCode.NOT_FOUND,
     )
-
-
-@dataclass(frozen=True)
-class Readiness:
-    """``/readyz``: asks each service in turn; static facts come from the set-up."""
-
-    facts: dict[str, str]
-    policies: PolicyManager
-    policy: PolicyEngine
-    decisions: DecisionLog
-    keys: KeyService
-    nonces: NonceStore
-    statements: StatementKey
-
-    async def report(self) -> dict[str, str]:
-        """The checks, live.
-
-        Raises:
-            UpstreamError: ``not_ready`` naming each service that does not answer.
-        """
-        checks = {
-            **self.facts,
-            "policy": self.policy.digest,
-            "audit_log": f"{self.decisions.head.size} records",
-        }
-        reload = self.policies.last_reload
-        if reload is not None:
-            checks["policy_last_reload"] = (
-                f"{'ok' if reload.ok else 'failed'} at {reload.time} ({reload.trigger})"
-                + ("" if reload.ok else "; the last good policy is serving")
-            )
-        problems = []
-        try:
-            versions = await self.keys.list_versions()
-        except UpstreamError:
-            problems.append("the key store does not answer")
-            versions = []
-        query_keys = sorted({v.name for v in versions if v.purpose is Purpose.QUERY})
-        try:
-            await self.nonces.check()
-        except UpstreamError:
-            problems.append("the nonce store does not answer")
-        if query_keys and self.statements.key is None:
-            problems.append(
-                f"{len(query_keys)} query key(s) but no [keys] signing_key: their public "
-                "halves cannot be published with a signed statement"
-            )
-        if problems:
-            raise UpstreamError(
-                "not ready: " + "; ".join(problems), code=ErrorCode.NOT_READY, checks=checks
-            )
-        return checks
 
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)

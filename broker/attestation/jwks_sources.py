@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -61,7 +62,9 @@ class UrlJwksSource:
         *,
         cache_seconds: float,
         refresh_min_seconds: float,
+        on_request: Callable[[], None] | None = None,
     ) -> None:
+        self._on_request = on_request  # told of each fetch (broker_outbound_requests_total)
         self._url = url
         self._session = session
         self._cache_seconds = cache_seconds
@@ -99,6 +102,8 @@ class UrlJwksSource:
 
     async def _fetch(self) -> bytes:
         timeout = aiohttp.ClientTimeout(total=JWKS_FETCH_TIMEOUT_SECONDS)
+        if self._on_request is not None:
+            self._on_request()
         async with self._session.get(self._url, timeout=timeout, allow_redirects=False) as response:
             if response.status != 200:
                 raise JwksError(f"HTTP {response.status}")

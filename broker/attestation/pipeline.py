@@ -13,7 +13,7 @@ Checklist of ``verify_evidence`` (docs/api.md, docs/evidence.md):
    ``nvidia``) among the configured kinds (``require_cpu=False``: offline, any one piece).
 2. CPU token: issuer chosen by ``iss`` from configuration only, then the issuer's verifier
    (signature, times, lifetime, issuer, audience), then its binding to nonce and runner key.
-3. GPU evidence: NRAS results (``nras.verify_nras``) or raw reports (``nvidia.local``): chain,
+3. GPU evidence: NRAS results (``nras.verify_nras``) or raw reports (``gpu_pipeline``): chain,
    signature, FWID, nonce = SHA-256(nonce || thumbprint), architecture inferred from the
    certificate; measurements against the RIMs named by the report (version equal to the
    report's, XMLDSig, signer chain); OCSP of the device chain and of both RIM signer chains.
@@ -29,13 +29,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
 
 from broker.attestation import claims, gca, ita
+from broker.attestation.gpu_pipeline import verify_local
 from broker.attestation.issuers import IssuerSettings
 from broker.attestation.jwks import TrustedKeySet
-from broker.attestation.nvidia import local, nras, rim
-from broker.attestation.nvidia.ocsp import CertKey, chain_answer, combine_ocsp
+from broker.attestation.nvidia import local, nras
+from broker.attestation.nvidia.ocsp import CertKey
 from broker.core import binding
 from broker.core.errors import AttestationError, ErrorCode, InputError
 from broker.crypto import jose
@@ -148,15 +148,14 @@ def split_kinds(unverified_evidence: Any, trust: Trust, *, require_cpu: bool) ->
     return cpu + gpu
 
 
-def requirements(
-    unverified_evidence: Any, trust: Trust, *, require_cpu: bool = True
-) -> Requirements:
-    """What to fetch for this evidence: read from its *unverified* structure, used only to
-    decide what to ask for. Raises the same shape errors as ``verify_evidence``."""
+def key_ids(
+    unverified_evidence: Any, trust: Trust, kinds: Sequence[str]
+) -> dict[str, frozenset[str]]:
+    """The key ids (by issuer) the tokens of ``kinds`` name: what to fetch key sets for, read
+    from the *unverified* headers. The service asks this for the CPU token first and for NRAS
+    only once the CPU token verified."""
     kids: dict[str, set[str]] = {}
-    rim_ids: set[str] = set()
-    chains: list[tuple[tuple[x509.Certificate, ...], bool]] = []
-    for kind in split_kinds(unverified_evidence, trust, require_cpu=require_cpu):
+    for kind in kinds:
         piece = unverified_evidence[kind]
         if kind in CPU_KINDS:
             issuer = _issuer_for(piece, kind, trust)
@@ -168,30 +167,56 @@ def requirements(
             overall, detached = nras.parse_detached_eat(piece)
             for token in (overall, *detached.values()):
                 kids.setdefault(issuer.settings.issuer, set()).add(str(_header(token, issuer).kid))
-        else:
+    return {issuer: frozenset(ids) for issuer, ids in kids.items()}
+
+
+def requirements(
+    unverified_evidence: Any, trust: Trust, *, require_cpu: bool = True
+) -> Requirements:
+    """What to fetch for this evidence: read from its *unverified* structure, used only to
+    decide what to ask for (the offline CLI, whose material is files). The service fetches in
+    stages instead, each after the checks before it passed (``service.EvidenceVerifier``).
+    Raises the same shape errors as ``verify_evidence``."""
+    kinds = split_kinds(unverified_evidence, trust, require_cpu=require_cpu)
+    kids = key_ids(unverified_evidence, trust, [k for k in kinds if k != "nvidia"])
+    rim_ids: set[str] = set()
+    chains: list[tuple[tuple[x509.Certificate, ...], bool]] = []
+    for kind in kinds:
+        piece = unverified_evidence[kind]
+        if kind == "nvidia":
             _, items = local.parse_local_evidence(piece)
             for item in items:
                 report = local.parse_unverified(item)
                 rim_ids.update(report.rim_ids())
                 chains.append((tuple(report.chain), False))
-    return Requirements(
-        kids={k: frozenset(v) for k, v in kids.items()},
-        rim_ids=frozenset(rim_ids),
-        ocsp_chains=tuple(chains),
+    return Requirements(kids=kids, rim_ids=frozenset(rim_ids), ocsp_chains=tuple(chains))
+
+
+def verify_cpu_piece(
+    unverified_evidence: Any,
+    trust: Trust,
+    material: Material,
+    *,
+    bound_to: Binding,
+    now: datetime,
+) -> VerifiedEvidence:
+    """Steps 1 and 2 alone: the shape, then the CPU token (signature, times, issuer, audience,
+    binding). The service runs this before it fetches anything for the GPU piece.
+
+    Raises:
+        InputError: ``bad_request`` / ``evidence_unsupported`` for the wrong shape.
+        AttestationError: the specific code of the first check that failed.
+    """
+    kinds = split_kinds(unverified_evidence, trust, require_cpu=True)
+    return _verify_cpu(
+        kinds[0],
+        unverified_evidence[kinds[0]],
+        trust=trust,
+        material=material,
+        bound_to=bound_to,
+        now=now,
+        skipped=[],
     )
-
-
-def rim_ocsp_chains(
-    material: Material, trust: Trust, now: datetime
-) -> list[tuple[x509.Certificate, ...]]:
-    """The validated signer chains of the fetched RIMs (their OCSP is asked for too)."""
-    result = []
-    for data in material.rims.values():
-        try:
-            result.append(tuple(rim.verify_rim(data, roots=trust.rim_roots, now=now).chain))
-        except AttestationError:
-            continue  # it will be reported by verify_evidence
-    return result
 
 
 def verify_evidence(
@@ -231,7 +256,7 @@ def verify_evidence(
     if gpu_nonce is None:
         skipped.append("gpu nonce")
     cc_mode = claims.gpu_cc_mode(cpu.raw_claims) if cpu else "unknown"
-    verify_gpu = _verify_nras if gpu_kind == "nras" else _verify_local
+    verify_gpu = _verify_nras if gpu_kind == "nras" else verify_local
     gpus, raw = verify_gpu(
         unverified_evidence[gpu_kind],
         trust=trust,
@@ -397,114 +422,6 @@ def _verify_nras(
     )
     raw = {"overall": dict(result.overall), "gpus": {k: dict(v) for k, v in result.gpus.items()}}
     return claims.nras_gpu_entries(result, cc_mode=cc_mode), raw
-
-
-def _verify_local(
-    unverified: Any,
-    *,
-    trust: Trust,
-    material: Material,
-    gpu_nonce: bytes | None,
-    cc_mode: str,
-    now: datetime,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    if not trust.local_gpu:
-        raise InputError(
-            "local GPU verification is not configured ([nvidia] device_root)",
-            code=ErrorCode.EVIDENCE_UNSUPPORTED,
-        )
-    declared_arch, items = local.parse_local_evidence(unverified)
-    entries, summaries = [], []
-    leaves: set[bytes] = set()
-    for index, item in enumerate(items):
-        report = local.verify_gpu_report(
-            item,
-            arch=declared_arch,
-            device_roots=trust.device_roots,
-            expected_nonce=gpu_nonce,
-            now=now,
-        )
-        leaf = report.chain[0].fingerprint(hashes.SHA256())
-        if leaf in leaves:
-            raise AttestationError(
-                "the same GPU's report is listed more than once (one leaf certificate)",
-                code=ErrorCode.GPU_EVIDENCE_DUPLICATE,
-            )
-        leaves.add(leaf)
-        measurements, problems, rim_chains = judge_measurements(report, trust, material, now)
-        answers = [chain_answer(report.chain, material.ocsp, now, include_leaf=False)]
-        answers += [
-            chain_answer(chain, material.ocsp, now, include_leaf=True) for chain in rim_chains
-        ]
-        statuses = [answer.status for answer in answers]
-        device, rim_statuses = statuses[0], statuses[1:]
-        entries.append(
-            claims.local_gpu_entry(
-                index,
-                report,
-                measurements=measurements,
-                problems=problems,
-                ocsp=combine_ocsp(statuses) if rim_chains else "unknown",
-                cc_mode=cc_mode,
-            )
-        )
-        summary = dict(local.summary(report))
-        # what OCSP said is revoked, by name: attestation results that used it are revoked too
-        summary["collateral_until"] = collateral_until(
-            [report.chain, *rim_chains], [a.next_update for a in answers]
-        ).isoformat()
-        summary["ocsp_revoked"] = {
-            "device": device == "revoked",
-            "rims": [
-                rim_id
-                for rim_id, status in zip(report.rim_ids(), rim_statuses, strict=False)
-                if status == "revoked"
-            ],
-        }
-        summaries.append(summary)
-    return entries, {"gpus": summaries}
-
-
-def collateral_until(
-    chains: Sequence[Sequence[x509.Certificate]], next_updates: Sequence[datetime | None]
-) -> datetime:
-    """When what a GPU's verification rested on stops being good: the first certificate
-    (device and RIM signer chains) to expire, or the first OCSP answer due for an update."""
-    ends = [cert.not_valid_after_utc for chain in chains for cert in chain]
-    ends += [update for update in next_updates if update is not None]
-    return min(ends)
-
-
-def judge_measurements(
-    report: local.VerifiedGpuReport, trust: Trust, material: Material, now: datetime
-) -> tuple[str, list[str], list[tuple[x509.Certificate, ...]]]:
-    """Measurements against the RIMs the report names: ``match``, ``mismatch`` or
-    ``unverified`` (a RIM could not be had or did not verify), with the problems found and the
-    RIM signer chains. A RIM whose version differs from the report's driver/VBIOS version is a
-    ``mismatch``, as NVIDIA's verifier fails the attestation on it."""
-    verified: list[rim.VerifiedRim] = []
-    for rim_id in report.rim_ids():
-        data = material.rims.get(rim_id)
-        if data is None:
-            why = material.rim_problems.get(rim_id, "not available")
-            return "unverified", [f"RIM {rim_id}: {why}"], []
-        try:
-            verified.append(rim.verify_rim(data, roots=trust.rim_roots, now=now))
-        except AttestationError as exc:
-            return "unverified", [f"RIM {rim_id} does not verify: {exc.message}"], []
-    driver, vbios = verified
-    problems = []
-    if driver.version.lower() != report.report.driver_version.lower():
-        problems.append(f"driver RIM version {driver.version} differs from the report")
-    if vbios.version.lower() != report.report.vbios_version.lower():
-        problems.append(f"VBIOS RIM version {vbios.version} differs from the report")
-    comparison = local.compare_measurements(report.report, driver, vbios)
-    problems.extend(comparison.problems)
-    return (
-        ("match" if not problems else "mismatch"),
-        problems,
-        [tuple(driver.chain), tuple(vbios.chain)],
-    )
 
 
 def _issuer_for(token: Any, kind: str, trust: Trust) -> IssuerTrust:

@@ -31,7 +31,13 @@ from broker.audit.log import DecisionLog
 from broker.audit.records import LogCorrupt
 from broker.audit.witness import Witness, request_cosignature
 from broker.core.errors import UpstreamError
-from broker.crypto.checkpoint import Checkpoint, CheckpointSigner, NoteError, parse_checkpoint
+from broker.crypto.checkpoint import (
+    Checkpoint,
+    CheckpointSigner,
+    NoteError,
+    NoteVerifier,
+    parse_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +90,12 @@ class CheckpointPublisher:
             previous = await asyncio.to_thread(self._read_latest)
             if previous is not None:
                 note, last = previous
-                if last.size >= size:
+                ours = self._ours(note)
+                if last.size >= size and ours:
                     self.latest, self._latest_size = note, last.size
                     return note
-                if self._log.tree.root(last.size) != last.root:
+                # (a rotated key signs the tree at once, even if it did not grow)
+                if last.size > size or self._log.tree.root(last.size) != last.root:
                     raise LogCorrupt(
                         last.size,
                         f"the log's first {last.size} records no longer match the last "
@@ -97,6 +105,15 @@ class CheckpointPublisher:
             await asyncio.to_thread(self._store, note, size)
             self.latest, self._latest_size = note, size
             return note
+
+    def _ours(self, note: str) -> bool:
+        """Whether ``note`` is signed by this publisher's key (after a key rotation the last
+        checkpoint is the old key's: the new key signs the same tree at once)."""
+        try:
+            NoteVerifier.parse(self.verifier_key()).open(note)
+        except NoteError:
+            return False
+        return True
 
     async def current(self) -> str | None:
         """The newest signed checkpoint of this replica's log (any worker's)."""

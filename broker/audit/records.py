@@ -23,10 +23,12 @@ GENESIS = "0" * 64
 class LogCorrupt(Exception):
     """The log on disk does not verify; names the first bad record (1-based line)."""
 
-    def __init__(self, line: int, problem: str) -> None:
-        super().__init__(f"record {line}: {problem}")
+    def __init__(self, line: int, problem: str, *, path: object = None) -> None:
+        where = "" if path is None else f"{path}: "
+        super().__init__(f"{where}record {line}: {problem}")
         self.line = line
         self.problem = problem
+        self.path = path  # the file, when known (the CLI prints "PATH: record N: …")
 
 
 def record_hash(record: Mapping[str, Any]) -> str:

@@ -40,16 +40,35 @@ def read_head(path: Path) -> ChainHead:
     tail = _last_line_window(path)
     if not tail.endswith(b"\n"):
         raise LogCorrupt(
-            0, "the last record is truncated (a torn write); run `broker audit repair`"
+            _line_count(path) + 1,  # the torn line follows the last complete one
+            f"the last record is truncated (a torn write); run `broker audit repair {path}`",
+            path=path,
         )
     last_line = tail[:-1].rsplit(b"\n", 1)[-1]
     try:
         record = json.loads(last_line)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise LogCorrupt(0, "the last record is not JSON") from exc
+        raise _damaged_last(path, "is not JSON") from exc
     if not isinstance(record, dict) or record.get("hash") != record_hash(record):
-        raise LogCorrupt(0, "the last record does not verify")
+        raise _damaged_last(path, "does not verify")
     return ChainHead(size=int(record["seq"]) + 1, hash=str(record["hash"]))
+
+
+def _damaged_last(path: Path, problem: str) -> LogCorrupt:
+    return LogCorrupt(
+        _line_count(path),
+        f"the last record {problem}; run `broker audit verify {path}` to find the first bad one",
+        path=path,
+    )
+
+
+def _line_count(path: Path) -> int:
+    """Complete lines in the file (read in chunks: only on the error path)."""
+    count = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            count += chunk.count(b"\n")
+    return count
 
 
 SEGMENT_SUFFIX = re.compile(r"\.(\d{6})$")

@@ -13,28 +13,31 @@ from broker.crypto.checkpoint import CheckpointSigner, NoteSigner
 KMS_PREFIX = "cloudkms:"  # a Cloud KMS key version (kms_signer.py); anything else: a PEM path
 
 
-async def open_checkpoint_signer(settings: Settings) -> CheckpointSigner | None:
-    """The configured signer, opened (``None`` without ``signing_key``).
+async def open_checkpoint_signer(
+    settings: Settings, *, previous: bool = False
+) -> CheckpointSigner | None:
+    """The configured signer (``previous``: the key it replaced), opened; ``None`` unset.
 
     Raises:
         ConfigError: an unreadable or wrong key; UpstreamError: the KMS does not answer.
     """
     audit = settings.audit
-    if audit.signing_key is None:
+    key = audit.previous_signing_key if previous else audit.signing_key
+    if key is None:
         return None
-    if audit.signing_key.startswith(KMS_PREFIX):
+    if key.startswith(KMS_PREFIX):
         # The KMS client loads only where a KMS signer is configured (start-up time).
         from broker.audit.kms_signer import KmsNoteSigner  # noqa: PLC0415
 
         signer = KmsNoteSigner(
             audit.origin,
-            audit.signing_key,
+            key,
             endpoint=settings.keys.kms_endpoint,
             timeout_seconds=settings.keys.upstream_timeout_seconds,
         )
         await signer.open()
         return signer
-    return await asyncio.to_thread(NoteSigner.from_pem, audit.origin, Path(audit.signing_key))
+    return await asyncio.to_thread(NoteSigner.from_pem, audit.origin, Path(key))
 
 
 async def close_checkpoint_signer(signer: CheckpointSigner | None) -> None:

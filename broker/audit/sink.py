@@ -1,7 +1,10 @@
 """Streaming decision records to a SIEM as they are written: ``[audit] sink``.
 
-* ``syslog://HOST:PORT`` — one RFC 5424 message per record over UDP (facility auth, severity
-  notice for allow, warning for deny/error), the record's JSON as the message;
+* ``syslog://HOST:PORT`` — one RFC 5424 message per record over UDP (facility auth), the
+  record's JSON as the message; the severity follows what the record released, key by key for a
+  release on an attestation result (``syslog_severity``): info when every key was released,
+  notice when some were (``partial``), warning when none was (deny), error when the broker
+  failed; changes are notice, a refused policy reload or a repaired log warning;
 * ``https://HOST/PATH`` (``http://`` only on loopback) — batches POSTed as JSON lines.
 
 Best effort, by design: the local log is the system of record (checkpoints commit to it). A
@@ -16,17 +19,23 @@ import asyncio
 import json
 import logging
 import socket
+from collections.abc import Mapping
 from datetime import UTC, datetime
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL, outcome
 from broker.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
 QUEUE_RECORDS = 10_000
 BATCH_RECORDS = 200
 SYSLOG_FACILITY_AUTH = 4
+ERR, WARNING, NOTICE, INFO = 3, 4, 5, 6  # RFC 5424 severities
+SEVERITIES = {ALLOW: INFO, PARTIAL: NOTICE, DENY: WARNING, ERROR: ERR}
+ATTENTION = frozenset({"policy_reload_failed", "log_repair"})  # records without a result
 
 
 class AuditSink:
@@ -83,13 +92,22 @@ class AuditSink:
             self._socket.close()
 
 
+def syslog_severity(record: Mapping[str, Any]) -> int:
+    """RFC 5424 severity of a record: decisions by their outcome (per key, ``outcomes.py``),
+    changes notice, what an operator must look at warning."""
+    result = outcome(record)
+    if result is not None:
+        return SEVERITIES.get(result, WARNING)
+    return WARNING if record.get("type") in ATTENTION else NOTICE
+
+
 def syslog_message(line: bytes) -> bytes:
     """RFC 5424: ``<PRI>1 TIMESTAMP HOST APP - MSGID - MSG``."""
     try:
-        result = json.loads(line).get("result")
+        record = json.loads(line)
     except ValueError:
-        result = None
-    severity = 5 if result == "allow" else 4  # notice / warning
+        record = None
+    severity = syslog_severity(record) if isinstance(record, dict) else WARNING
     priority = SYSLOG_FACILITY_AUTH * 8 + severity
     stamp = datetime.now(UTC).isoformat().replace("+00:00", "Z")
     header = f"<{priority}>1 {stamp} {socket.gethostname()} sealed-broker - decision - "

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -38,9 +39,12 @@ from broker.client.sdk import (
     client_error,
     unwrap_release,
 )
+from broker.client.weights import key_of_file
+from broker.crypto.weights import WeightsFormatError
 
 DPOP_RENEW_CODES = ("attestation_unknown",)  # expired or never known: attest again
 DEFAULT_RENEW_SECONDS = 30.0  # BrokerClient.attest's default
+MAX_KEYS_PER_REQUEST = 16  # the broker's limit on one attested release (attested_request)
 
 Post = Callable[[str, dict[str, Any], dict[str, str]], Awaitable[tuple[int, Any, dict[str, str]]]]
 Attest = Callable[[], Awaitable["AttestedKeys"]]
@@ -143,6 +147,60 @@ class Attestation:
         results = await self._release_all(asks)
         return {name: result for (name, _), result in zip(asks, results, strict=True)}
 
+    async def release_for(
+        self,
+        source: str | Path,
+        *,
+        expected_key: str | None = None,
+        source_options: dict[str, Any] | None = None,
+    ) -> ReleasedDek:
+        """The key this encrypted file was made with (``BrokerClient.release_for`` on this
+        result): its header names the key and version (path, ``https://`` or ``gs://``, read
+        with ``source_options``), so a file made before a rotation still opens.
+
+        Raises:
+            WeightsFormatError: not an encrypted file, or not for ``expected_key``.
+            SourceError: the file cannot be read.
+            BrokerClientError: as ``release``.
+            jwe.JweError: as ``release``.
+        """
+        (result,) = await self.release_many_for(
+            [source], expected_key=expected_key, source_options=source_options
+        )
+        if isinstance(result, BrokerClientError):
+            raise result
+        return result
+
+    async def release_many_for(
+        self,
+        sources: Sequence[str | Path],
+        *,
+        expected_key: str | None = None,
+        source_options: dict[str, Any] | None = None,
+    ) -> list[ReleasedDek | BrokerClientError]:
+        """Each file's key, in the order given: the headers are read first (all of them, before
+        the broker is asked anything), then every distinct key and version goes in one
+        ``release_many`` request (``MAX_KEYS_PER_REQUEST`` a request).
+
+        Raises:
+            WeightsFormatError: a file is not encrypted, or not for ``expected_key``.
+            SourceError: a file cannot be read.
+            BrokerClientError: the request as a whole was refused.
+        """
+        options = source_options or {}
+        kids = await asyncio.gather(
+            *(asyncio.to_thread(key_of_file, source, options) for source in sources)
+        )
+        for source, (name, _) in zip(sources, kids, strict=True):
+            if expected_key is not None and name != expected_key:
+                raise WeightsFormatError(f"{source} is for key {name!r}, not {expected_key!r}")
+        asks: list[tuple[str, int | None]] = list(dict.fromkeys(kids))
+        answers: dict[tuple[str, int | None], ReleasedDek | BrokerClientError] = {}
+        for start in range(0, len(asks), MAX_KEYS_PER_REQUEST):
+            batch = asks[start : start + MAX_KEYS_PER_REQUEST]
+            answers.update(zip(batch, await self._release_all(batch), strict=True))
+        return [answers[kid] for kid in kids]
+
     async def renew(self) -> None:
         """Attest again now (new keys, new result); the old result is left to expire."""
         async with self._renewing:
@@ -213,6 +271,7 @@ class Attestation:
                 "wrap": answer.get("wrap", "jwe"),
                 "log_index": answer.get("log_index", -1),
                 "leaf_hash": answer.get("leaf_hash", ""),
+                "log_origin": answer.get("log_origin", ""),
             },
             keys.encryption_key,
             expected_key=name,

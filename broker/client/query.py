@@ -36,6 +36,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from broker.client.sdk import reaching
 from broker.core.protocol import Algorithm
 from broker.crypto import hpke
 from broker.crypto.hpke import HpkeError
@@ -177,14 +178,16 @@ class QueryClient:
         Raises:
             StatementError: when the statement does not verify or names another key/version.
             QueryError: when the broker does not answer with a statement.
+            BrokerClientError: when the broker is not reached (``TRANSPORT_CODES``).
         """
         url = f"{self._base_url}/v1/keys/{name}/public"
         params = {} if version is None else {"version": str(version)}
-        async with (
-            aiohttp.ClientSession(timeout=self._timeout) as session,
-            session.get(url, params=params, ssl=self._ssl) as response,
-        ):
-            body = await response.json(content_type=None)
+        with reaching(url):
+            async with (
+                aiohttp.ClientSession(timeout=self._timeout) as session,
+                session.get(url, params=params, ssl=self._ssl) as response,
+            ):
+                body = await response.json(content_type=None)
             if response.status != 200 or not isinstance(body, dict):
                 code = body.get("error", {}).get("code") if isinstance(body, dict) else None
                 raise QueryError(f"no query key {name!r}: {response.status} {code}")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import ssl
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import aiohttp
 import jwt
@@ -35,7 +38,8 @@ RunnerSecret = jwe.RunnerPrivateKey | hpke.HpkePrivateKey
 
 
 class BrokerClientError(RuntimeError):
-    """The broker refused or failed; ``code`` is the broker's stable error code."""
+    """The broker refused or failed; ``code`` is the broker's stable error code, or with
+    ``status`` 0 one of ``TRANSPORT_CODES`` when no answer came (unreachable, TLS, time-out)."""
 
     def __init__(self, status: int, code: str, message: str, details: dict[str, Any]) -> None:
         super().__init__(f"{status} {code}: {message}")
@@ -43,6 +47,40 @@ class BrokerClientError(RuntimeError):
         self.code = code
         self.message = message
         self.details = details
+
+
+# ``BrokerClientError.code`` when no HTTP answer came back (``status`` 0): stable, documented.
+TRANSPORT_CODES = ("broker_unreachable", "tls_error", "timeout", "connection_lost")
+
+
+@contextlib.contextmanager
+def reaching(url: str) -> Iterator[None]:
+    """Around a request to ``url``: a failure to reach the broker is a ``BrokerClientError``
+    with status 0 and one of ``TRANSPORT_CODES`` (never a raw aiohttp or ssl exception).
+
+    Raises:
+        BrokerClientError: ``tls_error`` (certificate not trusted, wrong host, handshake),
+            ``timeout``, ``broker_unreachable`` (refused, no route, unknown host) or
+            ``connection_lost`` (the connection broke before a whole answer).
+    """
+    try:
+        yield
+    except (aiohttp.ClientSSLError, ssl.SSLError) as exc:
+        raise _transport("tls_error", url, exc) from exc
+    except TimeoutError as exc:
+        raise _transport("timeout", url, exc) from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise _transport("broker_unreachable", url, exc) from exc
+    except aiohttp.ClientError as exc:
+        raise _transport("connection_lost", url, exc) from exc
+
+
+def _transport(code: str, url: str, exc: BaseException) -> BrokerClientError:
+    where = url.split("?", maxsplit=1)[0]
+    reason = str(exc) or type(exc).__name__
+    if code == "timeout":
+        reason = "no answer within the client's timeout"
+    return BrokerClientError(0, code, f"{where}: {reason}", {"url": where})
 
 
 @dataclass(frozen=True)
@@ -63,6 +101,7 @@ class ReleasedDek:
     algorithm: str = "AES-256"
     log_index: int = -1  # the decision record's index in the broker's log
     leaf_hash: bytes = b""  # its RFC 6962 leaf hash: ``BrokerClient.prove`` checks its inclusion
+    log_origin: str = ""  # the origin of the log it is in (each replica keeps its own log)
 
 
 @dataclass(frozen=True)
@@ -286,10 +325,14 @@ class BrokerClient:
         ``log_key`` (the note verifier key an operator published, ``GET /v1/log/key``, pinned by
         you, never fetched here) and includes the release's leaf. Checkpoints are published
         every few seconds: this waits up to ``wait_seconds`` for one that covers the release.
+        Each replica keeps its own log: the release names its log's origin, which must be the
+        name of ``log_key`` (pin one key per replica), and the log is asked for by that origin,
+        whichever replica behind a load balancer answers.
 
         Raises:
             ProofError: a bad signature, a checkpoint that never covers the release, or a proof
                 that does not verify.
+            BrokerClientError: the broker was not reached (``TRANSPORT_CODES``).
         """
         try:
             verifier = NoteVerifier.parse(log_key)
@@ -297,9 +340,15 @@ class BrokerClient:
             raise ProofError(f"the pinned log key is not a note verifier key: {exc}") from exc
         if released.log_index < 0 or len(released.leaf_hash) != 32:
             raise ProofError("this release carries no log index and leaf hash to prove")
+        if released.log_origin and released.log_origin != verifier.name:
+            raise ProofError(
+                f"the release is in the log of origin {released.log_origin!r}; the key given "
+                f"is {verifier.name!r}'s (pin each replica's log key)"
+            )
+        which = "&origin=" + quote(verifier.name, safe="") if released.log_origin else ""
         deadline = asyncio.get_running_loop().time() + wait_seconds
         while True:
-            note = await self._get_text("/v1/log/checkpoint")
+            note = await self._get_text("/v1/log/checkpoint" + which.replace("&", "?", 1))
             try:
                 checkpoint = parse_checkpoint(verifier.open(note), origin=verifier.name)
             except NoteError as exc:
@@ -315,6 +364,7 @@ class BrokerClient:
         answer = json.loads(
             await self._get_text(
                 f"/v1/log/proof/inclusion?index={released.log_index}&tree_size={checkpoint.size}"
+                + which
             )
         )
         try:
@@ -338,8 +388,10 @@ class BrokerClient:
         )
 
     async def _get_text(self, path: str) -> str:
-        async with self._session.get(self._base_url + path, ssl=self._ssl) as response:
-            raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
+        url = self._base_url + path
+        with reaching(url):
+            async with self._session.get(url, ssl=self._ssl) as response:
+                raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
             if response.status != 200:
                 raise ProofError(f"GET {path.split('?', maxsplit=1)[0]}: HTTP {response.status}")
             return raw.decode("utf-8", "replace")
@@ -347,11 +399,16 @@ class BrokerClient:
     async def _exchange(
         self, url: str, payload: dict[str, Any], headers: dict[str, str]
     ) -> tuple[int, Any, dict[str, str]]:
-        """POST; the status, the body (JSON, or text for ``application/eat+jwt``) and headers."""
-        async with self._session.post(
-            url, json=payload, headers=headers, ssl=self._ssl
-        ) as response:
-            raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
+        """POST; the status, the body (JSON, or text for ``application/eat+jwt``) and headers.
+
+        Raises:
+            BrokerClientError: the broker was not reached (``TRANSPORT_CODES``).
+        """
+        with reaching(url):
+            async with self._session.post(
+                url, json=payload, headers=headers, ssl=self._ssl
+            ) as response:
+                raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
             answer: Any
             if response.content_type == "application/eat+jwt":
                 answer = raw.decode("ascii", "replace")
@@ -363,10 +420,11 @@ class BrokerClient:
             return response.status, answer, dict(response.headers)
 
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        async with self._session.post(
-            self._base_url + path, json=payload, ssl=self._ssl
-        ) as response:
-            raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
+        with reaching(self._base_url + path):
+            async with self._session.post(
+                self._base_url + path, json=payload, ssl=self._ssl
+            ) as response:
+                raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
             try:
                 body = json.loads(raw) if raw else {}
             except ValueError:
@@ -430,6 +488,7 @@ def unwrap_release(
             algorithm,
             int(body.get("log_index", -1)),
             _leaf_hash(body),
+            str(body.get("log_origin", "")),
         )
     decrypted = jwe.decrypt(str(body["wrapped_key"]), private_key)  # type: ignore[arg-type]
     header = decrypted.protected_header
@@ -447,6 +506,7 @@ def unwrap_release(
         algorithm=algorithm,
         log_index=int(body.get("log_index", -1)),
         leaf_hash=_leaf_hash(body),
+        log_origin=str(body.get("log_origin", "")),
     )
 
 

@@ -256,7 +256,7 @@ class GcsSource:
     def __init__(self, uri: str, *, client: Any | None = None) -> None:
         # Only runners reading GCS need the client (the ``gcs`` extra); others never import it.
         try:
-            from google.cloud import storage  # type: ignore[attr-defined]  # noqa: PLC0415
+            from google.cloud import storage  # type: ignore[attr-defined,import-untyped,unused-ignore]  # noqa: PLC0415
 
             self._errors = _gcs_errors()
         except ImportError as exc:

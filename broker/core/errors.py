@@ -99,6 +99,14 @@ class ErrorCode(StrEnum):
     NOT_READY = "not_ready"
     # the one code for our own bugs; the message never carries details
     INTERNAL = "internal_error"
+    # DPoP proofs bound to this broker (issue 27): the proof's key is not the result's cnf key,
+    # its htu is none of [server] public_urls, its iat is not a sane integer NumericDate
+    DPOP_KEY_MISMATCH = "dpop_key_mismatch"
+    DPOP_HTU_MISMATCH = "dpop_htu_mismatch"
+    DPOP_IAT_INVALID = "dpop_iat_invalid"
+    HOST_INVALID = "host_invalid"  # a Host header that is not a host[:port] (RFC 9112 §3.2): 400
+    # another replica's log (asked for by its origin) could not be read from that replica: 503
+    LOG_PEER_UNAVAILABLE = "log_peer_unavailable"
 
 
 class BrokerError(Exception):
@@ -223,3 +231,15 @@ class ConfigError(Exception):
         super().__init__(f"{where} {key}: {problem}")
         self.key = key
         self.message = f"{where} {key}: {problem}"
+
+
+class FileFormatError(ConfigError):
+    """A file named on the command line or in the config is missing or is not what the command
+    reads (a log, a backup, a weights file, a policy directory, a TOML config): one line naming
+    the path, what is wrong and what to do; the CLI prints it and exits 2, without a traceback.
+    """
+
+    def __init__(self, path: object, problem: str, fix: str = "") -> None:
+        super().__init__(str(path), problem)
+        self.message = f"{path}: {problem}" + (f"; {fix}" if fix else "")
+        self.args = (self.message,)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -72,6 +73,26 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livemax",
         )
+        self.policy_source_up = Gauge(
+            "broker_policy_source_up",
+            "1 while the bundle server answers with the bundle in force; 0 while it fails, serves "
+            "a refused bundle, or the broker serves its cached copy (the lowest of any worker; "
+            "1 without a bundle server)",
+            registry=self.registry,
+            multiprocess_mode="livemin",
+        )
+        self.policy_source_up.set(1)
+        self.policy_source_failures = Counter(
+            "broker_policy_source_failures",
+            "Fetches from the bundle server that failed (no answer, HTTP error, too large)",
+            registry=self.registry,
+        )
+        self.policy_bundle_version = Gauge(
+            "broker_policy_bundle_version",
+            "policy_version of the signed bundle in force (the highest of any live worker)",
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
         self._digest: str | None = None
 
         self.sink_sent = Counter(
@@ -80,6 +101,12 @@ class Metrics:
         self.sink_dropped = Counter(
             "broker_audit_sink_dropped",
             "Records the audit sink did not deliver (the local log still has them)",
+            registry=self.registry,
+        )
+        self.outbound = Counter(
+            "broker_outbound_requests",
+            "Requests the evidence verifier sent to upstreams, by kind (jwks, rim, ocsp)",
+            ["kind"],
             registry=self.registry,
         )
 
@@ -95,6 +122,18 @@ class Metrics:
         self.policy_reloads.labels(result).inc()
         self.policy_last_reload.labels(result).set(time.time())
         self.policy_info(digest)
+
+    def policy_source(self, *, up: bool) -> None:
+        self.policy_source_up.set(1 if up else 0)
+
+    def policy_source_failed(self) -> None:
+        self.policy_source_failures.inc()
+        self.policy_source_up.set(0)
+
+    def outbound_counter(self, kind: str) -> Callable[[], None]:
+        """What an upstream adapter calls for each request it sends (``kind``: jwks, rim,
+        ocsp)."""
+        return self.outbound.labels(kind).inc
 
     def render(self) -> bytes:
         """The exposition: this registry, or with workers the sum over every worker's files."""

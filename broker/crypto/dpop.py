@@ -10,10 +10,15 @@ the access token the proof accompanies) and, when the server asks for one, its `
 (§8: a ``DPoP-Nonce`` the server handed out, so a proof cannot be made ahead of time).
 
 ``verify_dpop_proof`` is pure: it checks one proof against one request and returns the key's
-RFC 7638 thumbprint and the ``jti``; comparing the thumbprint with the result's ``cnf`` and
-spending the ``jti`` are the caller's. The signature is checked by ``jose.check_signature``,
-the one JWS verifier. ``tests/unit/test_dpop.py`` checks proofs made by independent
-implementations (jwcrypto, and panva's ``dpop`` for Node) and the hostile cases.
+RFC 7638 thumbprint and the ``jti``; spending the ``jti`` is the caller's. Given the result's
+``cnf`` thumbprint (``bound_to``), the proof's key is matched to it before the signature is
+checked or any claim is read (``dpop_key_mismatch``). ``htu`` is compared with the URLs the
+broker is configured to be reached at (``[server] public_urls``), never with one built from the
+request's ``Host`` (``dpop_htu_mismatch``: a proof made for another service). ``iat`` must be an
+integer NumericDate within the proof's window (``dpop_iat_invalid``). The signature is checked
+by ``jose.check_signature``, the one JWS verifier. ``tests/unit/test_dpop.py`` checks proofs
+made by independent implementations (jwcrypto, and panva's ``dpop`` for Node) and the hostile
+cases.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ MAX_PROOF_AGE = timedelta(seconds=60)  # a proof older than this is refused (§1
 FUTURE_LEEWAY = timedelta(seconds=5)  # a runner's clock slightly ahead of ours
 MAX_JTI_CHARS = 128
 REFUSED_HEADERS = frozenset({"jku", "x5u", "x5c", "kid", "crit"})  # the key is in ``jwk`` only
+# iat beyond these is no time a proof can be made at; checked before any datetime is built
+# (1e20 used to overflow into a 500)
+MIN_IAT, MAX_IAT = 0, 253402300799  # 9999-12-31T23:59:59Z
 DEFAULT_PORTS = {"https": 443, "http": 80}
 
 
@@ -98,30 +106,41 @@ def verify_dpop_proof(
     now: datetime,
     access_token: str | None = None,
     nonce_valid: Callable[[str], bool] | None = None,
+    bound_to: str | None = None,
 ) -> DpopProof:
     """Check one proof against the request it came with.
 
     Args:
         proof: the ``DPoP`` header's value (untrusted).
-        method: this request's method; ``url``: its URL as the client addressed it (or the
-            URLs it may have addressed: the one served and the public one behind a proxy).
+        method: this request's method; ``url``: the URL (or URLs) this broker is configured to
+            be reached at for this route, never one derived from the request.
         now: the one clock reading of this request.
         access_token: the token the proof must be bound to (``ath``); ``None`` when the request
             carries none (then a proof naming one is refused).
         nonce_valid: when given, the proof must carry a ``nonce`` it accepts.
+        bound_to: the RFC 7638 thumbprint the proof's key must have (the result's ``cnf``),
+            compared before the signature and the claims.
 
     Raises:
-        DpopError: ``dpop_proof_invalid``, saying which check failed.
+        DpopError: ``dpop_proof_invalid``, saying which check failed; ``dpop_key_mismatch``,
+            ``dpop_htu_mismatch``, ``dpop_iat_invalid`` for those checks.
         DpopNonceRequired: ``use_dpop_nonce`` (no nonce, or one no longer valid).
     """
     if not isinstance(proof, str) or not proof:
         raise DpopError("a DPoP proof is required")
     if len(proof) > MAX_PROOF_BYTES:
         raise DpopError("DPoP proof exceeds the size limit")
+    if not proof.isascii():  # a compact JWS is base64url and dots; the signing input is ASCII
+        raise DpopError("DPoP proof is not a compact JWS")
     parts = proof.split(".")
     if len(parts) != 3 or not all(parts):
         raise DpopError("DPoP proof is not a compact JWS")
     alg, key = _header_key(_object(parts[0], "header"))
+    if bound_to is not None and key.thumbprint != bound_to:
+        raise DpopError(
+            "the DPoP proof is not signed by the key the result is bound to",
+            code=ErrorCode.DPOP_KEY_MISMATCH,
+        )
     try:
         signature = _decode(parts[2])
         check_signature(alg, key.key, f"{parts[0]}.{parts[1]}".encode("ascii"), signature)
@@ -135,8 +154,11 @@ def verify_dpop_proof(
         raise DpopError("DPoP proof htm is not this request's method")
     htu = claims.get("htu")
     urls = (url,) if isinstance(url, str) else tuple(url)
-    if not isinstance(htu, str) or target_uri(htu) not in {target_uri(u) for u in urls}:
-        raise DpopError("DPoP proof htu is not this request's URL")
+    if not isinstance(htu, str) or _target_or_none(htu) not in {target_uri(u) for u in urls}:
+        raise DpopError(
+            "DPoP proof htu is not this broker's URL for this request",
+            code=ErrorCode.DPOP_HTU_MISMATCH,
+        )
     issued_at = _issued_at(claims.get("iat"), now)
     _check_ath(claims.get("ath"), access_token)
     nonce = claims.get("nonce")
@@ -192,12 +214,28 @@ def _object(segment: str, what: str) -> dict[str, Any]:
     return value
 
 
+def _target_or_none(htu: str) -> str | None:
+    try:
+        return target_uri(htu)
+    except DpopError:
+        return None
+
+
 def _issued_at(value: Any, now: datetime) -> datetime:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise DpopError("DPoP proof iat must be a NumericDate")
+    """``iat``: a JSON integer (a fraction or an exponent form is refused, and so is anything
+    outside years 1970..9999) within ``MAX_PROOF_AGE`` before ``now`` and ``FUTURE_LEEWAY``
+    after it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _iat_error("DPoP proof iat must be an integer NumericDate")
+    if not MIN_IAT <= value <= MAX_IAT:
+        raise _iat_error("DPoP proof iat is out of range")
     issued = datetime.fromtimestamp(value, UTC)
     if issued > now + FUTURE_LEEWAY:
-        raise DpopError("DPoP proof iat is in the future")
+        raise _iat_error("DPoP proof iat is in the future")
     if issued < now - MAX_PROOF_AGE:
-        raise DpopError(f"DPoP proof is older than {int(MAX_PROOF_AGE.total_seconds())} s")
+        raise _iat_error(f"DPoP proof is older than {int(MAX_PROOF_AGE.total_seconds())} s")
     return issued
+
+
+def _iat_error(message: str) -> DpopError:
+    return DpopError(message, code=ErrorCode.DPOP_IAT_INVALID)

@@ -5,8 +5,9 @@ It mints tokens shaped like Google Cloud Attestation (Confidential Space) OIDC t
 reserved ``.invalid`` domain, so its tokens can never pass for Google's: a broker trusts them
 only if its configuration lists this issuer and its JWKS explicitly.
 
-It refuses to exist unless dev mode is explicitly on (``DevIssuer(dev_mode=True)``); nothing on
-the ``broker serve`` path imports this package.
+It refuses to exist unless dev mode is explicitly on (``DevIssuer(dev_mode=True)``) and its
+issuer's host, however spelled, is under ``.invalid`` and is not Google's; nothing on the
+``broker serve`` path imports this package.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from broker.core.hostnames import in_domain, normal_host
 from broker.crypto.jwk import public_jwk
 
 DEV_ISSUER = "https://dev-attestation.invalid/confidential-space"
@@ -60,8 +63,7 @@ class DevIssuer:
         """``key``: the signing key to use (default: a new RSA-2048 key)."""
         if dev_mode is not True:
             raise DevModeRequired("the development issuer needs dev mode explicitly on")
-        if issuer == GOOGLE_ISSUER:
-            raise DevModeRequired("the development issuer must not use Google's issuer URL")
+        _require_development_url(issuer)
         self.issuer = issuer
         self._key = key or rsa.generate_private_key(public_exponent=65537, key_size=2048)
         self.kid = secrets.token_hex(20)
@@ -144,6 +146,25 @@ class DevIssuer:
             **workload.extra_claims,
         }
         return jwt.encode(claims, self._key, algorithm="RS256", headers={"kid": self.kid})
+
+
+def _require_development_url(issuer: str) -> None:
+    """The issuer's host, in its one normal spelling (``core/hostnames.py``), is under
+    ``.invalid`` and is not Google's: ``https://ConfidentialComputing.googleapis.com.`` is
+    Google's issuer too, and ``https://dev.invalid.`` is a development issuer.
+
+    Raises:
+        DevModeRequired: any other issuer URL.
+    """
+    try:
+        host = urlsplit(issuer).hostname or ""
+        google = urlsplit(GOOGLE_ISSUER).hostname or ""
+        if normal_host(host) == normal_host(google):
+            raise DevModeRequired("the development issuer must not use Google's issuer URL")
+    except ValueError as exc:
+        raise DevModeRequired(f"not an issuer URL: {issuer!r}") from exc
+    if not in_domain(host, "invalid"):
+        raise DevModeRequired("the development issuer's URL must be under .invalid (RFC 2606)")
 
 
 def _submods(workload: Workload) -> dict[str, Any]:

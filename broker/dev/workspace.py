@@ -18,7 +18,8 @@ from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from broker.dev.issuer import DevIssuer
 from broker.dev.tls import make_dev_tls
 
-SHIPPED_POLICIES = Path(__file__).resolve().parents[2] / "policies"
+# policies/ of the repository, installed with the package (pyproject: package-data)
+SHIPPED_POLICIES = Path(__file__).resolve().parents[1] / "shipped" / "policies"
 
 
 def write_dev_workspace(
@@ -34,7 +35,8 @@ def write_dev_workspace(
     keys_extra: Mapping[str, object] | None = None,
     extra_toml: str = "",
 ) -> Path:
-    """Lay out the workspace and return the path of its ``broker.toml``.
+    """Lay out the workspace and return the path of its ``broker.toml``. Every path the file
+    names is relative to it: the workspace is self-contained and can move.
 
     Args:
         workdir: an empty or absent directory.
@@ -80,12 +82,12 @@ issuer = "{issuer.issuer}"
 dir = "policies"
 
 [keys]
-store = "sqlite:///{workdir / "keys.db"}"
-kek = "local:{workdir / "kek.key"}"
+store = "sqlite:///keys.db"
+kek = "local:kek.key"
 {keys}
 [audit]
 log = "decisions.log"
-origin = "broker.dev.invalid/decisions"
+origin = "broker.dev.invalid/decisions/{{replica}}"
 signing_key = "log-ed25519.pem"
 checkpoint_seconds = 0.2
 {extra_toml}

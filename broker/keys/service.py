@@ -236,6 +236,15 @@ class KeyService:
     async def list_versions(self, name: str | None = None) -> list[KeyVersionRecord]:
         return await self._store.list_versions(name)
 
+    async def has_query_keys(self) -> bool:
+        """Whether the store holds any query key: one cheap store call, no key material read
+        (``/readyz``'s background check; it also shows the store answers).
+
+        Raises:
+            UpstreamError: ``key_store_unavailable``.
+        """
+        return await self._store.has_purpose(Purpose.QUERY)
+
     async def show(self, name: str) -> list[KeyVersionRecord]:
         versions = await self._store.list_versions(name)
         if not versions:

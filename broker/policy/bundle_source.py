@@ -5,8 +5,9 @@
 at start-up and polls it every ``reload_seconds`` (±20 % jitter, so replicas do not poll in step)
 with a conditional request — ``If-None-Match`` with the last ``ETag`` over HTTPS, the object's
 generation on Cloud Storage — and reloads only when it changed. The bytes fetched are the bytes
-verified and loaded (``opa_bundle.read_bundle``: signature required when
-``bundle_verification_key`` is set). Every failure is an ``UpstreamError`` naming the source;
+verified and loaded (``bundle_loader``: signature required when
+``bundle_verification_key`` is set). A private CA for the HTTPS server: ``[policy] bundle_ca``
+(PEM), used for this source only. Every failure is an ``UpstreamError`` naming the source;
 the last good policy keeps serving.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -38,10 +40,14 @@ class BundleSource(Protocol):
         ...
 
 
-def open_bundle_source(url: str, session: aiohttp.ClientSession) -> BundleSource:
+def open_bundle_source(
+    url: str, session: aiohttp.ClientSession, *, tls: ssl.SSLContext | None = None
+) -> BundleSource:
+    """The source for ``url``; ``tls`` verifies an HTTPS server with a private CA
+    (``[policy] bundle_ca``), else the system's trust store."""
     if url.startswith("gs://"):
         return GcsBundleSource(url)
-    return HttpBundleSource(url, session)
+    return HttpBundleSource(url, session, tls=tls)
 
 
 def _unavailable(name: str, problem: str) -> UpstreamError:
@@ -51,7 +57,9 @@ def _unavailable(name: str, problem: str) -> UpstreamError:
 class HttpBundleSource:
     """An HTTPS bundle server; conditional GETs with ``If-None-Match``."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, url: str, session: aiohttp.ClientSession, *, tls: ssl.SSLContext | None = None
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "https" and not (
             parts.scheme == "http" and parts.hostname in LOOPBACK_HOSTS
@@ -59,6 +67,7 @@ class HttpBundleSource:
             raise ValueError("bundle_url must be https:// (http:// only on loopback) or gs://")
         self.name = url
         self._session = session
+        self._tls: ssl.SSLContext | bool = tls if tls is not None else True
         self._etag: str | None = None
 
     async def fetch(self) -> bytes:
@@ -77,6 +86,7 @@ class HttpBundleSource:
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_SECONDS),
                 allow_redirects=False,
+                ssl=self._tls,
             ) as response:
                 if response.status == 304 and conditional:
                     return None
@@ -135,7 +145,7 @@ class GcsBundleSource:
     def _blob_handle(self) -> Any:
         """A fresh handle each time: a reloaded one is pinned to the generation it read."""
         if self._client is None:
-            from google.cloud import storage  # type: ignore[attr-defined]  # noqa: PLC0415
+            from google.cloud import storage  # type: ignore[attr-defined,import-untyped,unused-ignore]  # noqa: PLC0415
 
             if os.environ.get("STORAGE_EMULATOR_HOST"):
                 from google.auth.credentials import AnonymousCredentials  # noqa: PLC0415

@@ -15,6 +15,11 @@ policy in force differs from the last one the log names (a new bundle, new direc
 a new replica). The log decides under its lock whether the record is new, so the workers of one
 broker write one record per change.
 
+Bundles are held to TUF's rule (``freshness.py``, ``bundle_loader.py``): a signed bundle older
+than the one the replica loaded, or expired, is refused (one record per distinct bundle), the
+replica starts on its last verified bundle while the bundle server is down, and a deliberate
+downgrade goes only through the admin API (``allow_downgrade`` with a reason, logged with who).
+
 The OPA server engine (``engine = "opa"``) has nothing to reload here: the sidecar loads its
 own bundles.
 """
@@ -35,20 +40,25 @@ import aiohttp
 from broker.config import PolicySettings
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
-from broker.policy import opa_bundle
-from broker.policy.build import compile_policy_dir, load_bundle, load_bundle_bytes
+from broker.policy import records
+from broker.policy.build import compile_policy_dir
 from broker.policy.bundle import load_policy_dir
-from broker.policy.bundle_source import BundleSource, open_bundle_source
+from broker.policy.bundle_loader import BundleLoader, LoadedBundle, RefusedBundle
 from broker.policy.engine import PolicyEngine
+from broker.policy.records import ReloadOutcome
 from broker.policy.testing import find_opa
-from broker.policy.wasm import CompiledPolicy, WasmPolicyEngine, WasmPolicyInstance
+from broker.policy.wasm import (
+    CompiledPolicy,
+    PolicyLoadError,
+    WasmPolicyEngine,
+    WasmPolicyInstance,
+)
 from broker.policy.workers import WorkerGroup, WorkerReport
 
 log = logging.getLogger(__name__)
 ChangeLog = Callable[[Mapping[str, Any]], Awaitable[object]]
 ChangeListener = Callable[[str], Awaitable[object]]  # called with who changed the policy
 SYSTEM_WHO = "broker"
-MAX_PROBLEM_CHARS = 4096  # start-up and polling: the broker itself
 SMOKE_INPUT: dict[str, Any] = {
     "schema": "broker.input/v1",
     "request": {"key": "smoke/test", "version": 1, "purpose": "generic"},
@@ -56,28 +66,6 @@ SMOKE_INPUT: dict[str, Any] = {
     "gpus": [],
     "claims": {},
 }
-
-
-@dataclass
-class ReloadOutcome:
-    ok: bool
-    trigger: str
-    time: str
-    digest: str
-    previous: str | None = None
-    changed: bool = False
-    problem: str | None = None
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "trigger": self.trigger,
-            "time": self.time,
-            "active_digest": self.digest,
-            "previous_digest": self.previous,
-            "changed": self.changed,
-            "problem": self.problem,
-        }
 
 
 @dataclass(frozen=True)
@@ -115,6 +103,7 @@ class PolicyManager:
     metrics: Metrics
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
     workers: WorkerGroup | None = None  # with --workers N: the group to keep on one policy
+    state_dir: Path | None = None  # <log>.policy: version floor and last verified bundle
     engine: PolicyEngine | None = None
     last_reload: ReloadOutcome | None = None
     _change_log: ChangeLog | None = None
@@ -122,7 +111,8 @@ class PolicyManager:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _watch_stamp: str | None = None
     _handled_generation: int = 0
-    _source: BundleSource | None = None
+    _answered: tuple[int, ReloadOutcome] | None = None  # the last request generation answered
+    _bundles: BundleLoader | None = None  # [policy] bundle or bundle_url
     _on_change: list[ChangeListener] = field(default_factory=list)
 
     def on_change(self, listener: ChangeListener) -> None:
@@ -155,10 +145,16 @@ class PolicyManager:
         """
         self._change_log = change_log
         self._policy_log = policy_log or change_log
-        if self.settings.bundle_url is not None:
-            if session is None:
-                raise ConfigError("policy.bundle_url", "needs an HTTP session")
-            self._source = open_bundle_source(self.settings.bundle_url, session)
+        uses_bundle = self.settings.bundle_url is not None or self.settings.bundle is not None
+        if uses_bundle and self.settings.engine == "wasm":
+            self._bundles = await BundleLoader.open(
+                self.settings,
+                self.metrics,
+                clock=self.clock,
+                smoke=_smoke_tested,
+                state_dir=self.state_dir,
+                session=session,
+            )
         if self.settings.engine == "opa":
             digest = await asyncio.to_thread(self._dir_digest_or_url)
             from broker.policy.opa_server import OpaServerEngine  # noqa: PLC0415 - engine = "opa" only
@@ -172,15 +168,17 @@ class PolicyManager:
             self.engine = engine
         else:
             before = await asyncio.to_thread(self._stamp_before_load)
-            compiled = await self._load()
+            compiled, bundle = await self._load_at_startup()
             try:
-                await self._record_change(None, compiled, "startup", SYSTEM_WHO)
+                await self._record_change(None, compiled, "startup", SYSTEM_WHO, bundle)
             except UpstreamError:
                 # The log cannot write: it now refuses every record, so no decision is made
                 # (and nothing released) under a policy the log does not name.
                 log.critical(
                     "policy %s could not be logged; nothing will be decided", compiled.digest
                 )
+            if bundle is not None and self._bundles is not None:
+                await self._bundles.accepted(bundle, who=SYSTEM_WHO, reason=None)
             self.engine = WasmPolicyEngine(compiled)
             self._watch_stamp = _stamp_of(compiled, before)
         self.metrics.policy_info(self.digest)
@@ -198,66 +196,96 @@ class PolicyManager:
                 await self.engine.close()
 
     async def reload(
-        self, *, trigger: str, who: str = SYSTEM_WHO, fetched: bytes | None = None
+        self,
+        *,
+        trigger: str,
+        who: str = SYSTEM_WHO,
+        fetched: bytes | None = None,
+        allow_downgrade: bool = False,
+        reason: str | None = None,
+        generation: int | None = None,
     ) -> ReloadOutcome:
         """Check, test and swap; on any failure the last good policy keeps serving.
-        ``fetched``: the bundle server's new bytes, already fetched by the poll."""
+        ``fetched``: the bundle server's new bytes, already fetched by the poll.
+        ``allow_downgrade`` (admin API only, with a ``reason``): a signed bundle older than the
+        one in force may go live; logged with who and why.
+        ``generation``: the workers' reload request this reload answers (``on_signal``); only
+        such a reload reports to the other workers, so a poll that runs just before or after
+        cannot answer for an admin's request (it once turned an allowed downgrade into 409)."""
         async with self._lock:
             previous = self.digest
             outcome = ReloadOutcome(ok=True, trigger=trigger, time=self._now(), digest=previous)
+            refused: str | None = None  # the refused bundle's SHA-256
             if not isinstance(self.engine, WasmPolicyEngine):
                 outcome.problem = "engine opa: the OPA server loads its own policy"
                 outcome.ok = False
             else:
                 try:
                     before = await asyncio.to_thread(self._stamp_before_load)
-                    compiled = await self._load(fetched)
+                    compiled, bundle = await self._load(fetched, allow_downgrade=allow_downgrade)
                     stamp = _stamp_of(compiled, before)
                     if compiled.digest != previous:
                         # The record first: a change that cannot be logged does not go live.
-                        await self._record_change(previous, compiled, trigger, who)
+                        await self._record_change(
+                            previous, compiled, trigger, who, bundle, reason=reason
+                        )
                         self.engine.swap(compiled)
                         outcome.changed = True
                         outcome.previous = previous
                         outcome.digest = compiled.digest
+                    if bundle is not None and self._bundles is not None:
+                        await self._bundles.accepted(bundle, who=who, reason=reason)
                     self._watch_stamp = stamp
-                except (ConfigError, UpstreamError, OSError) as exc:
+                except (ConfigError, UpstreamError, OSError, RefusedBundle) as exc:
                     outcome.ok = False
                     outcome.problem = getattr(exc, "message", str(exc))
+                    refused = exc.sha256 if isinstance(exc, RefusedBundle) else None
                     log.error(  # noqa: TRY400 - the message is OPA's
                         "policy reload (%s) failed; keeping %s:\n%s",
                         trigger,
                         previous,
                         outcome.problem,
                     )
-                    await self._record_failure(outcome, who)
+                    await self._record_failure(outcome, who, refused)
+            outcome.version = self._version()
             self.last_reload = outcome
             self.metrics.policy_reloaded(outcome.ok, self.digest)
             if outcome.changed:
                 await self._changed(who)
-            await self._report(self._handled_generation, ok=outcome.ok, problem=outcome.problem)
+            if generation is not None:
+                self._handled_generation = max(self._handled_generation, generation)
+                self._answered = (generation, outcome)
+                await self._report(generation, ok=outcome.ok, problem=outcome.problem)
             return outcome
 
-    async def reload_everywhere(self, *, trigger: str, who: str) -> BrokerReload:
+    async def reload_everywhere(
+        self, *, trigger: str, who: str, allow_downgrade: bool = False, reason: str | None = None
+    ) -> BrokerReload:
         """Reload in every worker of this broker and wait for each to confirm (admin API).
 
-        A single process reloads itself. Under a supervisor: record the request, SIGHUP the
-        supervisor (every worker, this one included, reloads through ``on_signal``), and wait
-        until every worker reports this request's generation.
+        A single process reloads itself. Under a supervisor: record the request (with
+        ``allow_downgrade`` and ``reason``), SIGHUP the supervisor (every worker, this one
+        included, reloads through ``on_signal``), and wait until every worker reports this
+        request's generation.
         """
         group = self.workers
         if group is None or group.count == 1 or group.supervisor_pid is None:
-            outcome = await self.reload(trigger=trigger, who=who)
+            outcome = await self.reload(
+                trigger=trigger, who=who, allow_downgrade=allow_downgrade, reason=reason
+            )
             report = WorkerReport(
                 0, 0, self._handled_generation, self.digest, outcome.ok, outcome.problem
             )
             return BrokerReload(outcome, (report,), ())
         previous = self.digest
-        generation = await asyncio.to_thread(group.request, trigger, who)
+        generation = await asyncio.to_thread(
+            group.request, trigger, who, allow_downgrade=allow_downgrade, reason=reason
+        )
         group.signal_all()
         reports, silent = await group.confirmed(generation)
-        mine = self.last_reload
-        if mine is None or self._handled_generation < generation:  # this worker never answered
+        answered = self._answered
+        mine = answered[1] if answered is not None and answered[0] >= generation else None
+        if mine is None:  # this worker never answered
             mine = ReloadOutcome(
                 ok=False, trigger=trigger, time=self._now(), digest=self.digest, previous=previous
             )
@@ -269,6 +297,7 @@ class PolicyManager:
             previous=previous,
             changed=self.digest != previous,
             problem=mine.problem,
+            version=self._version(),
         )
         return BrokerReload(outcome, tuple(reports), tuple(silent))
 
@@ -276,19 +305,28 @@ class PolicyManager:
         """SIGHUP: a reload requested through the admin API (the request file names its trigger
         and who) or a plain ``kill -HUP`` / ``systemctl reload``."""
         trigger, who = "sighup", "signal:SIGHUP"
+        allow_downgrade, reason = False, None
+        generation: int | None = None
         if self.workers is not None:
             request = await asyncio.to_thread(self.workers.read_request)
+            generation = request.generation
             if request.generation > self._handled_generation:
                 trigger, who = request.trigger, request.who
-            self._handled_generation = max(self._handled_generation, request.generation)
-        return await self.reload(trigger=trigger, who=who)
+                allow_downgrade, reason = request.allow_downgrade, request.reason
+        return await self.reload(
+            trigger=trigger,
+            who=who,
+            allow_downgrade=allow_downgrade,
+            reason=reason,
+            generation=generation,
+        )
 
     async def _changed(self, who: str) -> None:
         for listener in self._on_change:
             try:
                 await listener(who)
-            except UpstreamError as exc:  # the new policy serves; re-deciding is retried on
-                # the next reload or start, and every release on a result re-decides anyway
+            except UpstreamError as exc:  # the new policy serves; the attestation listener
+                # (attest_redecide.Redecider) retries a failed re-decision itself, with backoff
                 log.error("after the policy change, re-deciding results failed: %s", exc.message)  # noqa: TRY400
 
     async def _report(self, generation: int, *, ok: bool, problem: str | None) -> None:
@@ -312,8 +350,10 @@ class PolicyManager:
             return
         while True:
             await asyncio.sleep(interval * random.uniform(0.8, 1.2))  # noqa: S311 - jitter
-            if self._source is not None:
-                await self._poll_source()
+            if self._bundles is not None and self._bundles.source is not None:
+                fetched = await self._bundles.poll()
+                if fetched is not None:
+                    await self.reload(trigger="poll", fetched=fetched)
                 continue
             try:
                 stamp = await asyncio.to_thread(self._stamp)
@@ -325,24 +365,61 @@ class PolicyManager:
                 if not outcome.ok:
                     self._watch_stamp = stamp  # do not retry the same broken files in a loop
 
-    async def _poll_source(self) -> None:
-        """One conditional request to the bundle server; a reload with the bytes it returned."""
-        assert self._source is not None  # noqa: S101 - only called with a source
-        try:
-            fetched = await self._source.changed()
-        except UpstreamError as exc:
-            log.warning("policy watch: %s (the last good policy keeps serving)", exc.message)
-            return
-        if fetched is not None:
-            await self.reload(trigger="poll", fetched=fetched)
+    async def _load_at_startup(self) -> tuple[CompiledPolicy, LoadedBundle | None]:
+        """``_load``, except that a bundle server that is down, or serves a bundle that is
+        refused, leaves the replica on its last verified bundle (refusal logged once).
 
-    async def _load(self, fetched: bytes | None = None) -> CompiledPolicy:
-        """The policy to serve: from the bundle server (these bytes, or fetched now), or from
-        the configured file or directory."""
-        if self._source is None:
-            return await asyncio.to_thread(self._prepare)
-        raw = fetched if fetched is not None else await self._source.fetch()
-        return await asyncio.to_thread(self._from_bytes, raw, self._source.name)
+        Raises:
+            ConfigError / PolicyLoadError / UpstreamError: nothing to start on.
+        """
+        try:
+            return await self._load(startup=True)
+        except RefusedBundle as exc:
+            fallback = await self._bundles.cached_fallback() if self._bundles else None
+            if fallback is None or self._bundles is None or self._bundles.source is None:
+                raise PolicyLoadError(exc.problem) from exc
+            outcome = ReloadOutcome(
+                ok=False, trigger="startup", time=self._now(), digest=fallback.compiled.digest
+            )
+            outcome.problem = exc.problem + " (starting on the cached copy)"
+            log.error("policy at start-up refused: %s", outcome.problem)  # noqa: TRY400
+            await self._record_failure(outcome, SYSTEM_WHO, exc.sha256)
+            self.last_reload = outcome
+            return fallback.compiled, fallback
+
+    async def _load(
+        self, fetched: bytes | None = None, *, allow_downgrade: bool = False, startup: bool = False
+    ) -> tuple[CompiledPolicy, LoadedBundle | None]:
+        """The policy to serve: a bundle (from the bundle server, these bytes or fetched now,
+        or the configured file), or the configured directory."""
+        if self._bundles is None:
+            return await asyncio.to_thread(self._prepare), None
+        bundle = await self._bundles.load(fetched, allow_downgrade=allow_downgrade, startup=startup)
+        return bundle.compiled, bundle
+
+    def source_health(self) -> tuple[bool, dict[str, object]]:
+        """(ok, details) of where the policy comes from, for ``/readyz`` and the metrics.
+
+        ``ok`` is false while the bundle server fails or serves a refused bundle, while the
+        replica serves its cached copy, or once the signed bundle in force has expired; the
+        last good policy keeps serving. Details: ``source``, ``serving_from`` ("source",
+        "cached copy", "file" or "directory"), ``consecutive_failures``, ``last_success``,
+        ``last_failure``, ``problem`` and, for signed bundles, ``version`` and ``expires``.
+        """
+        if self._bundles is not None:
+            return self._bundles.source_health()
+        return True, {
+            "source": str(self.settings.dir),
+            "serving_from": "directory",
+            "consecutive_failures": 0,
+            "last_success": None,
+            "last_failure": None,
+            "problem": None,
+        }
+
+    def _version(self) -> int | None:
+        fresh = self._bundles.fresh if self._bundles is not None else None
+        return fresh.version if fresh is not None else None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -354,38 +431,19 @@ class PolicyManager:
     # --- blocking helpers (run in a thread) ---------------------------------------------------
 
     def _prepare(self) -> CompiledPolicy:
-        """Compile (or load) and test the configured policy; raise on any problem. A bundle is
-        verified and loaded by the broker itself (no OPA binary); a directory is read once and
+        """Compile and test the configured directory; raise on any problem. It is read once and
         checked, tested and compiled by OPA from those bytes."""
-        if self.settings.bundle is not None:
-            compiled = load_bundle(
-                self.settings.bundle,
-                verification_key=self.settings.bundle_verification_key,
-                scope=self.settings.bundle_verification_scope,
-            )
-        else:
-            opa = find_opa(str(self.settings.opa_binary) if self.settings.opa_binary else None)
-            compiled = compile_policy_dir(self.settings.dir, opa=opa, run_tests=True)
-        return _smoke_tested(compiled)
-
-    def _from_bytes(self, raw: bytes, source: str) -> CompiledPolicy:
-        return _smoke_tested(
-            load_bundle_bytes(
-                raw,
-                source=source,
-                verification_key=self.settings.bundle_verification_key,
-                scope=self.settings.bundle_verification_scope,
-            )
-        )
+        opa = find_opa(str(self.settings.opa_binary) if self.settings.opa_binary else None)
+        return _smoke_tested(compile_policy_dir(self.settings.dir, opa=opa, run_tests=True))
 
     def _stamp_before_load(self) -> str | None:
         """A bundle file's stamp, taken before it is read (a file replaced after this is seen by
         the next poll); a directory's comes from the bytes compiled (``_stamp_of``)."""
-        return self._stamp() if self.settings.bundle is not None or self._source else None
+        return self._stamp() if self._bundles is not None else None
 
     def _stamp(self) -> str:
-        if self._source is not None:
-            return self._source.name  # the source's own ETag / generation says what changed
+        if self._bundles is not None and self._bundles.source is not None:
+            return self._bundles.name  # the source's own ETag / generation says what changed
         if self.settings.bundle is not None:
             stat = Path(self.settings.bundle).stat()
             return f"{stat.st_mtime_ns}:{stat.st_size}"
@@ -400,45 +458,64 @@ class PolicyManager:
         return self.clock().isoformat()
 
     async def _record_change(
-        self, old: str | None, compiled: CompiledPolicy, trigger: str, who: str
+        self,
+        old: str | None,
+        compiled: CompiledPolicy,
+        trigger: str,
+        who: str,
+        bundle: LoadedBundle | None = None,
+        *,
+        reason: str | None = None,
     ) -> None:
         if self._policy_log is None:
             return
-        await self._policy_log(
-            {
-                "type": "policy_change",
-                "time": self._now(),
-                "old_digest": old,
-                "new_digest": compiled.digest,
-                "revision": compiled.revision,
-                "source_digest": compiled.source_digest,
-                "signed": opa_bundle.SIGNATURES in compiled.files,
-                "trigger": trigger,
-                "who": who,
-                "source": str(self.settings.bundle or self.settings.dir),
-            }
+        entry = records.change_record(
+            old,
+            compiled,
+            time=self._now(),
+            trigger=trigger,
+            who=who,
+            source=self._source_name(),
+            fresh=bundle.fresh if bundle is not None else None,
+            bundle_sha256=bundle.sha256 if bundle is not None else None,
+            downgrade_from=bundle.downgrade_from if bundle is not None else None,
+            reason=reason,
         )
+        await self._policy_log(entry)
 
-    async def _record_failure(self, outcome: ReloadOutcome, who: str) -> None:
-        """A refused reload is in the log too; if even that cannot be written, the log says so
-        in the server log and the last good policy keeps serving (nothing changed)."""
+    async def _record_failure(
+        self, outcome: ReloadOutcome, who: str, refused: str | None = None
+    ) -> None:
+        """A refused reload is in the log too, once per refused bundle (``refused``: the
+        bundle's SHA-256) however many polls and workers meet it; an admin's attempt is
+        recorded once per request. If even that cannot be written, the server log says so and
+        the last good policy keeps serving (nothing changed)."""
         if self._change_log is None:
             return
+        if refused is not None and self._bundles is not None:
+            key = refused
+            if outcome.trigger not in ("poll", "startup", "sighup"):
+                key += f":{outcome.trigger}:{self._handled_generation or outcome.time}"
+            if not await self._bundles.first_refusal(key):
+                return
+        fresh = self._bundles.fresh if self._bundles is not None else None
+        entry = records.failure_record(
+            outcome,
+            who=who,
+            source=self._source_name(),
+            worker=0 if self.workers is None else self.workers.index,
+            refused=refused,
+            active_version=fresh.version if fresh is not None else None,
+        )
         try:
-            await self._change_log(
-                {
-                    "type": "policy_reload_failed",
-                    "time": outcome.time,
-                    "trigger": outcome.trigger,
-                    "who": who,
-                    "problem": (outcome.problem or "")[:MAX_PROBLEM_CHARS],
-                    "active_digest": outcome.digest,
-                    "source": str(self.settings.bundle or self.settings.dir),
-                    "worker": 0 if self.workers is None else self.workers.index,
-                }
-            )
+            await self._change_log(entry)
         except UpstreamError:
             log.exception("the failed reload could not be logged")
+
+    def _source_name(self) -> str:
+        if self._bundles is not None:
+            return self._bundles.name
+        return str(self.settings.dir)
 
 
 def _stamp_of(compiled: CompiledPolicy, before: str | None) -> str:

@@ -36,6 +36,7 @@ steps 1-4 (OPA ignores non-regular entries and strips a leading ``/``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import zlib
@@ -109,6 +110,9 @@ class VerifiedBundle:
     manifest: Mapping[str, Any]
     digest: str
     signed: bool
+    claims: Mapping[str, Any] = dataclasses.field(
+        default_factory=dict
+    )  # the verified signature's payload
 
     @property
     def revision(self) -> str:
@@ -154,8 +158,9 @@ def read_bundle(
                 ".signatures.json, policy.wasm and data.json at the root, and *.rego)"
             )
     signed = SIGNATURES in files
+    claims: dict[str, Any] = {}
     if verification is not None:
-        verify_signature(files, verification, source=source)
+        claims = verify_signature(files, verification, source=source)
     elif signed:
         raise PolicyLoadError(
             f"{source}: the bundle is signed but no [policy] bundle_verification_key is "
@@ -172,6 +177,7 @@ def read_bundle(
         manifest=manifest,
         digest=files_digest(files),
         signed=signed,
+        claims=claims,
     )
 
 
@@ -291,8 +297,12 @@ def _entry_name(raw_name: bytes, source: str, *, rooted: bool) -> str:
 
 def verify_signature(
     files: Mapping[str, bytes], verification: BundleVerification, *, source: str
-) -> None:
+) -> dict[str, Any]:
     """Step 5, as OPA's ``bundle.VerifyBundleSignature`` and ``VerifyBundleFile`` define it.
+
+    Returns:
+        The verified payload (its ``policy_version`` and ``policy_expires`` claims are the
+        bundle's freshness, ``freshness.py``).
 
     Raises:
         PolicyLoadError: naming what did not verify.
@@ -322,6 +332,7 @@ def verify_signature(
         raise PolicyLoadError(
             f"{source}: signed file(s) {sorted(listed)} are missing from the bundle"
         )
+    return payload
 
 
 def _verified_payload(token: str, verification: BundleVerification, source: str) -> dict[str, Any]:
@@ -483,7 +494,12 @@ def signing_algorithm(key: Any) -> str:
 
 
 def signatures_file(
-    files: Mapping[str, bytes], private_key: Any, *, key_id: str = "default", scope: str = ""
+    files: Mapping[str, bytes],
+    private_key: Any,
+    *,
+    key_id: str = "default",
+    scope: str = "",
+    claims: Mapping[str, Any] | None = None,
 ) -> bytes:
     """``.signatures.json`` for ``files`` in OPA's format, signed deterministically (RSA
     PKCS#1 v1.5, or ECDSA with RFC 6979 nonces) so that a build is byte-for-byte reproducible.
@@ -502,6 +518,7 @@ def signatures_file(
     }
     if scope:
         payload["scope"] = scope
+    payload.update(claims or {})  # freshness: policy_version, policy_expires (OPA ignores them)
     header = {"alg": algorithm, "kid": key_id, "typ": "JWT"}
     signing_input = (
         b64url_encode(_compact(header)) + "." + b64url_encode(_compact(payload))

@@ -29,4 +29,8 @@ def find_opa(explicit: str | None = None) -> Path:
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return Path(candidate)
-    raise ConfigError("opa", "no OPA binary found (set BROKER_OPA or run `make test` once)")
+    raise ConfigError(
+        "opa",
+        f"no OPA binary found (--opa, ${OPA_ENV}, next to {sys.executable}, PATH): install OPA "
+        "(https://www.openpolicyagent.org/docs/#running-opa) or set BROKER_OPA to its path",
+    )

@@ -70,6 +70,7 @@ class CompiledPolicy:
     files: Mapping[str, bytes] = field(default_factory=dict)  # the bundle's verified files
     revision: str = ""  # the bundle manifest's revision (``broker policy build --revision``)
     source_digest: str | None = None  # digest of the policy directory it was built from
+    claims: Mapping[str, Any] = field(default_factory=dict)  # a signed bundle's verified payload
 
 
 def _host_sprintf(args: list[Any]) -> Any:

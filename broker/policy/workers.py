@@ -2,8 +2,8 @@
 
 The workers of one replica share a directory beside its log, ``<log>.workers/``:
 
-* ``request.json`` — the newest reload request, ``{"generation", "trigger", "who"}``, written
-  under ``request.lock``;
+* ``request.json`` — the newest reload request, ``{"generation", "trigger", "who",
+  "allow_downgrade", "reason"}``, written under ``request.lock``;
 * ``worker-<index>.json`` — each worker's report, rewritten atomically whenever its policy is
   (re)loaded: ``{"index", "pid", "generation", "digest", "ok", "problem", "time"}``.
 
@@ -42,6 +42,8 @@ class ReloadRequest:
     generation: int
     trigger: str
     who: str
+    allow_downgrade: bool = False  # an admin's deliberate downgrade (with its reason)
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,14 +89,22 @@ class WorkerGroup:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def request(self, trigger: str, who: str) -> int:
+    def request(
+        self, trigger: str, who: str, *, allow_downgrade: bool = False, reason: str | None = None
+    ) -> int:
         """Record a reload request; its generation."""
         with self._locked():
             current = self.read_request()
             generation = current.generation + 1
             _write_json(
                 self.directory / "request.json",
-                {"generation": generation, "trigger": trigger, "who": who},
+                {
+                    "generation": generation,
+                    "trigger": trigger,
+                    "who": who,
+                    "allow_downgrade": allow_downgrade,
+                    "reason": reason,
+                },
             )
         return generation
 
@@ -104,6 +114,8 @@ class WorkerGroup:
             generation=int(value.get("generation", 0)),
             trigger=str(value.get("trigger", "sighup")),
             who=str(value.get("who", "signal:SIGHUP")),
+            allow_downgrade=value.get("allow_downgrade") is True,
+            reason=str(value["reason"]) if value.get("reason") is not None else None,
         )
 
     def signal_all(self) -> None:

@@ -35,7 +35,10 @@ DENIED_KEY = "models/not-for-this-image"  # created here; no image is allowed fo
 
 
 async def attest_broker(start_broker: Callable[..., Any], **kwargs: Any) -> RunningBroker:
-    environ = {"BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(ADMIN.encode()).hexdigest()}
+    environ = {
+        "BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(ADMIN.encode()).hexdigest(),
+        **kwargs.pop("environ", {}),
+    }
     broker: RunningBroker = await start_broker(
         extra_toml=ATTEST_TOML, workdir_setup=with_result_key, environ=environ, **kwargs
     )
@@ -116,10 +119,13 @@ class Runner:
         authorization: str | None = None,
         proof: str | None = None,
         keys: tuple[str, ...] = (KEY,),
+        host: str | None = None,
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
         headers = {"Authorization": authorization or f"DPoP {self.token}"}
         if proof is not None:
             headers["DPoP"] = proof
+        if host is not None:  # what a client may put in Host: never a URL the broker trusts
+            headers["Host"] = host
         async with session.post(
             self.url, json={"keys": list(keys)}, headers=headers, ssl=self.broker.client_tls
         ) as response:

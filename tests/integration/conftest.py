@@ -126,14 +126,36 @@ def serve_workers(
     """``broker serve --workers 2`` (``BROKER_SERVER_WORKERS``) on a free port, once ready."""
     port = free_port()
     command = [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)]
+    urls = public_urls(load_settings(config, environ), f"https://127.0.0.1:{port}")
     process = subprocess.Popen(
         command,
-        env={**os.environ, **environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}"},
+        env={
+            **os.environ,
+            **environ,
+            "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
+            "BROKER_SERVER_PUBLIC_URLS": ",".join(urls),
+        },
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    wait_ready(port, client_tls)
+    try:
+        wait_ready(port, client_tls)
+    except BaseException:  # never leave a broker running behind a failed start
+        process.kill()
+        process.wait(30)
+        raise
     return process, port
+
+
+def public_urls(settings: Settings, served: str) -> tuple[str, ...]:
+    """The URLs a test broker is reached at: its configured ones (by default its audience), and
+    the loopback URL the tests address it by (DPoP proofs name that one)."""
+    return (*settings.server.public_base_urls, served)
+
+
+def with_public_url(settings: Settings, served: str) -> Settings:
+    server = dataclasses.replace(settings.server, public_urls=public_urls(settings, served))
+    return dataclasses.replace(settings, server=server)
 
 
 async def create_test_keys(settings: Settings) -> None:
@@ -186,7 +208,7 @@ def write_config(
         gpu_keys=gpu_keys,
         jwks_url=jwks_url,
         # The suite sends bursts from 127.0.0.1 on purpose; the rate-limit tests set their own.
-        server_extra={"rate_limit_per_ip": 0, **server},
+        server_extra={"rate_limit_per_ip": 0, "readyz_rate_per_ip": 0, **server},
         extra_toml=extra_toml,
     )
 
@@ -249,12 +271,15 @@ async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callabl
             process, port = await asyncio.to_thread(serve_workers, config, environ, client_tls)
             processes.append(process)
         else:
-            runner = BrokerRunner(create_app(settings), settings.server)
+            listening = socket.socket()  # bound first: its URL is one of the public URLs
+            listening.bind(("127.0.0.1", 0))
+            port = listening.getsockname()[1]
+            served = with_public_url(settings, f"https://127.0.0.1:{port}")
+            runner = BrokerRunner(create_app(served), served.server)
             await runner.setup()
             runners.append(runner)
-            site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl_context(settings))
+            site = web.SockSite(runner, listening, ssl_context=server_ssl_context(settings))
             await site.start()
-            port = runner.addresses[0][1]
         return RunningBroker(
             url=f"https://127.0.0.1:{port}",
             settings=settings,

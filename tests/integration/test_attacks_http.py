@@ -66,10 +66,15 @@ async def test_nonce_replay_rejected(broker: RunningBroker) -> None:
     assert_error(status, body, 401, "nonce_reused")
 
 
-async def test_nonce_spent_even_when_the_first_attempt_fails(broker: RunningBroker) -> None:
+async def test_forged_evidence_spends_no_nonce_so_junk_locks_nobody_out(
+    broker: RunningBroker,
+) -> None:
+    """Issue 27: a challenge is spent only by evidence that verified. A forged token carrying
+    someone's fresh challenge spends nothing; the genuine request then succeeds, once."""
     request = await fresh_request(broker)
     broken = dict(request, evidence={"gca": request["evidence"]["gca"][:-4] + "AAAA"})
     assert (await post(broker, "/v1/release", broken))[0] == 401
+    assert (await post(broker, "/v1/release", request))[0] == 200
     status, body = await post(broker, "/v1/release", request)
     assert_error(status, body, 401, "nonce_reused")
 

@@ -120,6 +120,28 @@ async def test_evidence_bound_to_one_key_gets_no_result(start_broker: Callable[.
     assert record["code"] == "key_binding_mismatch"
 
 
+async def test_forged_attestation_evidence_spends_no_nonce(
+    start_broker: Callable[..., Any],
+) -> None:
+    """Issue 27: junk carrying someone's fresh challenge spends nothing; the genuine request with
+    that challenge then gets its result, once."""
+    broker = await attest_broker(start_broker)
+    async with aiohttp.ClientSession() as session:
+        body = await attest_body(session, broker)
+        token = body["evidence"]["gca"]
+        forged = {
+            **body,
+            "evidence": {"gca": token[:-4] + ("AAAA" if token[-4:] != "AAAA" else "BBBB")},
+        }
+        forged_status, forged_text, _ = await post(session, broker, forged)
+        status, text, _ = await post(session, broker, body)
+        replay_status, replay, _ = await post(session, broker, body)
+    assert forged_status == 401, forged_text
+    assert json.loads(forged_text)["error"]["code"] == "token_signature_invalid"
+    assert status == 201, text
+    assert (replay_status, json.loads(replay)["error"]["code"]) == (401, "nonce_reused")
+
+
 async def test_the_attestation_policy_decides_and_says_why(
     start_broker: Callable[..., Any],
 ) -> None:
@@ -197,10 +219,19 @@ async def test_a_revocation_is_seen_by_every_worker_and_logged(
         ) as response:
             assert response.status == 200, await response.text()
             assert (await response.json())["status"] == "revoked"
-        for _ in range(6):
+        for _ in range(6):  # the public sees the status; the reason needs a credential
             async with (
                 aiohttp.ClientSession() as other,
                 other.get(f"{broker.url}/v1/attestations/{jti}", ssl=tls) as response,
+            ):
+                seen = await response.json()
+            assert seen["status"] == "revoked"
+            assert "reason" not in seen, seen
+            async with (
+                aiohttp.ClientSession() as other,
+                other.get(
+                    f"{broker.url}/v1/attestations/{jti}", headers=headers, ssl=tls
+                ) as response,
             ):
                 seen = await response.json()
             assert (seen["status"], seen["reason"]) == ("revoked", "image withdrawn")

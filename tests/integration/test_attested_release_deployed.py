@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import ssl
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import pkcs11
 import pytest
 from pkcs11.util.ec import encode_named_curve_parameters
 
+from broker.config import load_settings
 from broker.keys.kek.pkcs11 import parse_pkcs11_uri
 from tests.integration.attested import (
     ADMIN,
@@ -28,10 +30,18 @@ from tests.integration.conftest import (
     HSM_PIN,
     SOFTHSM_MODULE,
     RunningBroker,
+    write_config,
     write_statement_key,
 )
 from tests.integration.test_attest import ATTEST_TOML, with_result_key
 from tests.integration.test_attestation_stores import store_uri
+from tests.support.cli import run
+from tests.support.constants import KEY
+from tests.support.issuers import dev_issuer
+from tests.support.processes import free_port, serve, stop_replicas, wait_ready
+from tests.support.proxy import round_robin_proxy
+
+OTHER_SERVICE = "https://other.example/v1/release"
 
 
 async def test_results_signed_before_a_key_rotation_keep_working(
@@ -162,3 +172,73 @@ async def test_two_replicas_share_results_proofs_and_revocations(
         status, body, _ = await runner.release(session, proof=runner.proof())
     assert (status, body["error"]["code"]) == (401, "attestation_revoked")
     assert body["error"]["reason"] == "replica test"
+
+
+@pytest.mark.timeout(240)
+async def test_proofs_are_bound_to_the_service_url_behind_a_proxy(
+    database: str, tmp_path: Path
+) -> None:
+    """As deployed (issue 27): two ``broker serve`` replicas on one PostgreSQL store behind a
+    round-robin proxy that rewrites ``Host``, ``[server] public_urls`` = the Service's URL. A
+    runner's proofs for the Service release at both replicas; a proof naming a replica's own
+    address — the URL its request's Host and socket say, which the broker used to accept — and
+    a proof made for another service, presented with that service's Host, are refused with
+    ``dpop_htu_mismatch`` and logged."""
+    issuer = dev_issuer()
+    workdir = tmp_path / "b"
+    config = await asyncio.to_thread(write_config, workdir, issuer, extra_toml=ATTEST_TOML)
+    await asyncio.to_thread(with_result_key, workdir)
+    env = {"BROKER_KEYS_STORE": database, "BROKER_NONCES_STORE": database}
+    for args in (
+        ("keys", "migrate", "--config", str(config)),
+        ("keys", "create", KEY, "--purpose", "model-weights", "--config", str(config)),
+    ):
+        done = await asyncio.to_thread(run, *args, env=env)
+        assert done.returncode == 0, done.stderr
+    ports, proxy_port = [free_port(), free_port()], free_port()
+    service = f"https://127.0.0.1:{proxy_port}"
+    replica_env = {
+        **env,
+        "BROKER_NONCES_CHALLENGE_KEY": str(tmp_path / "challenge.key"),  # one Secret for all
+        "BROKER_SERVER_PUBLIC_URLS": service,  # the Service's URL, and only it
+    }
+    logs = [tmp_path / f"replica-{i}" / "decisions.log" for i in range(2)]
+    replicas = [
+        serve(config, port, log, database, {**replica_env, "BROKER_SERVER_REPLICA_ID": f"r{i}"})
+        for i, (port, log) in enumerate(zip(ports, logs, strict=True))
+    ]
+    tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
+    settings = await asyncio.to_thread(load_settings, config, replica_env)
+    try:
+        for port in ports:
+            await asyncio.to_thread(wait_ready, port, tls)
+        upstreams = [f"https://127.0.0.1:{port}" for port in ports]
+        async with (
+            round_robin_proxy(upstreams, tls_dir=workdir / "tls", port=proxy_port) as answered,
+            aiohttp.ClientSession() as session,
+        ):
+            runner = Runner(RunningBroker(service, settings, issuer, tls, workdir))
+            await runner.attest(session)
+            for _ in range(3):  # through the Service: whichever replica answers
+                status, body, headers = await runner.release(session, proof=runner.proof())
+                assert status == 200, body
+                runner.nonce = headers["DPoP-Nonce"]
+            assert set(answered) == set(upstreams)
+            direct = upstreams[0] + "/v1/release"
+            runner.url = direct  # straight to a replica, as a pod's address
+            refused = {
+                "its own address": runner.proof(htu=direct),
+                "another service": runner.proof(htu=OTHER_SERVICE),
+            }
+            status, body, _ = await runner.release(session, proof=refused["its own address"])
+            assert (status, body["error"]["code"]) == (401, "dpop_htu_mismatch"), body
+            status, body, _ = await runner.release(
+                session, proof=refused["another service"], host="other.example"
+            )
+            assert (status, body["error"]["code"]) == (401, "dpop_htu_mismatch"), body
+    finally:
+        await stop_replicas(replicas)
+    records = [json.loads(line) for line in logs[0].read_text().splitlines()]
+    refusals = [r for r in records if r.get("code") == "dpop_htu_mismatch"]
+    assert len(refusals) == 2  # each refusal is in the replica's log
+    assert all(r["type"] == "attested_release" and r["result"] == "deny" for r in refusals)

@@ -35,7 +35,11 @@ from tests.integration.attested import (
 from tests.integration.conftest import (
     RunningBroker,
 )
+from tests.integration.rawhttp import raw_exchange
 from tests.integration.test_attest import ATTEST_TOML, with_result_key
+from tests.support.constants import KEY
+
+OTHER_SERVICE = "https://other.example/v1/release"
 
 
 async def test_a_proof_made_correctly_releases(start_broker: Callable[..., Any]) -> None:
@@ -82,12 +86,50 @@ HOSTILE: dict[str, tuple[Callable[[Runner], dict[str, Any]], str]] = {
     "no proof": (lambda r: {}, "dpop_proof_invalid"),
     "proof by another key": (
         lambda r: {"proof": r.proof(key=ec.generate_private_key(ec.SECP256R1()))},
-        "dpop_proof_invalid",
+        "dpop_key_mismatch",
+    ),
+    "proof by another key, its claims garbage (never read)": (
+        lambda r: {"proof": r.proof(key=ec.generate_private_key(ec.SECP256R1()), iat=1e20, jti=7)},
+        "dpop_key_mismatch",
     ),
     "proof for another URL": (
         lambda r: {"proof": r.proof(htu="https://broker.evil.invalid/v1/release")},
-        "dpop_proof_invalid",
+        "dpop_htu_mismatch",
     ),
+    # the runner's proof for another service, replayed here with that service's Host: the
+    # broker compares htu with its configured public URLs, never with one built from Host
+    "proof for another service, presented with its Host": (
+        lambda r: {"proof": r.proof(htu=OTHER_SERVICE), "host": "other.example"},
+        "dpop_htu_mismatch",
+    ),
+    "proof for the URL the Host header names": (
+        lambda r: {
+            "proof": r.proof(htu="https://127.0.0.2:7443/v1/release"),
+            "host": "127.0.0.2:7443",
+        },
+        "dpop_htu_mismatch",
+    ),
+    "proof with iat 1e20": (lambda r: {"proof": r.proof(iat=1e20)}, "dpop_iat_invalid"),
+    "proof with iat 10**20": (lambda r: {"proof": r.proof(iat=10**20)}, "dpop_iat_invalid"),
+    "proof with a fractional iat": (lambda r: {"proof": r.proof(iat=1.5)}, "dpop_iat_invalid"),
+    "proof with iat now plus a half": (
+        lambda r: {"proof": r.proof(iat=time.time() + 0.5)},
+        "dpop_iat_invalid",
+    ),
+    "proof with a string iat": (
+        lambda r: {"proof": r.proof(iat=str(int(time.time())))},
+        "dpop_iat_invalid",
+    ),
+    "proof with an htu port out of range": (
+        lambda r: {"proof": r.proof(htu="https://x:99999/v1/release")},
+        "dpop_htu_mismatch",
+    ),
+    "proof with an object htu": (
+        lambda r: {"proof": r.proof(htu={"url": r.url})},
+        "dpop_htu_mismatch",
+    ),
+    "proof with a nested jti": (lambda r: {"proof": r.proof(jti={"a": [1]})}, "dpop_proof_invalid"),
+    "proof that is not a JWS": (lambda r: {"proof": "x.y"}, "dpop_proof_invalid"),
     "proof for another method": (lambda r: {"proof": r.proof(htm="GET")}, "dpop_proof_invalid"),
     "proof for another token": (
         lambda r: {"proof": r.proof(ath=ath("another.token.value"))},
@@ -96,7 +138,7 @@ HOSTILE: dict[str, tuple[Callable[[Runner], dict[str, Any]], str]] = {
     "proof without ath": (lambda r: {"proof": r.proof(ath=None)}, "dpop_proof_invalid"),
     "proof too old": (
         lambda r: {"proof": r.proof(iat=int(time.time()) - 300)},
-        "dpop_proof_invalid",
+        "dpop_iat_invalid",
     ),
     "proof without the server nonce": (lambda r: {"proof": r.proof(nonce=None)}, "use_dpop_nonce"),
     "proof with a forged nonce": (
@@ -163,8 +205,8 @@ async def test_hostile_presentations_are_refused_each_with_its_code(
             assert status == 401, (name, body)
             assert "wrapped_key" not in json.dumps(body), name
             assert headers.get("DPoP-Nonce"), name  # always a nonce for the retry
-            if code in {"dpop_proof_invalid", "use_dpop_nonce"}:
-                challenge = code.replace("dpop_proof_invalid", "invalid_dpop_proof")
+            if code.startswith("dpop_") or code == "use_dpop_nonce":
+                challenge = "use_dpop_nonce" if code == "use_dpop_nonce" else "invalid_dpop_proof"
                 assert f'error="{challenge}"' in headers.get("WWW-Authenticate", name), name
         # Bearer is not DPoP: a full-evidence release as ever, refused for lacking its fields
         status, body, _ = await runner.release(
@@ -258,3 +300,82 @@ async def test_a_tampered_store_entry_releases_nothing(
         (entry,) = body["keys"]
         decrypted = jwe.decrypt(entry["wrapped_key"], runner.encryption)  # type: ignore[arg-type]
         assert len(decrypted.plaintext) == 32  # the runner's key opens it, not the attacker's
+
+
+def _raw_release(broker: RunningBroker, headers: list[bytes], body: bytes) -> bytes:
+    return (
+        b"POST /v1/release HTTP/1.1\r\n"
+        + b"".join(h + b"\r\n" for h in headers)
+        + b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % len(body)
+        + body
+    )
+
+
+@pytest.mark.parametrize("deployment", ["process", "workers"], indirect=True)
+async def test_a_hostile_host_or_header_bytes_are_refused_with_a_record(
+    start_broker: Callable[..., Any],
+) -> None:
+    """``Host: x:99999`` with ``Authorization: DPoP x`` was an unauthenticated 500 with a
+    traceback and no record. Now: a malformed Host is 400 ``host_invalid``,
+    bytes that are not ASCII in the proof or the result are 401s, each with a record; other
+    routes ignore Host (never a 500)."""
+    broker = await attest_broker(start_broker)
+    async with aiohttp.ClientSession() as session:
+        runner = Runner(broker)
+        await runner.attest(session)
+    broker = broker.from_now_on()
+    keys = json.dumps({"keys": [KEY]}).encode()
+    proof = runner.proof().encode()
+    cases = {
+        "port out of range": ([b"Host: x:99999", b"Authorization: DPoP x"], 400, "host_invalid"),
+        "port not a number": ([b"Host: x:y", b"Authorization: DPoP x"], 400, "host_invalid"),
+        "user info in Host": (
+            [
+                b"Host: a@127.0.0.1",
+                b"Authorization: DPoP " + runner.token.encode(),
+                b"DPoP: " + proof,
+            ],
+            400,
+            "host_invalid",
+        ),
+        "a proof with bytes that are not ASCII": (
+            [
+                b"Host: 127.0.0.1",
+                b"Authorization: DPoP " + runner.token.encode(),
+                b"DPoP: " + proof[:20] + b"\xff\xfe" + proof[20:],
+            ],
+            401,
+            "dpop_proof_invalid",
+        ),
+        "a result with bytes that are not ASCII": (
+            [b"Host: 127.0.0.1", b"Authorization: DPoP \xc3\xa9" + runner.token.encode()],
+            401,
+            None,
+        ),
+    }
+    for name, (headers, status, code) in cases.items():
+        reply = await raw_exchange(
+            broker.url, broker.client_tls, _raw_release(broker, headers, keys)
+        )
+        assert reply.status == status, (name, reply.body)
+        error = reply.json()["error"]
+        assert code is None or error["code"] == code, (name, error)
+        assert "Traceback" not in reply.body.decode(), name
+    records = [r for r in broker.records() if r["type"] == "attested_release"]
+    assert len(records) == len(cases)  # each refusal is in the log
+    assert [r["code"] for r in records[:3]] == ["host_invalid"] * 3
+    # two Host fields: refused by the HTTP parser itself (400 bad_request, before any handler)
+    two = _raw_release(broker, [b"Host: 127.0.0.1", b"Host: other.example"], keys)
+    reply = await raw_exchange(broker.url, broker.client_tls, two)
+    assert (reply.status, reply.json()["error"]["code"]) == (400, "bad_request")
+    assert all(r["result"] == "deny" and r["keys"] == [] for r in records)
+    for path in (b"/v1/challenge", b"/v1/attest", b"/v1/release", b"/healthz"):
+        request = (
+            b"POST " + path + b" HTTP/1.1\r\nHost: x:99999\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"
+        )
+        if path == b"/healthz":
+            request = b"GET /healthz HTTP/1.1\r\nHost: x:99999\r\nConnection: close\r\n\r\n"
+        reply = await raw_exchange(broker.url, broker.client_tls, request)
+        assert reply.status < 500, (path, reply.status, reply.body)

@@ -6,6 +6,7 @@ the one it saw before (a forger who rewrites a record and re-signs, a truncation
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -163,3 +164,84 @@ async def test_a_live_broker_is_followed_through_its_public_api(start_broker: An
         await asyncio.sleep(0.2)
     assert later["previous_size"] >= first["size"]
     assert later["size"] >= first["size"] + 3
+
+
+def test_plain_http_is_allowed_only_to_a_loopback_host_parsed_as_a_url(tmp_path: Path) -> None:
+    """``http://127.0.0.1@evil.example/`` (user info, then a remote host) and
+    ``http://127.0.0.1.evil.example/`` (a remote name that starts like loopback) are remote:
+    refused before any request; a real loopback host is allowed (and here unreachable, exit 3)."""
+    state = tmp_path / "monitor.json"
+    key = NoteSigner(ORIGIN, ed25519.Ed25519PrivateKey.generate()).verifier_key()
+    for remote in (
+        "http://127.0.0.1@evil.example/",
+        "http://127.0.0.1.evil.example/",
+        "http://127.0.0.1:80@evil.example:8080/",
+        "http://evil.example/?127.0.0.1",
+    ):
+        code, answer = monitor(state, remote, "--key", key)
+        assert code == 2, remote
+        assert "http:// only on loopback" in answer["stderr"] or "user name" in answer["stderr"]
+    for local in ("http://127.0.0.1:9", "http://[::1]:9", "http://localhost:9"):
+        code, answer = monitor(state, local, "--key", key, "--timeout", "2")
+        assert (code, answer["checked"]) == (3, False), local
+    assert not state.exists()
+
+
+def test_a_state_of_the_single_log_monitor_is_carried_over(
+    local: tuple[Path, NoteSigner, Path],
+) -> None:
+    """A state file written before monitors followed several logs (version 1) still pins its
+    key and size: a rewritten log is caught against it."""
+    path, signer, state = local
+    tree = MerkleTree.from_lines(path.read_bytes().split(b"\n")[:-1])
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "verifier_key": signer.verifier_key(),
+                "size": tree.size,
+                "root": base64.b64encode(tree.root()).decode(),
+                "checkpoint": checkpoint_paths(path)[0].read_text(),
+            }
+        )
+    )
+    rewrite(path, lambda records: records[:-2])
+    sign(path, signer)
+    code, answer = monitor(state, str(path))
+    assert (code, answer["ok"]) == (1, False)
+    assert "the log shrank: 18 records, 20 seen before" in answer["problem"]
+
+
+def test_several_logs_are_followed_each_with_its_own_key_and_state(tmp_path: Path) -> None:
+    """Two replicas' logs on disk, one key each: both are followed; one rewritten is reported
+    for its origin while the other's state still advances."""
+    signers, paths = [], []
+    for replica in ("r0", "r1"):
+        path = tmp_path / replica / "decisions.log"
+        path.parent.mkdir()
+        write_log(path, 4)
+        signer = NoteSigner(f"monitor.test/{replica}", ed25519.Ed25519PrivateKey.generate())
+        tree = MerkleTree.from_lines(path.read_bytes().split(b"\n")[:-1])
+        body = Checkpoint(signer.name, tree.size, tree.root()).body()
+        checkpoint_paths(path)[0].write_text(signer.sign(body))
+        signers.append(signer)
+        paths.append(path)
+    state = tmp_path / "monitor.json"
+    keys = [arg for s in signers for arg in ("--key", s.verifier_key())]
+    code, answer = monitor(state, *map(str, paths), *keys)
+    assert code == 0, answer
+    assert sorted(log["origin"] for log in answer["logs"]) == ["monitor.test/r0", "monitor.test/r1"]
+    rewrite(paths[0], lambda records: records[:-1])  # r0 truncated and re-signed
+    write_log(paths[1], 2)  # r1 grew
+    for signer, path in zip(signers, paths, strict=True):
+        tree = MerkleTree.from_lines(path.read_bytes().split(b"\n")[:-1])
+        body = Checkpoint(signer.name, tree.size, tree.root()).body()
+        checkpoint_paths(path)[0].write_text(signer.sign(body))
+    code, answer = monitor(state, *map(str, paths))
+    assert code == 1
+    by_origin = {log["origin"]: log for log in answer["logs"]}
+    assert "the log shrank" in by_origin["monitor.test/r0"]["problem"]
+    assert (by_origin["monitor.test/r1"]["ok"], by_origin["monitor.test/r1"]["size"]) == (True, 6)
+    pinned = json.loads(state.read_text())["logs"]
+    assert (pinned["monitor.test/r0"]["size"], pinned["monitor.test/r1"]["size"]) == (4, 6)

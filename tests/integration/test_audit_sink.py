@@ -66,7 +66,7 @@ async def test_syslog_sink_sends_rfc5424_messages(start_broker: Any) -> None:
             await client.release(KEY, broker.token_source())
         await wait_for(lambda: len(messages) >= 2)  # the start-up policy_change, the release
         header, _, payload = messages[-1].partition(b" - decision - ")
-        assert header.startswith(b"<37>1 ")  # facility auth (4), severity notice (5): an allow
+        assert header.startswith(b"<38>1 ")  # facility auth (4), severity info (6): an allow
         assert json.loads(payload)["result"] == "allow"
     finally:
         transport.close()

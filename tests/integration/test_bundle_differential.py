@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from broker.policy import opa_bundle
 from broker.policy.build import compile_policy_dir
+from broker.policy.freshness import Freshness
 from broker.policy.testing import find_opa
 from broker.policy.wasm import PolicyLoadError
 from tests.support.bundles import GNU, Entry, Signer, entries_of, gz, pax_record, tar
@@ -425,7 +426,10 @@ def test_build_is_reproducible_and_names_no_temporary_path(tmp_path: Path) -> No
     key.write_bytes(private_pem(ec.generate_private_key(ec.SECP256R1())))
     outputs = [tmp_path / "a.tar.gz", tmp_path / "b.tar.gz"]
     for output in outputs:
-        build_bundle(SHIPPED, output, opa=find_opa(), signing_key=key, revision="c0ffee")
+        build_bundle(
+            SHIPPED, output, opa=find_opa(), signing_key=key, revision="c0ffee", scope="test",
+            freshness=Freshness(version=7, expires=2_000_000_000),
+        )  # fmt: skip
     first, second = (o.read_bytes() for o in outputs)
     assert first == second
     files = opa_bundle.unpack(first, source="built")
@@ -458,7 +462,7 @@ def test_a_bundle_is_read_once(world: World, tmp_path: Path) -> None:
 
     writer = threading.Thread(target=feed)
     writer.start()
-    loaded = load_bundle(fifo, verification_key=tmp_path / "verify.pem")
+    loaded = load_bundle(fifo, opa=find_opa(), verification_key=tmp_path / "verify.pem")
     writer.join(timeout=10)
     assert loaded.wasm == world.files["policy.wasm"]
     assert loaded.digest == opa_bundle.files_digest(world.files)

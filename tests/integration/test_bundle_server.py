@@ -9,7 +9,6 @@ keeps serving, the refusal is logged); polls that find nothing new are answered 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import signal
@@ -23,15 +22,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.policy.build import build_bundle
-from broker.policy.testing import find_opa
 from tests.integration.conftest import write_config
+from tests.support.bundle_server import SCOPE, BundleServer, build, signing_keys
 from tests.support.cli import run
-from tests.support.constants import KEY
+from tests.support.health import HEALTH_ENV, bearer
 from tests.support.issuers import dev_issuer
 from tests.support.processes import (
     ROOT,
@@ -46,65 +41,14 @@ from tests.support.processes import (
 pytestmark = pytest.mark.timeout(240)
 
 
-class BundleServer:
-    """Serves one bundle at /bundle.tar.gz with a strong ETag; counts 200s and 304s."""
-
-    def __init__(self) -> None:
-        self.body = b""
-        self.answers: dict[int, int] = {200: 0, 304: 0}
-
-    async def handle(self, request: web.Request) -> web.Response:
-        etag = '"' + hashlib.sha256(self.body).hexdigest() + '"'
-        if request.headers.get("If-None-Match") == etag:
-            self.answers[304] += 1
-            return web.Response(status=304, headers={"ETag": etag})
-        self.answers[200] += 1
-        return web.Response(body=self.body, headers={"ETag": etag})
-
-
 @pytest.fixture
 async def bundle_server() -> AsyncIterator[tuple[BundleServer, str]]:
     server = BundleServer()
-    app = web.Application()
-    app.router.add_get("/bundle.tar.gz", server.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await server.start()
     try:
-        yield server, f"http://127.0.0.1:{runner.addresses[0][1]}/bundle.tar.gz"
+        yield server, server.url
     finally:
-        await runner.cleanup()
-
-
-def signing_keys(directory: Path) -> Path:
-    key = ec.generate_private_key(ec.SECP256R1())
-    (directory / "sign.pem").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    (directory / "verify.pem").write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return directory / "verify.pem"
-
-
-def build(workdir: Path, revision: str, *, allowed: bool) -> tuple[bytes, str]:
-    """The workdir's policy, with the image allowed or withdrawn, as a signed bundle."""
-    path = workdir / "policies" / "broker" / "data.json"
-    data = json.loads(path.read_text())
-    data["images"][KEY] = data["images"].get(KEY, []) if allowed else []
-    path.write_text(json.dumps(data))
-    out = workdir / f"bundle-{revision}.tar.gz"
-    compiled = build_bundle(
-        workdir / "policies", out, opa=find_opa(), signing_key=workdir / "sign.pem",
-        revision=revision,
-    )  # fmt: skip
-    return out.read_bytes(), compiled.digest
+        await server.stop()
 
 
 def serve(config: Path, port: int, log: Path, environ: dict[str, str]) -> subprocess.Popen[str]:
@@ -115,6 +59,7 @@ def serve(config: Path, port: int, log: Path, environ: dict[str, str]) -> subpro
             **os.environ,
             "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
             "BROKER_AUDIT_LOG": str(log),
+            **HEALTH_ENV,  # /readyz shows the policy digest to an admin token only
             **environ,
         },
         stdout=subprocess.DEVNULL,
@@ -126,7 +71,7 @@ def serve(config: Path, port: int, log: Path, environ: dict[str, str]) -> subpro
 async def digests(session: aiohttp.ClientSession, urls: list[str], tls: ssl.SSLContext) -> set[str]:
     seen = set()
     for url in urls:
-        async with session.get(url + "/readyz", ssl=tls) as response:
+        async with session.get(url + "/readyz", ssl=tls, headers=bearer()) as response:
             seen.add((await response.json())["checks"]["policy"])
     return seen
 
@@ -159,6 +104,7 @@ async def test_two_replicas_follow_one_bundle_server(
         **shared,
         "BROKER_POLICY_BUNDLE_URL": url,
         "BROKER_POLICY_BUNDLE_VERIFICATION_KEY": str(verify),
+        "BROKER_POLICY_BUNDLE_VERIFICATION_SCOPE": SCOPE,
         "BROKER_POLICY_RELOAD_SECONDS": "1",
     }
     tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
@@ -237,6 +183,7 @@ async def test_a_broker_follows_a_bundle_in_cloud_storage(
     environ: dict[str, Any] = {
         "BROKER_POLICY_BUNDLE_URL": "gs://policies/bundle.tar.gz",
         "BROKER_POLICY_BUNDLE_VERIFICATION_KEY": str(verify),
+        "BROKER_POLICY_BUNDLE_VERIFICATION_SCOPE": SCOPE,
         "BROKER_POLICY_RELOAD_SECONDS": "1",
         "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
     }

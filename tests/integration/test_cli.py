@@ -23,6 +23,7 @@ import pytest
 from broker.keys.admin import cli_actor
 from tests.integration.conftest import write_config, write_statement_key
 from tests.support.cli import run
+from tests.support.health import HEALTH_ENV, readyz_blocking
 from tests.support.issuers import dev_issuer
 from tests.support.processes import wait_ready
 from tests.unit.test_audit_log import write_log
@@ -102,18 +103,21 @@ def test_serve_runs_tls_until_sigterm(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [*BROKER, "serve", "--config", str(config)],
         cwd=ROOT,
-        env={**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}"},
+        env={
+            **os.environ,
+            "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
+            "BROKER_SERVER_READYZ_RATE_PER_IP": "0",  # polled below
+            **HEALTH_ENV,  # /readyz details for an admin token
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     context = ssl.create_default_context(cafile=str(tmp_path / "b" / "tls" / "ca.pem"))
+    url = f"https://127.0.0.1:{port}"
     try:
         wait_ready(port, context)  # up to 30 s: three test workers share two cores
-        with urllib.request.urlopen(
-            f"https://127.0.0.1:{port}/readyz", context=context, timeout=2
-        ) as r:
-            body = json.loads(r.read())
+        _, body = readyz_blocking(url, context)
         assert body["status"] == "ready"
         with pytest.raises(OSError, match=r"Connection reset|Remote end closed|EOF"):  # TLS only
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
@@ -122,10 +126,7 @@ def test_serve_runs_tls_until_sigterm(tmp_path: Path) -> None:
         data.write_text(data.read_text().replace('"images"', '"images_renamed"'))
         process.send_signal(signal.SIGHUP)
         for _ in range(300):
-            with urllib.request.urlopen(
-                f"https://127.0.0.1:{port}/readyz", context=context, timeout=2
-            ) as r:
-                checks = json.loads(r.read())["checks"]
+            checks = readyz_blocking(url, context)[1]["checks"]
             if checks["policy"] != body["checks"]["policy"] and "policy_last_reload" in checks:
                 break
             time.sleep(0.1)

@@ -150,7 +150,9 @@ def test_network_policy_admits_only_the_api_port_and_the_needed_egress() -> None
     (ingress,) = policy["ingress"]
     assert ingress["ports"] == [{"protocol": "TCP", "port": 8443}]
     egress_ports = {p["port"] for rule in policy["egress"] for p in rule["ports"]}
-    assert egress_ports == {53, 5432, 6379, 443, 80}
+    assert egress_ports == {53, 5432, 6379, 443, 80, 8443}
+    (peers,) = [r for r in policy["egress"] if r["ports"] == [{"protocol": "TCP", "port": 8443}]]
+    assert peers["to"] == [{"podSelector": policy["podSelector"]}]  # only the other replicas
     (public,) = [r for r in policy["egress"] if r["ports"] == [{"protocol": "TCP", "port": 443}]]
     assert "10.0.0.0/8" in public["to"][0]["ipBlock"]["except"]
 
@@ -173,6 +175,11 @@ def test_the_shipped_config_is_a_valid_broker_config(tmp_path: Path) -> None:
     assert settings.keys.store.startswith("postgresql://")
     assert settings.nonces.store.startswith("postgresql://")
     assert settings.audit.log == Path("/var/lib/broker/decisions-broker-1.log")
+    # each replica signs its own log under its own origin; the others' are reached through it
+    assert settings.audit.origin == "broker.example.com/decisions/broker-1"
+    assert (
+        settings.audit.peer_url == "https://{replica}.broker-headless.broker.svc.cluster.local:8443"
+    )
     # replicas share the challenge key (a Secret), so any of them honours another's challenge
     assert settings.nonces.challenge_key == Path("/etc/broker/challenge/challenge.key")
     pod = one("overlays/production", "StatefulSet")["spec"]["template"]["spec"]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from broker.policy.build import load_bundle
+import pytest
+
+from broker.policy.build import load_bundle, run_opa
+from broker.policy.testing import find_opa
 from broker.policy.wasm import PolicyLoadError
 from tests.policy_helpers import EXAMPLE, signing_pair
 from tests.policy_helpers import policy_copy as copy_policy
@@ -169,16 +172,18 @@ def test_build_signs_and_a_tampered_bundle_is_refused(tmp_path: Path) -> None:
     signing_pair(tmp_path)
     bundle = tmp_path / "bundle.tar.gz"
     built = run(
-        "policy", "build", str(policies), "-o", str(bundle), "--signing-key",
+        "policy", "build", str(policies), "-o", str(bundle), "--scope", "test", "--signing-key",
         str(tmp_path / "sign.pem"),
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
-    loaded = load_bundle(bundle, verification_key=tmp_path / "verify.pem")
+    loaded = load_bundle(
+        bundle, opa=find_opa(), verification_key=tmp_path / "verify.pem", scope="test"
+    )
     assert loaded.digest.startswith("sha256:")
     (tmp_path / "other").mkdir()
     _, other = signing_pair(tmp_path / "other")
     try:
-        load_bundle(bundle, verification_key=other)
+        load_bundle(bundle, opa=find_opa(), verification_key=other, scope="test")
     except PolicyLoadError as exc:
         assert "signature does not verify" in exc.message  # noqa: PT017 - the message is the point
     else:
@@ -186,8 +191,49 @@ def test_build_signs_and_a_tampered_bundle_is_refused(tmp_path: Path) -> None:
     unsigned = tmp_path / "unsigned.tar.gz"
     assert run("policy", "build", str(policies), "-o", str(unsigned)).returncode == 0
     try:
-        load_bundle(unsigned, verification_key=tmp_path / "verify.pem")
+        load_bundle(
+            unsigned, opa=find_opa(), verification_key=tmp_path / "verify.pem", scope="test"
+        )
     except PolicyLoadError:
         pass
     else:
         raise AssertionError("an unsigned bundle was accepted where a signature is required")
+
+
+def test_build_signs_scope_version_and_expiry_for_the_pipeline(tmp_path: Path) -> None:
+    """``broker policy build`` as the team's pipeline runs it: the signature names the
+    environment and carries policy_version and policy_expires; a signed build without a scope
+    is refused (brokers would refuse its bundle)."""
+    policies = policy_copy(tmp_path)
+    signing_pair(tmp_path)
+    bundle = tmp_path / "bundle.tar.gz"
+    sign = ("--signing-key", str(tmp_path / "sign.pem"))
+    built = run(
+        "policy", "build", str(policies), "-o", str(bundle), *sign, "--scope", "prod",
+        "--version", "42", "--expires-in", "2d", env={"SOURCE_DATE_EPOCH": "1800000000"},
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    printed = json.loads(built.stdout)
+    assert (printed["scope"], printed["policy_version"]) == ("prod", 42)
+    assert printed["policy_expires"] == "2027-01-17T08:00:00+00:00"  # 1800000000 + 2 days
+    loaded = load_bundle(
+        bundle, opa=find_opa(), verification_key=tmp_path / "verify.pem", scope="prod"
+    )
+    assert (loaded.claims["policy_version"], loaded.claims["policy_expires"]) == (
+        42, 1_800_000_000 + 2 * 86400,
+    )  # fmt: skip
+    opa_verifies = run_opa(  # OPA's own reader ignores the claims it does not know
+        find_opa(), "build", "-b", str(bundle), "--verification-key", str(tmp_path / "verify.pem"),
+        "--signing-alg", "ES256", "--scope", "prod", "-o", str(tmp_path / "opa.tar.gz"),
+    )  # fmt: skip
+    assert opa_verifies.returncode == 0, opa_verifies.stderr
+    with pytest.raises(PolicyLoadError, match="scope does not match"):
+        load_bundle(
+            bundle, opa=find_opa(), verification_key=tmp_path / "verify.pem", scope="staging"
+        )
+    default = run("policy", "build", str(policies), "-o", str(bundle), *sign, "--scope", "prod",
+                  env={"SOURCE_DATE_EPOCH": "1800000000"})  # fmt: skip
+    assert json.loads(default.stdout)["policy_version"] == 1_800_000_000  # the build time
+    unscoped = run("policy", "build", str(policies), "-o", str(bundle), *sign)
+    assert unscoped.returncode == 2
+    assert "--scope" in unscoped.stderr

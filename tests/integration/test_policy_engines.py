@@ -110,14 +110,16 @@ async def test_signed_bundle_as_the_policy(start_broker: Any, tmp_path: Path) ->
         digests.append(build_bundle(workdir / "policies", bundle, opa=find_opa()).digest)
         digests.append(compile_policy_dir(workdir / "policies", opa=find_opa()).digest)
         build_bundle(
-            workdir / "policies", bundle, opa=find_opa(), signing_key=tmp_path / "sign.pem"
-        )
+            workdir / "policies", bundle, opa=find_opa(), signing_key=tmp_path / "sign.pem",
+            scope="test",
+        )  # fmt: skip
 
     broker: RunningBroker = await start_broker(
         workdir_setup=build,
         environ={
             "BROKER_POLICY_BUNDLE": str(bundle),
             "BROKER_POLICY_BUNDLE_VERIFICATION_KEY": str(tmp_path / "verify.pem"),
+            "BROKER_POLICY_BUNDLE_VERIFICATION_SCOPE": "test",
         },
     )
     async with broker.client() as client:

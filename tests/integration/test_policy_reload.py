@@ -41,9 +41,14 @@ async def reload(broker: RunningBroker, token: str = TOKEN) -> tuple[int, dict[s
 
 
 async def readyz(broker: RunningBroker) -> dict[str, Any]:
+    """``/readyz`` with its details (shown to an admin token only)."""
     async with (
         aiohttp.ClientSession() as session,
-        session.get(broker.url + "/readyz", ssl=broker.client_tls) as response,
+        session.get(
+            broker.url + "/readyz",
+            ssl=broker.client_tls,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as response,
     ):
         return dict(await response.json())
 

@@ -20,20 +20,25 @@ from broker.keys.store.base import Purpose
 from tests.integration.conftest import RunningBroker, write_statement_key
 from tests.support.cli import run
 from tests.support.constants import KEY
+from tests.support.health import HEALTH_ENV, HEALTH_TOKEN, bearer
 from tests.support.processes import release_body
 
 
-async def get(broker: RunningBroker, path: str) -> tuple[int, str]:
+async def get(
+    broker: RunningBroker, path: str, headers: dict[str, str] | None = None
+) -> tuple[int, str]:
     async with (
         aiohttp.ClientSession() as session,
-        session.get(broker.url + path, ssl=broker.client_tls) as response,
+        session.get(broker.url + path, ssl=broker.client_tls, headers=headers) as response,
     ):
         return response.status, await response.text()
 
 
-async def test_health_and_readiness(broker: RunningBroker) -> None:
+async def test_health_and_readiness(start_broker: Any) -> None:
+    broker: RunningBroker = await start_broker(environ=HEALTH_ENV)
     assert await get(broker, "/healthz") == (200, '{"status": "ok", "worker": 0}')
-    status, body = await get(broker, "/readyz")
+    assert await get(broker, "/readyz") == (200, '{"status": "ready"}')  # details: admins only
+    status, body = await get(broker, "/readyz", bearer())
     assert status == 200
     assert '"kek": "local (DEVELOPMENT ONLY)"' in body
     assert '"policy": "sha256:' in body
@@ -90,11 +95,12 @@ async def test_kek_that_cannot_unwrap_fails_closed_with_503(broker: RunningBroke
     assert broker.records()[-1]["code"] == "kek_unavailable"
 
 
-async def test_readyz_reports_the_live_decision_log_size(broker: RunningBroker) -> None:
-    before = json.loads((await get(broker, "/readyz"))[1])["checks"]["audit_log"]
+async def test_readyz_reports_the_live_decision_log_size(start_broker: Any) -> None:
+    broker: RunningBroker = await start_broker(environ=HEALTH_ENV)
+    before = json.loads((await get(broker, "/readyz", bearer()))[1])["checks"]["audit_log"]
     async with broker.client() as client:
         await client.release(KEY, broker.token_source())
-    after = json.loads((await get(broker, "/readyz"))[1])["checks"]["audit_log"]
+    after = json.loads((await get(broker, "/readyz", bearer()))[1])["checks"]["audit_log"]
     assert int(after.split()[0]) == int(before.split()[0]) + 1  # not the count at start-up
 
 
@@ -107,16 +113,32 @@ async def test_query_keys_without_a_statement_key_are_not_ready(start_broker: An
         async with open_key_service(other) as keys:
             await keys.create("models/q", Purpose.QUERY, now=datetime.now(UTC))
 
-    broker: RunningBroker = await start_broker()
+    # The store is asked in the background (every 0.2 s here; 5 s by default), never per hit.
+    environ = {"BROKER_SERVER_HEALTH_INTERVAL_SECONDS": "0.2", **HEALTH_ENV}
+    broker: RunningBroker = await start_broker(environ=environ)
     await add_query_key(broker.workdir)
-    status, body = await get(broker, "/readyz")
+    for _ in range(600):
+        status, body = await get(broker, "/readyz", bearer())
+        if status != 200:
+            break
+        await asyncio.sleep(0.05)
     assert status == 503
     error = json.loads(body)["error"]
     assert error["code"] == "not_ready"
     assert "no [keys] signing_key" in error["message"]
     # What an operator's `broker status` says of the same broker.
     ca = str(broker.workdir / "tls" / "ca.pem")
-    told = await asyncio.to_thread(run, "status", broker.url, "--ca", ca)
+    token = broker.workdir / "admin.token"
+    token.write_text(HEALTH_TOKEN)
+    anonymous = json.loads((await asyncio.to_thread(run, "status", broker.url, "--ca", ca)).stdout)
+    assert (anonymous["status"], anonymous["problem"], anonymous["checks"]) == (
+        "not_ready",
+        "not ready",  # the problem is shown to admins only
+        {},
+    )
+    told = await asyncio.to_thread(
+        run, "status", broker.url, "--ca", ca, "--token-file", str(token)
+    )
     assert told.returncode == 1
     report = json.loads(told.stdout)
     assert (report["reachable"], report["ready"]) == (True, False)
@@ -125,12 +147,17 @@ async def test_query_keys_without_a_statement_key_are_not_ready(start_broker: An
 
 
 async def test_broker_status_reports_a_ready_broker_and_its_signed_log(
-    broker: RunningBroker,
+    start_broker: Any,
 ) -> None:
+    broker: RunningBroker = await start_broker(environ=HEALTH_ENV)
     config = str(broker.workdir / "broker.toml")
     key = (await asyncio.to_thread(run, "audit", "key", "--config", config)).stdout.strip()
     ca = str(broker.workdir / "tls" / "ca.pem")
-    told = await asyncio.to_thread(run, "status", broker.url, "--ca", ca, "--key", key)
+    token = broker.workdir / "admin.token"
+    token.write_text(HEALTH_TOKEN)
+    told = await asyncio.to_thread(
+        run, "status", broker.url, "--ca", ca, "--key", key, "--token-file", str(token)
+    )
     assert told.returncode == 0, told.stdout + told.stderr
     report = json.loads(told.stdout)
     assert report["ready"] is True
@@ -168,7 +195,7 @@ async def test_server_timing_says_where_a_release_spent_its_time(start_broker: A
         assert header is not None
         stages = [part.split(";")[0].strip() for part in header.split(",")]
         assert stages == [
-            "body", "parse", "nonce", "evidence", "key", "policy", "unwrap", "wrap", "record",
+            "body", "parse", "evidence", "nonce", "key", "policy", "unwrap", "wrap", "record",
             "log", "total",
         ]  # fmt: skip
         durations = [float(part.split("dur=")[1]) for part in header.split(",")]

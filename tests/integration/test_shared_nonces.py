@@ -24,6 +24,7 @@ from broker.core.errors import AttestationError, ConfigError, ErrorCode, Upstrea
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
 from tests.integration.conftest import RunningBroker, write_config
+from tests.support.health import HEALTH_ENV, readyz
 from tests.support.issuers import dev_issuer
 from tests.support.processes import (
     create_key_with_cli,
@@ -111,6 +112,48 @@ async def test_one_winner_among_concurrent_uses_through_two_store_instances(
         await second.close()
 
 
+async def test_dpop_jtis_have_their_own_namespace_and_one_winner_across_instances(
+    store_uri: str,
+) -> None:
+    """Issue 27: a proof's ``jti`` is single use across processes and replicas, in a namespace
+    of its own: a ``jti`` equal to a live challenge spends nothing of the challenge."""
+    first, second = await open_store(store_uri), await open_store(store_uri)
+    try:
+        await first.check()  # both namespaces' connections open before the race
+        await second.check()
+        now = datetime.now(UTC)
+        issued = await first.issue(now)
+
+        async def use(store: NonceStore) -> str:
+            try:
+                await store.spend_jti(issued.nonce, issued.expires_at, now)
+            except AttestationError as exc:
+                return exc.code.value
+            return "ok"
+
+        outcomes = await asyncio.gather(*(use((first, second)[i % 2]) for i in range(100)))
+        assert sorted(set(outcomes)) == ["nonce_reused", "ok"]
+        assert outcomes.count("ok") == 1
+        await second.consume(issued.nonce, now)  # the challenge itself: still unspent
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_a_full_jti_space_leaves_challenges_usable(tmp_path: Path) -> None:
+    store = await open_store(f"sqlite://{tmp_path / 'n.db'}", capacity=2)
+    try:
+        now = datetime.now(UTC)
+        for index in range(2):
+            await store.spend_jti(f"dpop:x:{index}", now + timedelta(seconds=65), now)
+        with pytest.raises(UpstreamError) as full:
+            await store.spend_jti("dpop:x:2", now + timedelta(seconds=65), now)
+        assert full.value.code is ErrorCode.NONCE_STORE_FULL
+        await store.consume((await store.issue(now)).nonce, now)
+    finally:
+        await store.close()
+
+
 async def test_sqlite_store_bounds_spent_nonces_and_challenges_add_nothing(
     tmp_path: Path,
 ) -> None:
@@ -168,7 +211,7 @@ async def test_broker_with_a_dead_redis_refuses_with_503_and_logs_the_denial(
     live: RunningBroker = await start_broker()
     broken: RunningBroker = await start_broker(
         reuse=(live.workdir / "broker.toml", live.issuer),
-        environ={"BROKER_NONCES_STORE": dead, "BROKER_NONCES_TIMEOUT_SECONDS": "0.5"},
+        environ={"BROKER_NONCES_STORE": dead, "BROKER_NONCES_TIMEOUT_SECONDS": "0.5", **HEALTH_ENV},
     )
     async with aiohttp.ClientSession() as session:
         # Handing out a challenge needs no store (it is stateless); using one does.
@@ -185,9 +228,9 @@ async def test_broker_with_a_dead_redis_refuses_with_503_and_logs_the_denial(
             assert response.status == 503, text
             assert json.loads(text)["error"]["code"] == "nonce_store_unavailable"
             assert "wrapped_key" not in text
-        async with session.get(broken.url + "/readyz", ssl=broken.client_tls) as response:
-            assert response.status == 503
-            assert "nonce store" in (await response.json())["error"]["message"]
+        status, ready = await readyz(session, broken.url, broken.client_tls)  # as an admin
+        assert status == 503
+        assert "nonce store" in ready["error"]["message"]
     records = broken.records()
     assert records[-1]["result"] == "error"  # a dependency failed: not a policy denial
     assert records[-1]["code"] == "nonce_store_unavailable"

@@ -141,3 +141,27 @@ def test_worker_variables_set_by_hand_are_refused(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "BROKER_SUPERVISOR_FD: is set only by `broker serve --workers N`" in result.stderr
+
+
+async def test_sighup_while_workers_start_kills_no_worker(tmp_path: Path) -> None:
+    """SIGHUP's default action ends a process: a reload (or a certificate rotation) sent while a
+    worker was still starting killed it ("worker 0 exited with -1"); now it is held until the
+    worker serves, then delivered."""
+    config = await asyncio.to_thread(write_config, tmp_path / "b", dev_issuer())
+    await asyncio.to_thread(create_key_with_cli, config)
+    supervisor = _supervisor(config, free_port())
+    assert supervisor.stderr is not None
+    try:
+        await _until(lambda: len(_children(supervisor.pid)) == 2, "the workers' start")
+        started = set(_children(supervisor.pid))
+        reader = asyncio.create_task(_until_serving(supervisor))
+        while not reader.done():  # SIGHUPs all through the workers' start-up
+            supervisor.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.05)
+        await reader
+        assert set(_children(supervisor.pid)) == started  # none died and was replaced
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        _, rest = await asyncio.to_thread(supervisor.communicate, timeout=60)
+    assert supervisor.returncode == 0
+    assert "exited with" not in rest

@@ -190,8 +190,8 @@ def test_disabled_or_query_keys_and_bad_input_are_refused(owner: dict[str, Any])
             "--config",
             str(config),
         ).returncode
-        == 1
+        == 2  # a directory without weights: a usage error naming it (issue 28)
     )
     not_brkw = broker("weights", "inspect", str(model / "config.json"))
-    assert not_brkw.returncode == 1
+    assert not_brkw.returncode == 2  # not a weights file: a usage error naming it (issue 28)
     assert "not a BRKW1" in not_brkw.stderr

@@ -78,7 +78,8 @@ async def test_admin_reload_reaches_every_worker_before_it_answers(tmp_path: Pat
             async def readyz() -> tuple[int, str]:
                 async with session.get(url + "/healthz", ssl=tls) as response:
                     worker = (await response.json())["worker"]
-                async with session.get(url + "/readyz", ssl=tls) as response:
+                admin = {"Authorization": f"Bearer {TOKEN}"}  # /readyz details: admins only
+                async with session.get(url + "/readyz", ssl=tls, headers=admin) as response:
                     return worker, (await response.json())["checks"]["policy"]
 
             before = {digest for _, digest in [await readyz() for _ in range(10)]}

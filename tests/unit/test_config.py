@@ -116,3 +116,57 @@ def test_insecure_http_allowed_on_loopback(config_dir: Path) -> None:
 def test_no_issuers_refused(config_dir: Path) -> None:
     text = BASE.split("[[issuers]]", maxsplit=1)[0] + "[policy]" + BASE.split("[policy]")[1]
     assert error_key(config_dir, text) == "issuers"
+
+
+def test_dpop_public_urls_default_to_the_audience_and_refuse_what_is_not_a_base_url(
+    config_dir: Path,
+) -> None:
+    """``[server] public_urls``: what a DPoP proof's htu may name (never the request's Host)."""
+    settings = load(config_dir, BASE)
+    assert settings.server.public_base_urls == ("https://broker.example",)  # type: ignore[attr-defined]
+    listed = BASE.replace(
+        'audience = "https://broker.example"',
+        'audience = "https://broker.example"\n'
+        'public_urls = ["https://broker.example", "https://keys.example/broker"]',
+    )
+    settings = load(config_dir, listed)
+    assert settings.server.public_base_urls == (  # type: ignore[attr-defined]
+        "https://broker.example",
+        "https://keys.example/broker",
+    )
+    environ = {"BROKER_SERVER_PUBLIC_URLS": "https://a.example,https://b.example:8443"}
+    settings = load(config_dir, BASE, environ)
+    assert settings.server.public_base_urls == (  # type: ignore[attr-defined]
+        "https://a.example",
+        "https://b.example:8443",
+    )
+    for bad in (
+        "http://broker.example",  # plain HTTP off loopback
+        "https://broker.example:99999",
+        "https://u@broker.example",
+        "https://broker.example/?q=1",
+        "/v1/release",
+    ):
+        environ = {"BROKER_SERVER_PUBLIC_URLS": bad}
+        assert error_key(config_dir, BASE, environ) == "server.public_urls", bad
+
+
+def test_signed_bundles_need_a_scope_naming_the_environment(config_dir: Path) -> None:
+    """An empty scope accepts a bundle signed for any environment (or none): refused at start.
+    ``bundle_ca`` is a path relative to the config file, for an https bundle server only."""
+    for name in ("b.tar.gz", "v.pem", "ca.pem"):
+        (config_dir / name).write_text("x")
+    signed = BASE.replace(
+        'dir = "policies"', 'bundle = "b.tar.gz"\nbundle_verification_key = "v.pem"'
+    )
+    assert error_key(config_dir, signed) == "policy.bundle_verification_scope"
+    settings = load(
+        config_dir, signed.replace('"v.pem"', '"v.pem"\nbundle_verification_scope = "prod"')
+    )
+    assert settings.policy.bundle_verification_scope == "prod"  # type: ignore[attr-defined]
+    unsigned = BASE.replace('dir = "policies"', 'bundle_ca = "ca.pem"')
+    assert error_key(config_dir, unsigned) == "policy.bundle_ca"  # no https bundle_url
+    with_url = load(
+        config_dir, unsigned, {"BROKER_POLICY_BUNDLE_URL": "https://bundles.example/p.tar.gz"}
+    )
+    assert with_url.policy.bundle_ca == config_dir / "ca.pem"  # type: ignore[attr-defined]

@@ -109,13 +109,22 @@ def test_the_server_nonce_is_required_when_asked_for(key: jwk.JWK) -> None:
 
 
 PATH = "/v1/release"
+OTHER = "https://other.example/v1/release"
+HTU, IAT = ErrorCode.DPOP_HTU_MISMATCH, ErrorCode.DPOP_IAT_INVALID
 
 
 def at(seconds: int) -> int:
     return int((NOW + timedelta(seconds=seconds)).timestamp())
 
 
-HOSTILE: list[tuple[str, Callable[[jwk.JWK], str], str]] = [
+Build = Callable[[jwk.JWK], str]
+
+
+def claim(**claims: Any) -> Build:
+    return lambda k: make_proof(k, claims=claims)
+
+
+HOSTILE: list[tuple[str, Build, str] | tuple[str, Build, str, ErrorCode]] = [
     ("typ", lambda k: make_proof(k, header={"typ": "JWT"}), "typ"),
     ("no typ", lambda k: make_proof(k, drop=("typ",)), "typ"),
     ("alg ES384", lambda k: make_proof(k, header={"alg": "ES384"}), "alg"),
@@ -135,34 +144,77 @@ HOSTILE: list[tuple[str, Callable[[jwk.JWK], str], str]] = [
         ),
         "signature",
     ),
-    ("htm", lambda k: make_proof(k, claims={"htm": "GET"}), "htm"),
-    ("htm case", lambda k: make_proof(k, claims={"htm": "post"}), "htm"),
-    ("htu host", lambda k: make_proof(k, claims={"htu": URL.replace("broker", "other")}), "htu"),
-    ("htu port", lambda k: make_proof(k, claims={"htu": "https://broker.example" + PATH}), "htu"),
-    ("htu path", lambda k: make_proof(k, claims={"htu": URL.replace("release", "attest")}), "htu"),
-    ("htu http", lambda k: make_proof(k, claims={"htu": URL.replace("https", "http")}), "htu"),
-    ("htu relative", lambda k: make_proof(k, claims={"htu": "/v1/release"}), "htu"),
-    ("ath", lambda k: make_proof(k, claims={"ath": access_token_hash(TOKEN + "x")}), "ath"),
+    ("htm", claim(htm="GET"), "htm"),
+    ("htm case", claim(htm="post"), "htm"),
+    ("htu host", claim(htu=URL.replace("broker", "other")), "htu", HTU),
+    ("htu port", claim(htu="https://broker.example" + PATH), "htu", HTU),
+    ("htu path", claim(htu=URL.replace("release", "attest")), "htu", HTU),
+    ("htu http", claim(htu=URL.replace("https", "http")), "htu", HTU),
+    ("htu relative", claim(htu="/v1/release"), "htu", HTU),
+    ("ath", claim(ath=access_token_hash(TOKEN + "x")), "ath"),
     ("no ath", lambda k: make_proof(k, drop=("ath",)), "ath"),
     ("no jti", lambda k: make_proof(k, drop=("jti",)), "jti"),
-    ("long jti", lambda k: make_proof(k, claims={"jti": "j" * 129}), "jti"),
-    ("jti number", lambda k: make_proof(k, claims={"jti": 7}), "jti"),
-    ("old", lambda k: make_proof(k, claims={"iat": at(-61)}), "older"),
-    ("future", lambda k: make_proof(k, claims={"iat": at(6)}), "future"),
-    ("iat string", lambda k: make_proof(k, claims={"iat": str(int(NOW.timestamp()))}), "iat"),
-    ("no iat", lambda k: make_proof(k, drop=("iat",)), "iat"),
+    ("long jti", claim(jti="j" * 129), "jti"),
+    ("jti number", claim(jti=7), "jti"),
+    ("old", claim(iat=at(-61)), "older", IAT),
+    ("future", claim(iat=at(6)), "future", IAT),
+    ("iat string", claim(iat=str(int(NOW.timestamp()))), "iat", IAT),
+    ("no iat", lambda k: make_proof(k, drop=("iat",)), "iat", IAT),
+    ("iat huge", claim(iat=1e20), "integer", IAT),
+    ("iat huge integer", claim(iat=10**20), "range", IAT),
+    ("iat negative", claim(iat=-(10**20)), "range", IAT),
+    ("iat fraction", claim(iat=1.5), "integer", IAT),
+    ("iat now, fractional", claim(iat=at(0) + 0.5), "integer", IAT),
+    ("iat bool", claim(iat=True), "integer", IAT),
+    ("htu another service", claim(htu=OTHER), "htu", HTU),
+    ("htu port 99999", claim(htu="https://broker.example:99999/v1/release"), "htu", HTU),
+    ("htu not a string", claim(htu=["https://broker.example:8443/v1/release"]), "htu", HTU),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "build", "says"), HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_every_check_refuses_on_its_own(
-    key: jwk.JWK, name: str, build: Callable[[jwk.JWK], str], says: str
-) -> None:
+@pytest.mark.parametrize("case", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_every_check_refuses_on_its_own(key: jwk.JWK, case: tuple[Any, ...]) -> None:
+    name, build, says, code = (*case, ErrorCode.DPOP_PROOF_INVALID)[:4]
     with pytest.raises(DpopError) as caught:
         verify(build(key))
-    assert caught.value.code is ErrorCode.DPOP_PROOF_INVALID, name
+    assert caught.value.code is code, name
     assert caught.value.status == 401
     assert says in caught.value.message, caught.value.message
+
+
+def test_a_proof_for_another_services_url_is_refused_whatever_the_request_says(
+    key: jwk.JWK,
+) -> None:
+    """The htu is compared with this broker's configured URLs only: a proof the runner made for
+    https://other.example/v1/release (presented to us with Host: other.example) names none."""
+    with pytest.raises(DpopError) as caught:
+        verify(
+            make_proof(key, claims={"htu": OTHER}), url=(URL, "https://broker.internal/v1/release")
+        )
+    assert caught.value.code is ErrorCode.DPOP_HTU_MISMATCH
+    with pytest.raises(DpopError) as caught:  # no configured URL: nothing is accepted
+        verify(make_proof(key), url=())
+    assert caught.value.code is ErrorCode.DPOP_HTU_MISMATCH
+    assert verify(make_proof(key), url=("https://broker.internal/v1/release", URL)).jti
+
+
+def test_the_proof_key_is_matched_to_cnf_before_its_claims_are_read(key: jwk.JWK) -> None:
+    """A proof by another key is refused as such even when its claims are garbage (iat 1e20,
+    htu elsewhere): its claims are never interpreted."""
+    other = jwk.JWK.generate(kty="EC", crv="P-256")
+    garbage = make_proof(other, claims={"iat": 1e20, "htu": OTHER, "jti": 7})
+    with pytest.raises(DpopError) as caught:
+        verify(garbage, bound_to=key.thumbprint())
+    assert caught.value.code is ErrorCode.DPOP_KEY_MISMATCH
+    assert verify(make_proof(key), bound_to=key.thumbprint()).thumbprint == key.thumbprint()
+
+
+def test_non_ascii_proofs_are_refused_not_crashed(key: jwk.JWK) -> None:
+    head, body, signature = make_proof(key).split(".")
+    for bad in (f"{head}.{body}\udcff.{signature}", f"{head}.é{body}.{signature}"):
+        with pytest.raises(DpopError) as caught:
+            verify(bad)
+        assert caught.value.code is ErrorCode.DPOP_PROOF_INVALID
 
 
 def test_a_tampered_or_unsigned_proof_is_refused(key: jwk.JWK) -> None:

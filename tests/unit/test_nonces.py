@@ -106,3 +106,45 @@ def test_another_process_with_the_same_key_accepts_the_challenge() -> None:
     assert ChallengeCodec(key, TTL).verify(nonce, NOW) > NOW
     with pytest.raises(AttestationError):
         ChallengeCodec(bytes(32), TTL).verify(nonce, NOW)
+
+
+async def test_verifying_a_challenge_spends_nothing(tmp_path: Path) -> None:
+    """Issue 27: checking the MAC touches no store; only ``spend_challenge`` (called once the
+    evidence carrying it verified) does, and only once."""
+    nonces, spent = await store(tmp_path, capacity=1)
+    issued = await nonces.issue(NOW)
+    for _ in range(100):  # junk releases carrying this fresh challenge
+        challenge = nonces.verify_challenge(issued.nonce, NOW)
+    assert len(spent) == 0
+    await nonces.spend_challenge(challenge, NOW)
+    with pytest.raises(AttestationError) as caught:
+        await nonces.spend_challenge(nonces.verify_challenge(issued.nonce, NOW), NOW)
+    assert caught.value.code is ErrorCode.NONCE_REUSED
+
+
+async def test_a_dpop_jti_flood_cannot_fill_the_challenge_space(tmp_path: Path) -> None:
+    jtis = MemorySpentNonces(capacity=2)
+    spent = MemorySpentNonces(capacity=2)
+    nonces = StatelessNonceStore(spent, key_path=tmp_path / "k", ttl=TTL, jtis=jtis)
+    await nonces.open()
+    for jti in ("dpop:t:1", "dpop:t:2"):
+        await nonces.spend_jti(jti, NOW + timedelta(seconds=65), NOW)
+    with pytest.raises(UpstreamError) as caught:
+        await nonces.spend_jti("dpop:t:3", NOW + timedelta(seconds=65), NOW)
+    assert caught.value.code is ErrorCode.NONCE_STORE_FULL
+    await nonces.consume((await nonces.issue(NOW)).nonce, NOW)  # challenges unaffected
+    await nonces.consume((await nonces.issue(NOW)).nonce, NOW)
+    with pytest.raises(UpstreamError):  # and the challenges' bound holds for them alone
+        await nonces.consume((await nonces.issue(NOW)).nonce, NOW)
+    assert (len(spent), len(jtis)) == (2, 2)
+
+
+async def test_a_jti_that_equals_a_nonce_is_another_value(tmp_path: Path) -> None:
+    """One namespace each: a proof's jti chosen equal to a challenge spends nothing of it."""
+    nonces, _ = await store(tmp_path)
+    issued = await nonces.issue(NOW)
+    await nonces.spend_jti(issued.nonce, issued.expires_at, NOW)
+    await nonces.consume(issued.nonce, NOW)
+    with pytest.raises(AttestationError) as caught:
+        await nonces.spend_jti(issued.nonce, issued.expires_at, NOW)
+    assert caught.value.code is ErrorCode.NONCE_REUSED

@@ -13,7 +13,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509 import ocsp
 
-from broker.attestation import pipeline
+from broker.attestation import gpu_pipeline, pipeline
 from broker.attestation.issuers import IssuerSettings
 from broker.attestation.jwks import parse_jwks
 from broker.attestation.nvidia.ocsp import CertKey, cert_key, ocsp_pairs
@@ -155,7 +155,7 @@ def test_ocsp_bytes_are_judged_in_the_pipeline(world: tuple[SimulatedGpu, RimAut
     trust = trust_for(gpu, authority)
     needs = pipeline.requirements({"nvidia": evidence}, trust, require_cpu=False)
     device = list(needs.ocsp_chains)
-    rim_chains = pipeline.rim_ocsp_chains(Material(rims=rims(gpu, authority)), trust, NOW)
+    rim_chains = gpu_pipeline.rim_ocsp_chains(Material(rims=rims(gpu, authority)), trust, NOW)
     assert len(device) == 1
     assert len(rim_chains) == 2
     every = device + [(chain, True) for chain in rim_chains]

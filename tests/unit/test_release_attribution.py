@@ -22,6 +22,7 @@ from broker.core.metrics import Metrics
 from broker.core.protocol import Algorithm
 from broker.crypto.jwk import public_jwk
 from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
+from broker.nonces import VerifiedChallenge
 from broker.policy.engine import Decision
 from broker.release import ReleaseService
 
@@ -41,7 +42,10 @@ class SwappingPolicy:
 
 
 class Nonces:
-    async def consume(self, nonce: str, now: datetime) -> None:
+    def verify_challenge(self, nonce: str, now: datetime) -> VerifiedChallenge:
+        return VerifiedChallenge(nonce, now)
+
+    async def spend_challenge(self, challenge: VerifiedChallenge, now: datetime) -> None:
         return None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -32,6 +33,24 @@ DSIG_NS = "http://www.w3.org/2000/09/xmldsig#"
 SHA384_NS = "http://www.w3.org/2001/04/xmlenc#sha384"
 MAX_RIM_BYTES = 1024 * 1024
 MAX_ALTERNATIVES = 16
+
+# The forms NVIDIA's RIM service names RIMs by (docs/evidence.md; nvtrust cc_admin_utils), and
+# nothing else: a RIM id is read from a GPU report, so only a report whose chain and signature
+# verified can name one, and even then an id of another form is never asked for. Driver:
+# NV_GPU_DRIVER_GH100_<driver> (Hopper) or NV_GPU_CC_DRIVER_<CHIP_INFO>_<driver> (Blackwell),
+# e.g. NV_GPU_DRIVER_GH100_550.90.07; VBIOS: NV_GPU_VBIOS_<project>_<SKU>_<chip SKU>_<VBIOS
+# version without dots, 10 hex digits>, e.g. NV_GPU_VBIOS_1010_0200_882_96009F0001.
+DRIVER_VERSION = r"[0-9]{3}\.[0-9]{1,3}\.[0-9]{1,3}"
+KNOWN_RIM_ID = re.compile(
+    rf"NV_GPU_DRIVER_GH100_{DRIVER_VERSION}"
+    rf"|NV_GPU_CC_DRIVER_GB[0-9]{{3}}_{DRIVER_VERSION}"
+    r"|NV_GPU_VBIOS_[0-9A-Z]{4}_[0-9A-Z]{4}_[0-9A-Z]{3}_[0-9A-F]{10}"
+)
+
+
+def is_known_rim_id(rim_id: str) -> bool:
+    """Whether ``rim_id`` has one of the forms NVIDIA names RIMs by (``KNOWN_RIM_ID``)."""
+    return KNOWN_RIM_ID.fullmatch(rim_id) is not None
 
 
 @dataclass(frozen=True)

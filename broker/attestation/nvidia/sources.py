@@ -9,6 +9,10 @@
 * ``OcspSource``: OCSP responses (bytes) for a chain's certificates. The pipeline judges them
   (``nvidia/ocsp.py``, pure); without a configured responder, or when it cannot be reached,
   there is no answer and the status reads ``unknown``.
+
+The service (``attestation/service.py``) asks these only for reports whose chain and signature
+verified, within a per-request budget; each request that actually leaves the broker is counted
+(``on_request``: ``broker_outbound_requests_total{kind="rim"|"ocsp"}``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Protocol
@@ -31,12 +35,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509 import ocsp
 
 from broker.attestation.nvidia.ocsp import CertKey, cert_key, ocsp_pairs, verify_ocsp_response
+from broker.attestation.nvidia.rim import is_known_rim_id
 from broker.core.errors import ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
 MAX_RIM_RESPONSE_BYTES = 2 * 1024 * 1024
 MAX_OCSP_RESPONSE_BYTES = 64 * 1024
-RIM_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+CertPair = tuple[x509.Certificate, x509.Certificate]  # (certificate, its issuer)
+OnRequest = Callable[[], None]  # told of each request that leaves the broker (a metric)
 
 
 class RimSource(Protocol):
@@ -58,6 +64,10 @@ class OcspSource(Protocol):
         """
         ...
 
+    async def answers(self, pairs: Sequence[CertPair], now: datetime) -> dict[CertKey, bytes]:
+        """The DER OCSP responses it could get for these (certificate, issuer) pairs."""
+        ...
+
 
 class RimUnavailable(Exception):
     """The RIM could not be had; the GPU's measurements read ``unverified``."""
@@ -74,7 +84,9 @@ class CachingRimSource:
         session: aiohttp.ClientSession | None,
         cache_seconds: float,
         timeout_seconds: float,
+        on_request: OnRequest | None = None,
     ) -> None:
+        self._on_request = on_request
         self._directory = directory
         self._url = url.rstrip("/") if url else None
         self._session = session
@@ -83,8 +95,8 @@ class CachingRimSource:
         self._cache: dict[str, tuple[float, bytes]] = {}
 
     async def get(self, rim_id: str) -> bytes:
-        if not rim_id or set(rim_id) - RIM_ID_CHARS or len(rim_id) > 128:
-            raise RimUnavailable("RIM id has characters outside [A-Za-z0-9._-]")
+        if not is_known_rim_id(rim_id):
+            raise RimUnavailable("RIM id is not of a form NVIDIA names RIMs by")
         cached = self._cache.get(rim_id)
         if cached is not None and time.monotonic() - cached[0] < self._cache_seconds:
             return cached[1]
@@ -111,6 +123,8 @@ class CachingRimSource:
     async def _from_service(self, rim_id: str) -> bytes:
         if self._url is None or self._session is None:
             raise RimUnavailable(f"RIM {rim_id} is not in the RIM directory")
+        if self._on_request is not None:
+            self._on_request()
         try:
             async with self._session.get(f"{self._url}/{rim_id}", timeout=self._timeout) as reply:
                 if reply.status != 200:
@@ -140,6 +154,9 @@ class NoOcsp:
     ) -> dict[CertKey, bytes]:
         return {}
 
+    async def answers(self, pairs: Sequence[CertPair], now: datetime) -> dict[CertKey, bytes]:
+        return {}
+
 
 class HttpOcspSource:
     """OCSP responses over HTTP POST for every certificate between leaf and root (docs/evidence.md
@@ -157,7 +174,9 @@ class HttpOcspSource:
         *,
         timeout_seconds: float,
         cache_seconds: float = 3600.0,
+        on_request: OnRequest | None = None,
     ) -> None:
+        self._on_request = on_request
         self._url = url
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
@@ -167,8 +186,11 @@ class HttpOcspSource:
     async def responses(
         self, chain: Sequence[x509.Certificate], now: datetime, *, include_leaf: bool = False
     ) -> dict[CertKey, bytes]:
+        return await self.answers(ocsp_pairs(chain, include_leaf=include_leaf), now)
+
+    async def answers(self, pairs: Sequence[CertPair], now: datetime) -> dict[CertKey, bytes]:
         found: dict[CertKey, bytes] = {}
-        for cert, issuer in ocsp_pairs(chain, include_leaf=include_leaf):
+        for cert, issuer in pairs:
             body = await self._one(cert, issuer, now)
             if body is not None:
                 found[cert_key(cert, issuer)] = body
@@ -196,6 +218,8 @@ class HttpOcspSource:
 
     async def _ask(self, cert: x509.Certificate, issuer: x509.Certificate) -> bytes | None:
         request = ocsp.OCSPRequestBuilder().add_certificate(cert, issuer, hashes.SHA384()).build()
+        if self._on_request is not None:
+            self._on_request()
         try:
             async with self._session.post(
                 self._url,

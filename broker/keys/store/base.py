@@ -73,6 +73,12 @@ class KeyStore(Protocol):
         """Versions ordered by name then version (of one key, or of all)."""
         ...
 
+    async def has_purpose(self, purpose: Purpose) -> bool:
+        """Whether any version of ``purpose`` is stored, in one cheap call that reads no key
+        material (``/readyz`` asks it in the background; a store that cannot answer raises
+        ``key_store_unavailable``)."""
+        ...
+
     async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
         """Write ``record`` over its (name, version) atomically if the stored ``kek_ref`` still
         equals ``expect_kek_ref``; False when it changed meanwhile or the version is gone."""

@@ -72,7 +72,10 @@ def _cause(exc: BaseException) -> str:
         exc,
         asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError,
     ):
-        return "PostgreSQL refused the credentials"
+        return (
+            "PostgreSQL refused the credentials (give the password in the URL, percent-encoded, "
+            "in PGPASSWORD, or in a password file: ?passfile=PATH, PGPASSFILE; docs/keys.md)"
+        )
     if isinstance(exc, TimeoutError):
         return "PostgreSQL did not answer in time"
     if isinstance(exc, OSError):
@@ -210,6 +213,13 @@ class PostgresKeyStore:
             return [_record(row) for row in rows]
 
         return await self._run(select)
+
+    async def has_purpose(self, purpose: Purpose) -> bool:
+        async def exists(db: asyncpg.Connection) -> bool:
+            sql = "SELECT 1 FROM broker_key_versions WHERE purpose = $1 LIMIT 1"
+            return await db.fetchval(sql, purpose.value) is not None
+
+        return await self._run(exists)
 
     async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
         async def update(db: asyncpg.Connection) -> bool:

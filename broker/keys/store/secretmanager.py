@@ -1,11 +1,13 @@
 """Google Secret Manager DEK store, through ``google-cloud-secret-manager``.
 
 URI: ``secretmanager:projects/P``. One secret per key version, id
-``broker-dek-<first 40 hex of SHA-256(key name)>-v<version>``, labelled ``broker=dek`` and
-``broker-key=<the same 40 hex>``; each secret version's payload is the record as JSON (the
-wrapped DEK in base64, never plaintext). A change adds a secret version; the newest one is the
-record. ``destroy`` adds a record without wrapped material and then destroys every earlier
-secret version, so the wrapped DEK is gone for good (crypto-shredding) while metadata remains.
+``broker-dek-<first 40 hex of SHA-256(key name)>-v<version>``, labelled ``broker=dek``,
+``broker-key=<the same 40 hex>`` and ``broker-purpose=<purpose>`` (``/readyz`` asks for query
+keys with one filtered list, never reading payloads); each secret version's payload is the
+record as JSON (the wrapped DEK in base64, never plaintext). A change adds a secret version; the
+newest one is the record. ``destroy`` adds a record without wrapped material and then destroys
+every earlier secret version, so the wrapped DEK is gone for good (crypto-shredding) while
+metadata remains.
 
 Payloads are sent and read with their CRC32C (``data_crc32c``), checked on every read.
 ``replace`` compares the stored ``kek_ref`` before writing; Secret Manager offers no
@@ -89,7 +91,11 @@ class SecretManagerKeyStore:
     async def add_version(self, record: KeyVersionRecord) -> None:
         secret = sm.Secret(
             replication=sm.Replication(automatic=sm.Replication.Automatic()),
-            labels={"broker": "dek", "broker-key": key_hash(record.name)},
+            labels={
+                "broker": "dek",
+                "broker-key": key_hash(record.name),
+                "broker-purpose": record.purpose.value,
+            },
         )
         try:
             await self._call(
@@ -132,6 +138,19 @@ class SecretManagerKeyStore:
             if not token:
                 break
         return sorted(records, key=lambda r: (r.name, r.version))
+
+    async def has_purpose(self, purpose: Purpose) -> bool:
+        """One ``ListSecrets`` of page size 1 filtered on the purpose label (no payload read).
+        Secrets written before the label existed carry none and are not counted."""
+        page = await self._call(
+            "list_secrets",
+            sm.ListSecretsRequest(
+                parent=self._project,
+                filter=f"labels.broker=dek AND labels.broker-purpose={purpose.value}",
+                page_size=1,
+            ),
+        )
+        return len(page.secrets) > 0
 
     async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
         current = await self.get_version(record.name, record.version)

@@ -118,6 +118,13 @@ class SqliteKeyStore:
 
         return await self._run(select_all)
 
+    async def has_purpose(self, purpose: Purpose) -> bool:
+        def exists() -> bool:
+            sql = "SELECT 1 FROM key_versions WHERE purpose = ? LIMIT 1"
+            return self._db().execute(sql, (purpose.value,)).fetchone() is not None
+
+        return await self._run(exists)
+
     async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
         def update() -> bool:
             cursor = self._db().execute(

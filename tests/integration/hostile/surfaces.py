@@ -23,6 +23,23 @@ def surface_cases() -> list[Case]:
         Case("health.query_string", "GET", "/healthz?x=%00%ff", 200, None),
         Case("ready.get", "GET", "/readyz", 200, None),
         Case("ready.put", "PUT", "/readyz", 405, "method_not_allowed", {}),
+        Case("ready.admin", "GET", "/readyz", 200, None, admin=True),  # with its details
+        Case(
+            "ready.wrong_token",
+            "GET",
+            "/readyz",
+            401,
+            "unauthorized",
+            headers={"Authorization": "Bearer not-the-admin-token"},
+        ),
+        Case(
+            "ready.basic_auth",
+            "GET",
+            "/readyz",
+            401,
+            "unauthorized",
+            headers={"Authorization": "Basic YWRtaW46YWRtaW4="},
+        ),
         Case("metrics.get", "GET", "/metrics", 200, None),
         Case("metrics.post", "POST", "/metrics", 405, "method_not_allowed", {}),
         Case("openapi.get", "GET", "/openapi.json", 200, None),
