@@ -76,6 +76,7 @@ from broker.keys.service import KeyService
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
 from broker.policy.engine import PolicyEngine
+from broker.policy.freshness import logged_floor
 from broker.policy.manager import SYSTEM_WHO, PolicyManager
 from broker.policy.workers import WorkerGroup
 from broker.release import ReleaseService
@@ -138,7 +139,12 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             workers=group,
             state_dir=settings.audit.log.with_name(settings.audit.log.name + ".policy"),
         )
-        engine = await policies.open(audit.append, audit.append_policy_change, session=session)
+        engine = await policies.open(
+            audit.append,
+            audit.append_policy_change,
+            session=session,
+            logged=logged_floor(audit.last_policy_change),  # the floor survives state.json
+        )
         stack.push_async_callback(policies.close)
         verifier, mask_key = await _verifier_and_mask_key(settings, session, metrics)
         attestations = await _attestations(

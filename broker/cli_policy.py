@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,45 +24,24 @@ from broker.core.errors import ConfigError, FileFormatError
 from broker.core.jsonsafe import loads_bounded
 from broker.policy.build import (
     build_bundle,
+    bundle_as_built,
     check_policy_dir,
     compile_entrypoints,
-    compile_policy_dir,
+    compile_policy_source,
     default_freshness,
-    load_bundle,
-    load_bundle_as_built,
+    load_verified_bundle,
     run_opa,
 )
 from broker.policy.engine import Decision
 from broker.policy.freshness import MAX_VERSION
+from broker.policy.input_lint import lint_input_paths
+from broker.policy.inputs import PolicyInput, read_policy_input, staged
+from broker.policy.structure import WRAPPER_PACKAGE
 from broker.policy.testing import OPA_ENV, find_opa
 from broker.policy.wasm import CompiledPolicy, WasmPolicyInstance
 
 EXIT_NO = 1
 EXIT_USAGE = 2
-# What the broker sets in the input (docs/policy.md). A reference outside these is a typo or a
-# field from another product: `broker policy check` warns about it.
-KNOWN_INPUT: dict[str, Any] = {
-    "schema": None,
-    "time": None,
-    "claims": "*",
-    "gpus": "*",
-    "request": {"key": None, "version": None, "purpose": None, "runner_key_thumbprint": None},
-    "tee": {
-        "verifier": None, "issuer": None, "technology": None, "hwmodel": None, "debug": None,
-        "secure_boot": None, "tcb_status": None, "advisory_ids": None, "measurements": "*",
-        "software": {"name": None, "version": None, "support": None},
-        "workload": {
-            "image_reference": None, "image_digest": None, "image_id": None,
-            "restart_policy": None, "service_accounts": None, "args": None, "env": "*",
-            "env_override": "*", "signatures": "*",
-        },
-        "platform": {
-            "project_id": None, "project_number": None, "zone": None, "instance_id": None,
-            "instance_name": None,
-        },
-    },
-}  # fmt: skip
-INPUT_REF = re.compile(r"\binput((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
 def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -75,18 +53,18 @@ def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         return parser
 
     check = command("check", "opa check --strict, structure rules, and an input-schema lint")
-    check.add_argument("dir", type=Path)
+    _policy_argument(check)
     check.add_argument("--strict", action="store_true", help="warnings fail the check (for CI)")
-    check.set_defaults(run=_existing("dir", _check))
+    check.set_defaults(run=_existing("policy", _check))
     fmt = command("fmt", "opa fmt (rewrites files; --check only lists what would change)")
-    fmt.add_argument("dir", type=Path)
+    _policy_argument(fmt)
     fmt.add_argument("--check", action="store_true")
-    fmt.set_defaults(run=_existing("dir", _fmt))
+    fmt.set_defaults(run=_existing("policy", _fmt))
     test = command("test", "the Rego unit tests with OPA and through the broker's engine")
-    test.add_argument("dir", type=Path, nargs="?", default=Path("policies"))
-    test.set_defaults(run=_existing("dir", _test))
+    _policy_argument(test, default=Path("policies"))
+    test.set_defaults(run=_existing("policy", _test))
     evaluate = command("eval", "decide one input as the broker would")
-    evaluate.add_argument("--policy", type=Path, default=Path("policies"), help="DIR or BUNDLE")
+    evaluate.add_argument("--policy", type=Path, default=Path("policies"), help=POLICY_HELP)
     evaluate.add_argument("--input", required=True, help="FILE, or - for standard input")
     evaluate.add_argument("--explain", action="store_true", help="OPA's trace (opa eval)")
     evaluate.add_argument("--verification-key", type=Path, help="PEM: a signed BUNDLE's key")
@@ -94,14 +72,19 @@ def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     evaluate.set_defaults(run=_existing("policy", _eval))
     replay = command("replay", "re-decide logged decisions with a candidate policy")
     replay.add_argument("--log", type=Path, required=True, action="append")
-    replay.add_argument("--policy", type=Path, default=Path("policies"), help="DIR or BUNDLE")
+    replay.add_argument("--policy", type=Path, default=Path("policies"), help=POLICY_HELP)
     replay.add_argument("--since", help="RFC 3339: only decisions at or after this time")
     replay.add_argument("--key", help="only decisions about this key")
     replay.add_argument("--verification-key", type=Path, help="PEM: a signed BUNDLE's key")
     replay.add_argument("--scope", default="", help="the signed BUNDLE's scope (environment)")
     replay.set_defaults(run=_existing("policy", _replay))
     build = command("build", "an OPA bundle (Wasm) for deployment, optionally signed")
-    build.add_argument("dir", type=Path)
+    build.add_argument("policy", type=Path, metavar="POLICY", help=POLICY_HELP)
+    build.add_argument(
+        "--verification-key",
+        type=Path,
+        help="PEM: a signed input BUNDLE's key (its scope must be --scope)",
+    )
     build.add_argument("-o", "--output", type=Path, required=True)
     build.add_argument("--signing-key", type=Path, help="PEM private key (RSA or EC P-256)")
     build.add_argument(
@@ -126,7 +109,22 @@ def add_commands(policy: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --signing-key: how long brokers accept the bundle after the build time, "
         "e.g. 30d, 12h, 90m, 3600s (default 30d)",
     )
-    build.set_defaults(run=_existing("dir", _build))
+    build.set_defaults(run=_existing("policy", _build))
+
+
+POLICY_HELP = "a policy DIR, its ConfigMap mount, or a BUNDLE (.tar.gz)"
+
+
+def _policy_argument(parser: argparse.ArgumentParser, default: Path | None = None) -> None:
+    """The input every ``broker policy`` command takes, and a signed bundle's key and scope."""
+    if default is None:
+        parser.add_argument("policy", type=Path, metavar="POLICY", help=POLICY_HELP)
+    else:
+        parser.add_argument(
+            "policy", type=Path, metavar="POLICY", nargs="?", default=default, help=POLICY_HELP
+        )
+    parser.add_argument("--verification-key", type=Path, help="PEM: a signed BUNDLE's key")
+    parser.add_argument("--scope", default="", help="the signed BUNDLE's scope (environment)")
 
 
 POLICY_FIX = (
@@ -157,18 +155,42 @@ def _opa(args: argparse.Namespace) -> Path:
     return find_opa(args.opa)
 
 
+def _input(args: argparse.Namespace) -> PolicyInput:
+    """``args.policy`` read once (a directory, a ConfigMap mount or a verified bundle).
+
+    Raises:
+        ConfigError / PolicyLoadError: it does not read or verify (naming the user's files).
+    """
+    return read_policy_input(args.policy, verification_key=args.verification_key, scope=args.scope)
+
+
+def _loaded(policy: PolicyInput, opa: Path) -> CompiledPolicy:
+    """The policy as ``broker serve`` loads it: compiled, or verified and held to the rules.
+
+    Raises:
+        PolicyLoadError: it does not load (naming the user's files).
+    """
+    if policy.verified is not None:
+        return load_verified_bundle(policy.verified, source=str(policy.path), opa=opa)
+    assert policy.source is not None  # noqa: S101 - a directory input was read as one
+    return compile_policy_source(policy.source, opa=opa)
+
+
 def _check(args: argparse.Namespace) -> int:
     opa = _opa(args)
-    print(check_policy_dir(args.dir, opa=opa).strip() or "opa check --strict: ok")
-    compiled = compile_policy_dir(args.dir, opa=opa)
+    policy = _input(args)
+    with staged(policy) as root:
+        print(policy.user_text(check_policy_dir(root, opa=opa), root).strip()
+              or "opa check --strict: ok")  # fmt: skip
+        warnings = list(lint_input_paths(root))
+    compiled = _loaded(policy, opa)
     print(
         "structure: ok (broker/release.rego decides; other modules are "
         "broker.key_policies.<name>; other data only under data.broker.key_requirements)"
     )
     print(f"policy digest: {compiled.digest}")
-    warnings = list(lint_input_paths(args.dir))
     for warning in warnings:
-        print(f"warning: {warning}")
+        print(f"warning: {policy.shown}{'' if policy.bundle else '/'}{warning}")
     print(f"input lint: {len(warnings)} warning(s)")
     if warnings and args.strict:
         print("error: --strict: warnings fail the check", file=sys.stderr)
@@ -176,68 +198,61 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def lint_input_paths(policy_dir: Path) -> Iterator[str]:
-    """``input.a.b`` references the broker never sets (warnings, not errors)."""
-    for path in sorted(policy_dir.rglob("*.rego")):
-        text = path.read_text(encoding="utf-8")
-        for number, line in enumerate(text.splitlines(), start=1):
-            code = line.split("#", 1)[0]
-            for match in INPUT_REF.finditer(code):
-                parts = match.group(1).lstrip(".").split(".")
-                unknown = _unknown_prefix(parts)
-                if unknown:
-                    yield (
-                        f"{path.relative_to(policy_dir)}:{number}: input.{unknown} is not set by "
-                        "the broker (docs/policy.md lists the input)"
-                    )
-
-
-def _unknown_prefix(parts: list[str]) -> str | None:
-    node: Any = KNOWN_INPUT
-    for index, part in enumerate(parts):
-        if node == "*":
-            return None
-        if not isinstance(node, dict):
-            return None  # a leaf value: methods/indexing beyond it are the policy's business
-        if part not in node:
-            return ".".join(parts[: index + 1])
-        node = node[part]
-    return None
-
-
 def _fmt(args: argparse.Namespace) -> int:
     opa = _opa(args)
-    done = (
-        run_opa(opa, "fmt", "--list", "--fail", str(args.dir))
-        if args.check
-        else run_opa(opa, "fmt", "-w", str(args.dir))
-    )
-    print((done.stdout + done.stderr).strip() or "formatted")
+    policy = _input(args)
+    if not args.check:
+        if policy.kind != "directory":
+            raise ConfigError(
+                "fmt",
+                f"{args.policy} is a {policy.kind}: fmt rewrites files in the source directory "
+                "(run it there), or --check lists what would change",
+            )
+        done = run_opa(opa, "fmt", "-w", str(args.policy))
+        print((done.stdout + done.stderr).strip() or "formatted")
+        return 0 if done.returncode == 0 else EXIT_NO
+    ours = {name: c for name, c in policy.files.items() if name != WRAPPER_PACKAGE}
+    with staged(replace(policy, files=ours)) as root:  # the generated wrapper is the broker's
+        done = run_opa(opa, "fmt", "--list", "--fail", str(root))
+        print(policy.user_text(done.stdout + done.stderr, root).strip() or "formatted")
     return 0 if done.returncode == 0 else EXIT_NO
 
 
 def _test(args: argparse.Namespace) -> int:
     """OPA's verdict per test, and the same test rules evaluated by the broker's Wasm engine."""
     opa = _opa(args)
-    done = run_opa(opa, "test", "--format", "json", str(args.dir))
-    try:
-        results = json.loads(done.stdout) if done.stdout.strip() else []
-    except ValueError:
-        print((done.stdout + done.stderr).strip(), file=sys.stderr)
-        return EXIT_NO
-    if not results:
-        problem = done.stderr.strip() if done.returncode not in (0, 2) else ""
-        print(
-            problem
-            or f"no tests in {args.dir}: add *_test.rego files (an untested policy is not "
-            "shippable)",
-            file=sys.stderr,
+    policy = _input(args)
+    with staged(policy) as root:
+        done = run_opa(opa, "test", "--format", "json", str(root))
+        try:
+            results = json.loads(done.stdout) if done.stdout.strip() else []
+        except ValueError:
+            print(policy.user_text(done.stdout + done.stderr, root).strip(), file=sys.stderr)
+            return EXIT_NO
+        if not results:
+            problem = done.stderr.strip() if done.returncode not in (0, 2) else ""
+            print(policy.user_text(problem, root) or _no_tests(policy), file=sys.stderr)
+            return EXIT_NO
+        entrypoints = {
+            f"{r['package'].removeprefix('data.').replace('.', '/')}/{r['name']}": r
+            for r in results
+        }
+        compiled = compile_entrypoints(root, sorted(entrypoints), opa=opa)
+    return _test_verdicts(results, entrypoints, compiled)
+
+
+def _no_tests(policy: PolicyInput) -> str:
+    if policy.bundle:
+        return (
+            f"no tests in {policy.path}: a bundle carries none (`broker policy build` leaves "
+            "*_test.rego out); run `broker policy test` on the directory it was built from"
         )
-        return EXIT_NO
-    entrypoints = {
-        f"{r['package'].removeprefix('data.').replace('.', '/')}/{r['name']}": r for r in results
-    }
-    compiled = compile_entrypoints(args.dir, sorted(entrypoints), opa=opa)
+    return f"no tests in {policy.path}: add *_test.rego files (an untested policy is not shippable)"
+
+
+def _test_verdicts(
+    results: list[dict[str, Any]], entrypoints: dict[str, dict[str, Any]], compiled: CompiledPolicy
+) -> int:
     failures = differences = 0
     for entrypoint, result in sorted(entrypoints.items()):
         opa_pass = not result.get("fail") and not result.get("error")
@@ -268,32 +283,28 @@ def _opa_if_any(args: argparse.Namespace) -> Path | None:
         return None
 
 
-def _compiled(
-    policy: Path, opa: Path | None, verification_key: Path | None = None, scope: str = ""
-) -> CompiledPolicy:
+def _compiled(policy: PolicyInput, opa: Path | None) -> CompiledPolicy:
     """A directory compiled with OPA; a bundle verified, and without OPA run on its own Wasm.
 
     Raises:
         ConfigError: a directory and no OPA (naming the directory and the two ways out).
         PolicyLoadError: the policy does not load (naming the user's files).
     """
-    if policy.is_dir():
-        if opa is None:
-            raise ConfigError(
-                "--policy",
-                f"{policy} is a policy directory: compiling its Rego needs OPA, and none was "
-                f"found (--opa, ${OPA_ENV}, PATH). Build a bundle with `broker policy build` "
-                "where OPA is installed, or install OPA",
-            )
-        return compile_policy_dir(policy, opa=opa)
-    if opa is None:
-        print(
-            f"note: no OPA here: {policy} is decided by its own policy.wasm (signature checked); "
-            "a broker also rebuilds it from its Rego and checks the structure rules",
-            file=sys.stderr,
+    if opa is not None:
+        return _loaded(policy, opa)
+    if policy.verified is None:
+        raise ConfigError(
+            "--policy",
+            f"{policy.path} is a policy {policy.kind}: compiling its Rego needs OPA, and none "
+            f"was found (--opa, ${OPA_ENV}, PATH). Build a bundle with `broker policy build` "
+            "where OPA is installed, or install OPA",
         )
-        return load_bundle_as_built(policy, verification_key=verification_key, scope=scope)
-    return load_bundle(policy, verification_key=verification_key, scope=scope, opa=opa)
+    print(
+        f"note: no OPA here: {policy.path} is decided by its own policy.wasm (signature "
+        "checked); a broker also rebuilds it from its Rego and checks the structure rules",
+        file=sys.stderr,
+    )
+    return bundle_as_built(policy.verified, source=str(policy.path))
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -303,7 +314,8 @@ def _eval(args: argparse.Namespace) -> int:
         document = loads_bounded(raw)
     except ValueError as exc:
         raise ConfigError("--input", f"not JSON: {exc}") from exc
-    compiled = _compiled(args.policy, opa, args.verification_key, args.scope)
+    policy = _input(args)
+    compiled = _compiled(policy, opa)
     decision = Decision.from_result(
         WasmPolicyInstance(compiled).evaluate(document), compiled.digest
     )
@@ -317,26 +329,16 @@ def _eval(args: argparse.Namespace) -> int:
         )
     )
     if args.explain:
-        if not args.policy.is_dir():
-            raise ConfigError("--explain", "needs --policy DIR (a Wasm bundle carries no Rego)")
         if opa is None:
             raise ConfigError("--explain", "OPA's trace needs OPA (--opa, $BROKER_OPA, PATH)")
-        done = run_opa(
-            opa,
-            "eval",
-            "--format",
-            "pretty",
-            "--explain",
-            "full",
-            "--ignore",
-            "*_test.rego",
-            "-d",
-            str(args.policy),
-            "--stdin-input",
-            "data.broker.release",
-            input_text=raw.decode("utf-8", "replace"),
-        )
-        print(done.stdout + done.stderr, file=sys.stderr)
+        with staged(policy) as root:
+            done = run_opa(
+                opa,
+                *("eval", "--format", "pretty", "--explain", "full", "--ignore", "*_test.rego"),
+                *("-d", str(root), "--stdin-input", "data.broker.release"),
+                input_text=raw.decode("utf-8", "replace"),
+            )
+            print(policy.user_text(done.stdout + done.stderr, root), file=sys.stderr)
     return 0
 
 
@@ -349,7 +351,7 @@ def _read(path: Path, what: str) -> bytes:
 
 def _replay(args: argparse.Namespace) -> int:
     since = _time(args.since) if args.since else None
-    compiled = _compiled(args.policy, _opa_if_any(args), args.verification_key, args.scope)
+    compiled = _compiled(_input(args), _opa_if_any(args))
     instance = WasmPolicyInstance(compiled)
     summary = {
         "decisions": 0,
@@ -434,7 +436,7 @@ def _build(args: argparse.Namespace) -> int:
                 raise ConfigError("--version", "a positive integer")
             freshness = replace(freshness, version=args.policy_version)
     compiled = build_bundle(
-        args.dir,
+        read_policy_input(args.policy, verification_key=args.verification_key, scope=args.scope),
         args.output,
         opa=_opa(args),
         signing_key=args.signing_key,

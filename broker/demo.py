@@ -22,6 +22,8 @@
    through the audit API.
 9. Verify the decision log: creation, allow, deny, attestation, releases on it, the policy
    change, the revocation, the denials; chain intact.
+10. With ``--workdir DIR``, leave DIR a ``broker dev`` workspace (its issuer in ``dev-issuer.json``,
+    the image allowed again) for ``broker serve`` and ``broker dev token DIR``.
 
 Returns True only if every step happened as expected.
 """
@@ -58,8 +60,8 @@ from broker.config import Settings, load_settings
 from broker.crypto.checkpoint import NoteVerifier, parse_checkpoint
 from broker.crypto.merkle import leaf_hash, verify_inclusion
 from broker.crypto.wrap import key_id
-from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
-from broker.dev.workspace import write_dev_workspace, write_private_pem
+from broker.dev.issuer import ISSUER_FILE, DevIssuer, DevTokenSource, Workload
+from broker.dev.workspace import allow_images, write_dev_workspace, write_private_pem
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
 
@@ -88,7 +90,10 @@ async def run_demo(workdir: Path | None) -> bool:
         with tempfile.TemporaryDirectory(prefix="broker-demo-") as tmp:
             return await _run(Path(tmp))
     workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before serving
-    return await _run(workdir)
+    ok = await _run(workdir)
+    if ok:  # the workdir is kept: leave it a `broker dev` workspace to keep experimenting in
+        await asyncio.to_thread(_reopen_workspace, workdir)
+    return ok
 
 
 async def _run(workdir: Path) -> bool:
@@ -107,6 +112,7 @@ async def _run(workdir: Path) -> bool:
         extra_toml=f'[admin]\ntoken_sha256 = ["{_sha256(admin_token)}"]\n\n'
         '[attest]\nenabled = true\nsigning_key = "result-signing.pem"\n',
     )
+    await asyncio.to_thread(issuer.save, workdir / ISSUER_FILE)  # as `broker dev init`
     listening = socket.socket()  # bound first: DPoP proofs name its URL ([server] public_urls)
     listening.bind(("127.0.0.1", 0))
     port = listening.getsockname()[1]
@@ -387,10 +393,7 @@ async def _policy_reload(
     module = workdir / "policies" / "broker" / "key_policies" / "demo_withdrawn.rego"
     await asyncio.to_thread(module.parent.mkdir, parents=True, exist_ok=True)
     await asyncio.to_thread(module.write_text, WITHDRAWN, encoding="utf-8")
-    data_path = workdir / "policies" / "broker" / "data.json"
-    data = json.loads(await asyncio.to_thread(data_path.read_text, encoding="utf-8"))
-    data["images"] = {name: [] for name in data["images"]}
-    await asyncio.to_thread(data_path.write_text, json.dumps(data, indent=2), encoding="utf-8")
+    await asyncio.to_thread(allow_images, workdir, {DEMO_KEY: [], DEMO_QUERY_KEY: []})
     async with (
         aiohttp.ClientSession() as session,
         session.post(
@@ -459,6 +462,20 @@ async def _prove_through_api(
         f"checkpoint of {checkpoint.size} records ({len(proof)} hashes, through the API)",
     )
     return True
+
+
+def _reopen_workspace(workdir: Path) -> None:
+    """Undo the demo's withdrawal (its module, the emptied allow-list) so the workspace releases
+    again once served, and say how: its issuer mints tokens as a ``broker dev init`` one's."""
+    (workdir / "policies" / "broker" / "key_policies" / "demo_withdrawn.rego").unlink()
+    allow_images(workdir, {DEMO_KEY: [ALLOWED_DIGEST], DEMO_QUERY_KEY: [ALLOWED_DIGEST]})
+    for line in (
+        f"{workdir} is a development workspace ({DEMO_KEY} allowed again for the image):",
+        f"  BROKER_SERVER_LISTEN=127.0.0.1:8443 broker serve --config {workdir}/broker.toml",
+        f"  broker dev token {workdir} --image {ALLOWED_DIGEST} --nonce <nonce>",
+        f"  DevTokenSource.from_workspace(Path({str(workdir)!r}), image={ALLOWED_DIGEST!r})",
+    ):
+        _say("next", line)
 
 
 def _label(record: dict[str, Any]) -> str:

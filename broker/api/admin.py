@@ -10,7 +10,9 @@ in the path.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -19,8 +21,10 @@ from broker.api.services import ATTESTATIONS, CLOCK, KEYS, POLICIES, SETTINGS
 from broker.attestation.stored import MAX_REASON_CHARS
 from broker.core.errors import Conflict, ErrorCode, InputError, Unauthorized, UpstreamError
 from broker.keys import admin
+from broker.policy.freshness import MAX_VERSION, DowngradeTarget
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+BUNDLE_SHA256 = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
 
 
 def require_role(handler: Handler, role: str) -> Handler:
@@ -115,22 +119,23 @@ async def _version_action(request: web.Request, action: str) -> web.Response:
 
 async def reload_policy(request: web.Request) -> web.Response:
     """``POST /v1/admin/policy/reload`` (role ``policy-admin``): check, test and swap the policy;
-    the last good one keeps serving if anything fails. ``{"allow_downgrade": true, "reason":
-    "…"}`` lets a signed bundle older than the one in force go live (the only way to roll back
-    on purpose); the ``policy_change`` record names who and why."""
-    body: dict[str, object] = {}
+    the last good one keeps serving if anything fails. ``{"allow_downgrade": true,
+    "to_version": N, "reason": "…"}`` (optionally ``"bundle_sha256"``) lets that signed bundle,
+    older than the one in force, go live in every worker, and no other (the only way to roll
+    back on purpose); the ``policy_change`` record names who and why."""
+    body: dict[str, Any] = {}
     if request.can_read_body:
-        body = await read_json_object(request, required=(), optional=("allow_downgrade", "reason"))
-    downgrade = body.get("allow_downgrade", False)
-    if not isinstance(downgrade, bool):
-        raise InputError("allow_downgrade must be a boolean")
-    reason = string_field(body, "reason", max_chars=MAX_REASON_CHARS) if downgrade else None
-    if not downgrade and "reason" in body:
-        raise InputError("reason goes with allow_downgrade: true")
+        body = await read_json_object(
+            request,
+            required=(),
+            optional=("allow_downgrade", "to_version", "bundle_sha256", "reason"),
+        )
+    target = downgrade_target(body)
+    reason = string_field(body, "reason", max_chars=MAX_REASON_CHARS) if target else None
     reloaded = await request.app[POLICIES].reload_everywhere(
-        trigger="admin-downgrade" if downgrade else "admin",
+        trigger="admin-downgrade" if target else "admin",
         who=request[ADMIN_WHO],
-        allow_downgrade=downgrade,
+        downgrade=target,
         reason=reason,
     )
     workers = [r.describe() for r in reloaded.reports]
@@ -152,6 +157,35 @@ async def reload_policy(request: web.Request) -> web.Response:
             silent_workers=list(reloaded.silent),
         )
     return web.json_response(reloaded.describe())
+
+
+def downgrade_target(body: dict[str, Any]) -> DowngradeTarget | None:
+    """The downgrade a reload body asks for: ``None``, or the version (and bytes) it names.
+
+    Raises:
+        InputError: ``downgrade_target_required`` for ``allow_downgrade`` without a usable
+            ``to_version``; ``bad_request`` for other malformed fields.
+    """
+    downgrade = body.get("allow_downgrade", False)
+    if not isinstance(downgrade, bool):
+        raise InputError("allow_downgrade must be a boolean")
+    if not downgrade:
+        if {"reason", "to_version", "bundle_sha256"} & body.keys():
+            raise InputError("reason, to_version and bundle_sha256 go with allow_downgrade: true")
+        return None
+    version = body.get("to_version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 < version <= MAX_VERSION:
+        raise InputError(
+            "a downgrade names its target: to_version, the policy_version to go to",
+            code=ErrorCode.DOWNGRADE_TARGET_REQUIRED,
+        )
+    sha = body.get("bundle_sha256")
+    if sha is None:
+        return DowngradeTarget(version)
+    matched = BUNDLE_SHA256.fullmatch(sha.lower()) if isinstance(sha, str) else None
+    if matched is None:
+        raise InputError("bundle_sha256 must be sha256:<64 hex digits>")
+    return DowngradeTarget(version, "sha256:" + matched.group(1))
 
 
 async def revoke_attestation(request: web.Request) -> web.Response:

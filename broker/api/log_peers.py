@@ -8,23 +8,26 @@ in), once: a forwarded request carries ``Broker-Log-Forwarded`` and is never for
 Nothing forwarded needs trusting the forwarder: checkpoints are signed notes and proofs verify
 against them (a forwarder can refuse to answer, never forge one).
 
-Only names of this deployment are forwarded (the replica id must be a replica id: letters,
-digits, ``.``, ``_``, ``-``), only to ``peer_url``'s host pattern, only for the read-only public
-paths, with a timeout and a bounded answer.
+Only names of this deployment are forwarded (the replica id must be one DNS label: letters,
+digits and inner ``-``, as a StatefulSet pod's name is, so a client cannot pick host names of
+several labels under ``peer_url``'s domain), only to ``peer_url``'s host pattern, only for the
+read-only public paths, with a timeout and a bounded answer.
 """
 
 from __future__ import annotations
 
+import re
 import ssl
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
-from broker.config import REPLICA_ID, Settings, origin_prefix
+from broker.config import Settings, origin_prefix
 from broker.core.errors import ConfigError, ErrorCode, NotFound, UpstreamError
 
 FORWARDED = "Broker-Log-Forwarded"
+DNS_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # RFC 1123 §2.1
 MAX_FORWARDED_BYTES = 1024 * 1024
 FORWARD_TIMEOUT_SECONDS = 5.0
 
@@ -66,7 +69,7 @@ class LogPeers:
             replica = origin.removeprefix(self._prefix)
         if (
             replica is None
-            or not REPLICA_ID.fullmatch(replica)
+            or not DNS_LABEL.fullmatch(replica)
             or self._peer_url is None
             or FORWARDED in request.headers
         ):

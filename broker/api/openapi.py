@@ -256,8 +256,9 @@ def openapi_document() -> dict[str, Any]:
                 "post": {
                     **_admin(
                         "swap the policy in every worker; answered once all serve it "
-                        "(allow_downgrade with a reason: a deliberate rollback to an older "
-                        "signed bundle, logged with who and why)",
+                        "(allow_downgrade with to_version, optionally bundle_sha256, and a "
+                        "reason: a deliberate rollback to that older signed bundle, logged with "
+                        "who and why; 400 downgrade_target_required without to_version)",
                         None,
                         (200, "PolicyReload"),
                         400,
@@ -269,6 +270,15 @@ def openapi_document() -> dict[str, Any]:
                         _object_schema(
                             {
                                 "allow_downgrade": {"type": "boolean"},
+                                "to_version": {
+                                    "type": "integer",
+                                    "minimum": 1,
+                                    "maximum": 9007199254740991,
+                                },
+                                "bundle_sha256": {
+                                    "type": "string",
+                                    "pattern": "^(sha256:)?[0-9a-fA-F]{64}$",
+                                },
                                 "reason": {"type": "string", "minLength": 1, "maxLength": 512},
                             },
                             [],

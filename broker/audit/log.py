@@ -68,6 +68,7 @@ class DecisionLog:
         self._head = ChainHead(size=0, hash=GENESIS)
         self._known_head: ChainHead | None = None  # the head our last batch wrote (fast path)
         self._policy_digest: str | None = None  # new_digest of the log's last policy_change
+        self._policy_change: dict[str, Any] | None = None  # that record, as last read from the log
         # Appends waiting for the writer thread; None tells it to finish (close). The thread
         # starts with the first append and ends when idle or closed (``_write_batches``).
         self._queue: queue.SimpleQueue[list[_Queued] | None] = queue.SimpleQueue()
@@ -99,6 +100,13 @@ class DecisionLog:
     @property
     def path(self) -> Path:
         return self._path
+
+    @property
+    def last_policy_change(self) -> dict[str, Any] | None:
+        """The log's last ``policy_change`` record as read from the files (at start-up, and at
+        each catch-up with other writers; not updated by this process's own appends): the
+        policy manager's version floor is at least its ``version``."""
+        return self._policy_change
 
     @property
     def committed_size(self) -> int:
@@ -134,6 +142,7 @@ class DecisionLog:
                 digest = _policy_change_digest(line)
                 if digest is not None:
                     self._policy_digest = digest
+                    self._policy_change = json.loads(line)
                     break
         if fresh:
             self._known_head = None  # another writer moved the head: read it before writing

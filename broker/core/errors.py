@@ -107,6 +107,8 @@ class ErrorCode(StrEnum):
     HOST_INVALID = "host_invalid"  # a Host header that is not a host[:port] (RFC 9112 §3.2): 400
     # another replica's log (asked for by its origin) could not be read from that replica: 503
     LOG_PEER_UNAVAILABLE = "log_peer_unavailable"
+    # an admin policy downgrade that does not name its target version (to_version): 400
+    DOWNGRADE_TARGET_REQUIRED = "downgrade_target_required"
 
 
 class BrokerError(Exception):

@@ -87,6 +87,15 @@ class Metrics:
             "Fetches from the bundle server that failed (no answer, HTTP error, too large)",
             registry=self.registry,
         )
+        self.policy_floor_saved = Gauge(
+            "broker_policy_floor_saved",
+            "0 while the policy version floor cannot be saved beside the log (the reload that "
+            "needed it was refused; the last good policy keeps serving), else 1 (the lowest of "
+            "any worker)",
+            registry=self.registry,
+            multiprocess_mode="livemin",
+        )
+        self.policy_floor_saved.set(1)
         self.policy_bundle_version = Gauge(
             "broker_policy_bundle_version",
             "policy_version of the signed bundle in force (the highest of any live worker)",

@@ -97,6 +97,15 @@ checkpoint_seconds = 0.2
     return config
 
 
+def allow_images(workdir: Path, images: Mapping[str, Sequence[str]]) -> None:
+    """Set the workspace policy's allow-list (``data.broker.images``) to ``images`` (blocking;
+    a running broker sees it at its next reload)."""
+    path = workdir / "policies" / "broker" / "data.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["images"] = {name: list(digests) for name, digests in images.items()}
+    path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+
 def _log_signing_key(path: Path) -> None:
     """The Ed25519 key that signs the workspace's decision-log checkpoints (kept if present)."""
     if not path.exists():

@@ -34,8 +34,9 @@ from typing import Any
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from broker.policy import opa_bundle
-from broker.policy.bundle import load_policy_dir
+from broker.policy.bundle import PolicySource, load_policy_dir
 from broker.policy.freshness import EXPIRES_CLAIM, VERSION_CLAIM, Freshness
+from broker.policy.inputs import PolicyInput, read_policy_input
 from broker.policy.structure import (
     WRAPPER,
     WRAPPER_PACKAGE,
@@ -74,9 +75,22 @@ def compile_policy_dir(
         ConfigError / PolicyLoadError: unreadable directory, structure, check, test or
             compile errors (OPA's message verbatim).
     """
+    return compile_policy_source(
+        load_policy_dir(policy_dir), opa=opa, revision=revision, run_tests=run_tests
+    )
+
+
+def compile_policy_source(
+    source: PolicySource, *, opa: Path, revision: str = "", run_tests: bool = False
+) -> CompiledPolicy:
+    """``compile_policy_dir`` for a directory already read once (``source``).
+
+    Raises:
+        PolicyLoadError: structure, check, test or compile errors (OPA's message verbatim).
+    """
     if len(revision) > MAX_REVISION_CHARS or not revision.isprintable():
         raise PolicyLoadError(f"--revision must be printable, at most {MAX_REVISION_CHARS}")
-    source = load_policy_dir(policy_dir)
+    policy_dir = source.root
     with (
         tempfile.TemporaryDirectory(prefix="broker-policy-") as tmp,
         naming_user_files(Path(tmp) / "policy", str(policy_dir)),
@@ -186,7 +200,7 @@ def default_freshness(
 
 
 def build_bundle(
-    policy_dir: Path,
+    policy: Path | PolicyInput,
     output: Path,
     *,
     opa: Path,
@@ -199,6 +213,9 @@ def build_bundle(
     format, written reproducibly (two builds of one directory, revision, scope and freshness
     are byte-identical). A signature carries ``scope`` (the environment, required) and the
     freshness claims (``policy_version``, ``policy_expires``; default ``default_freshness``).
+    From a bundle (``broker policy build``'s or OPA's, verified and held to the load rules):
+    its files as they are, the manifest's ``revision`` replaced when one is given, signed
+    again — the digest does not change.
 
     Raises:
         PolicyLoadError: with OPA's compiler message verbatim, an unusable signing key, or a
@@ -209,8 +226,14 @@ def build_bundle(
             "a signed bundle needs --scope naming its environment (printable, at most "
             f"{MAX_SCOPE_CHARS} characters): the broker requires bundle_verification_scope"
         )
-    compiled = compile_policy_dir(policy_dir, opa=opa, revision=revision, run_tests=True)
-    files = dict(compiled.files)
+    if isinstance(policy, Path):
+        policy = read_policy_input(policy)
+    if policy.verified is not None:
+        compiled, files = _rebuilt(policy.verified, str(policy.path), opa, revision)
+    else:
+        assert policy.source is not None  # noqa: S101 - a directory input was read as one
+        compiled = compile_policy_source(policy.source, opa=opa, revision=revision, run_tests=True)
+        files = dict(compiled.files)
     if signing_key is not None:
         try:
             key = load_pem_private_key(signing_key.read_bytes(), None)
@@ -226,6 +249,31 @@ def build_bundle(
     temporary.write_bytes(opa_bundle.pack(files))
     os.replace(temporary, output)
     return compiled
+
+
+def _rebuilt(
+    verified: opa_bundle.VerifiedBundle, source: str, opa: Path, revision: str
+) -> tuple[CompiledPolicy, dict[str, bytes]]:
+    """A verified bundle's files for ``build_bundle`` (signature dropped, revision replaced).
+
+    Raises:
+        PolicyLoadError: outside the load rules, or a revision that is not printable.
+    """
+    if len(revision) > MAX_REVISION_CHARS or not revision.isprintable():
+        raise PolicyLoadError(f"--revision must be printable, at most {MAX_REVISION_CHARS}")
+    compiled = load_verified_bundle(verified, source=source, opa=opa)
+    files = {name: c for name, c in verified.files.items() if name != opa_bundle.SIGNATURES}
+    if revision:
+        manifest = files.get(opa_bundle.MANIFEST, b"{}")
+        files[opa_bundle.MANIFEST] = opa_bundle.with_revision(manifest, revision, source=source)
+    rebuilt = replace(
+        compiled,
+        files=files,
+        digest=opa_bundle.files_digest(files),
+        revision=revision or compiled.revision,
+        claims={},
+    )
+    return rebuilt, files
 
 
 def load_bundle(
@@ -274,6 +322,17 @@ def load_bundle_bytes(
             raise PolicyLoadError(f"cannot read the verification key {verification_key}") from exc
         verification = opa_bundle.BundleVerification(opa_bundle.load_public_key(pem), scope)
     verified = opa_bundle.read_bundle(raw, source=source, verification=verification)
+    return load_verified_bundle(verified, source=source, opa=opa)
+
+
+def load_verified_bundle(
+    verified: opa_bundle.VerifiedBundle, *, source: str, opa: Path
+) -> CompiledPolicy:
+    """Steps 2-3 of ``load_bundle_bytes`` on a bundle ``read_bundle`` verified.
+
+    Raises:
+        PolicyLoadError: outside the structure rules, or its Rego does not compile.
+    """
     compiled = _from_verified(verified, source)
     wasm = _checked_wasm(verified, source, opa)
     if wasm != compiled.wasm:
@@ -283,31 +342,15 @@ def load_bundle_bytes(
     return compiled
 
 
-def load_bundle_as_built(
-    path: Path, *, verification_key: Path | None = None, scope: str = ""
-) -> CompiledPolicy:
-    """A bundle read once and verified (signature required when ``verification_key`` is set),
-    decided by its own ``policy.wasm``: ``broker policy eval``/``replay`` where no OPA is
-    installed. The server never loads a bundle so: it also holds the bundle's Rego to the
-    structure rules and runs the pinned ``opa``'s build of it (``load_bundle_bytes``).
+def bundle_as_built(verified: opa_bundle.VerifiedBundle, *, source: str) -> CompiledPolicy:
+    """A verified bundle decided by its own ``policy.wasm``: ``broker policy eval``/``replay``
+    where no OPA is installed. The server never loads a bundle so: it also holds the bundle's
+    Rego to the structure rules and runs the pinned ``opa``'s build of it (``load_bundle_bytes``).
 
     Raises:
-        PolicyLoadError: unreadable, unsigned, badly signed, malformed, or not a broker bundle.
+        PolicyLoadError: its manifest does not name the broker's entrypoint.
     """
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_BUNDLE_BYTES + 1)
-    except OSError as exc:
-        raise PolicyLoadError(f"cannot read the bundle {path}") from exc
-    verification = None
-    if verification_key is not None:
-        try:
-            pem = verification_key.read_bytes()
-        except OSError as exc:
-            raise PolicyLoadError(f"cannot read the verification key {verification_key}") from exc
-        verification = opa_bundle.BundleVerification(opa_bundle.load_public_key(pem), scope)
-    verified = opa_bundle.read_bundle(raw, source=str(path), verification=verification)
-    return _from_verified(verified, str(path))
+    return _from_verified(verified, source)
 
 
 def _checked_wasm(verified: opa_bundle.VerifiedBundle, source: str, opa: Path) -> bytes:

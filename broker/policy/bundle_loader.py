@@ -4,11 +4,19 @@
 
 * ``load`` (start-up, SIGHUP, admin reload, poll): the bytes (fetched now, or handed over by a
   poll), verified and loaded by ``build.load_bundle_bytes``, smoke-tested, then checked for
-  freshness (``freshness.check``) against the replica's floor when bundles are signed;
+  freshness (``freshness.check``) against the replica's floor when bundles are signed. Any
+  failure the bytes cause (signature, structure, compile, an ``opa`` that does not finish, a
+  smoke evaluation that fails) refuses that bundle for good (by SHA-256), and ``/readyz`` says
+  the source serves a refused bundle;
+* the floor is ``state.json`` raised to at least ``known``: the version of the decision log's last
+  ``policy_change`` at start-up, then each version this worker put in force (a lost, corrupt or
+  replaced ``state.json`` does not reset it);
 * at start-up, a bundle server that does not answer, or answers with a bundle that is refused,
   leaves the replica on its last verified bundle (``<log>.policy/bundle.tar.gz``, verified again,
   freshness included); ``serving_from`` says "cached copy" until the server answers again;
-* ``accepted``: once a bundle is in force, its bytes are kept and the floor raised;
+* ``persist``: before a bundle goes live, its bytes are kept and the floor raised (or, for an
+  admin downgrade, set); a floor that cannot be saved refuses the reload (``FloorNotSaved``),
+  shows in ``/readyz`` and ``broker_policy_floor_saved``; ``accepted``: it is in force;
 * ``first_refusal``: one ``policy_reload_failed`` record per refused bundle (by SHA-256 of its
   bytes), whichever worker or poll met it first;
 * ``poll``: a conditional fetch; bytes already in force or already refused are not loaded again.
@@ -37,7 +45,13 @@ from broker.core.metrics import Metrics
 from broker.policy import freshness
 from broker.policy.build import load_bundle_bytes
 from broker.policy.bundle_source import BundleSource, open_bundle_source
-from broker.policy.freshness import Freshness, FreshnessStore
+from broker.policy.freshness import (
+    CorruptState,
+    DowngradeTarget,
+    Freshness,
+    FreshnessState,
+    FreshnessStore,
+)
 from broker.policy.opa_bundle import MAX_BUNDLE_BYTES
 from broker.policy.testing import find_opa
 from broker.policy.wasm import CompiledPolicy
@@ -66,6 +80,17 @@ class RefusedBundle(Exception):
     problem: str
     sha256: str | None
     version: int | None = None
+
+    def __str__(self) -> str:
+        return self.problem
+
+
+@dataclass(frozen=True)
+class FloorNotSaved(Exception):
+    """The floor (``state.json``) could not be saved: the bundle does not go live."""
+
+    problem: str
+    sha256: str
 
     def __str__(self) -> str:
         return self.problem
@@ -109,7 +134,10 @@ class BundleLoader:
     health: SourceHealth = field(default_factory=SourceHealth)
     in_force: str | None = None  # SHA-256 of the bundle bytes serving
     fresh: Freshness | None = None  # their freshness claims
+    known: FreshnessState = field(default_factory=FreshnessState)  # the floor without state.json
+    floor_problem: str | None = None  # why the floor could not be saved (None: it was)
     _refused: set[str] = field(default_factory=set)
+    _floor_failures: set[str] = field(default_factory=set)  # bundles whose floor was not saved
 
     @classmethod
     async def open(
@@ -121,8 +149,10 @@ class BundleLoader:
         smoke: SmokeTest,
         state_dir: Path | None,
         session: aiohttp.ClientSession | None,
+        logged: FreshnessState | None = None,
     ) -> BundleLoader:
-        """The loader for the configured bundle or bundle server.
+        """The loader for the configured bundle or bundle server; ``logged``: the version (and
+        bundle) of the decision log's last ``policy_change``, the floor's lower bound.
 
         Raises:
             ConfigError: ``bundle_url`` without a session, an unreadable ``bundle_ca``, or no
@@ -137,14 +167,21 @@ class BundleLoader:
             tls = await asyncio.to_thread(_tls, settings)  # reads the CA file
             source = open_bundle_source(settings.bundle_url, session, tls=tls)
         store = FreshnessStore(state_dir) if state_dir is not None else None
-        return cls(settings, metrics, clock, smoke, opa, store, source)
+        loader = cls(settings, metrics, clock, smoke, opa, store, source)
+        loader.known = logged or FreshnessState()
+        metrics.policy_floor_saved.set(1)
+        return loader
 
     @property
     def name(self) -> str:
         return self.source.name if self.source is not None else str(self.settings.bundle)
 
     async def load(
-        self, fetched: bytes | None = None, *, allow_downgrade: bool = False, startup: bool = False
+        self,
+        fetched: bytes | None = None,
+        *,
+        downgrade: DowngradeTarget | None = None,
+        startup: bool = False,
     ) -> LoadedBundle:
         """The bundle to serve now (see the module docstring).
 
@@ -161,7 +198,7 @@ class BundleLoader:
                 raise
             log.warning("the bundle server does not answer; starting on the cached copy")
             return await self._verify(cached, cached_copy=True)
-        return await self._verify(raw, allow_downgrade=allow_downgrade)
+        return await self._verify(raw, downgrade=downgrade)
 
     async def cached_fallback(self) -> LoadedBundle | None:
         """At start-up after the source's bundle was refused: the last verified bundle, if any
@@ -188,24 +225,55 @@ class BundleLoader:
         return raw
 
     async def _verify(
-        self, raw: bytes, *, allow_downgrade: bool = False, cached_copy: bool = False
+        self,
+        raw: bytes,
+        *,
+        downgrade: DowngradeTarget | None = None,
+        cached_copy: bool = False,
     ) -> LoadedBundle:
+        """``raw`` verified, compiled, smoke-tested and fresh.
+
+        Raises:
+            RefusedBundle: any of those failed; the bytes are remembered as refused (a poll
+                does not load them again), and the source shows as serving a refused bundle.
+        """
         sha = sha256_of(raw)
         try:
-            loaded = await asyncio.to_thread(self._verified, raw, sha, allow_downgrade)
-        except ConfigError as exc:  # PolicyLoadError, or no opa binary
-            if len(self._refused) >= MAX_REFUSED_KEPT:
-                self._refused.clear()
-            self._refused.add(sha)
-            if self.source is not None and not cached_copy:
-                self.health.refused = f"the bundle server serves a refused bundle: {exc.message}"
-                self._show()
-            raise RefusedBundle(exc.message, sha) from exc
-        except subprocess.SubprocessError as exc:  # opa timed out: not the bundle's fault
-            raise RefusedBundle(f"opa did not finish: {exc}", None) from exc
+            loaded = await asyncio.to_thread(self._verified, raw, sha, downgrade)
+        except (ConfigError, UpstreamError) as exc:  # PolicyLoadError, a failed smoke test
+            raise self._refusal(exc.message, sha, cached_copy=cached_copy) from exc
+        except subprocess.SubprocessError as exc:  # opa did not finish on these bytes
+            raise self._refusal(f"opa did not finish: {exc}", sha, cached_copy=cached_copy) from exc
         return replace(loaded, cached_copy=cached_copy)
 
-    def _verified(self, raw: bytes, sha: str, allow_downgrade: bool) -> LoadedBundle:
+    def _refusal(self, problem: str, sha: str, *, cached_copy: bool) -> RefusedBundle:
+        if len(self._refused) >= MAX_REFUSED_KEPT:
+            self._refused.clear()
+        self._refused.add(sha)
+        if self.source is not None and not cached_copy:
+            self.health.refused = f"the bundle server serves a refused bundle: {problem}"
+            self._show()
+        return RefusedBundle(problem, sha)
+
+    def _floor(self) -> FreshnessState:
+        """The replica's floor: ``state.json`` (missing or corrupt: nothing) raised to
+        ``known``."""
+        if self.store is None:
+            return self.known
+        try:
+            state = self.store.read_state()
+        except CorruptState as exc:
+            log.warning("%s: read as no state", exc)
+            state = None
+        if state is None and self.known.version:
+            log.warning(
+                "no usable policy state beside the log; the floor is version %d (the decision "
+                "log's last policy_change, or the last this worker loaded)",
+                self.known.version,
+            )
+        return freshness.merged(state or FreshnessState(), self.known)
+
+    def _verified(self, raw: bytes, sha: str, downgrade: DowngradeTarget | None) -> LoadedBundle:
         """Verify, structure-check, compile, smoke-test and freshness-check (in a thread)."""
         key = self.settings.bundle_verification_key
         compiled = self.smoke(
@@ -220,22 +288,20 @@ class BundleLoader:
         if key is None:
             return LoadedBundle(compiled, raw, sha, None)
         fresh = freshness.claims_of(compiled.claims, source=self.name)
-        state = self.store.read() if self.store is not None else freshness.FreshnessState()
+        state = self._floor()
         freshness.check(
-            fresh, state, now=self.clock(), allow_downgrade=allow_downgrade, source=self.name
+            fresh, state, now=self.clock(), sha256=sha, downgrade=downgrade, source=self.name
         )
         below = state.version if fresh.version < state.version else None
         return LoadedBundle(compiled, raw, sha, fresh, downgrade_from=below)
 
-    async def accepted(self, loaded: LoadedBundle, *, who: str, reason: str | None) -> None:
-        """The bundle is in force: keep its bytes, raise (or, downgrading, set) the floor."""
-        self.in_force, self.fresh = loaded.sha256, loaded.fresh
-        if loaded.fresh is not None:
-            self.metrics.policy_bundle_version.set(loaded.fresh.version)
-        self.health.serving_from = "cached copy" if loaded.cached_copy else "source"
-        if not loaded.cached_copy:
-            self.health.refused = None
-        self._show()
+    async def persist(self, loaded: LoadedBundle, *, who: str, reason: str | None) -> None:
+        """Before the bundle goes live: keep its bytes, raise (or, downgrading, set) the floor.
+
+        Raises:
+            FloorNotSaved: ``<log>.policy/`` cannot be written (shown in ``/readyz`` and
+                ``broker_policy_floor_saved`` until a save succeeds).
+        """
         if self.store is None or loaded.cached_copy:
             return
         downgrade = (who, reason or "") if loaded.downgrade_from is not None else None
@@ -243,8 +309,36 @@ class BundleLoader:
             await asyncio.to_thread(
                 self.store.advance, loaded.fresh, loaded.raw, loaded.sha256, downgrade=downgrade
             )
-        except OSError:
-            log.exception("could not keep the policy bundle and its version beside the log")
+        except OSError as exc:
+            self.floor_problem = f"the policy version floor cannot be saved: {exc}"
+            self.metrics.policy_floor_saved.set(0)
+            raise FloorNotSaved(self.floor_problem, loaded.sha256) from exc
+        self.floor_problem = None
+        self._floor_failures.clear()
+        self.metrics.policy_floor_saved.set(1)
+
+    def first_floor_failure(self, key: str) -> bool:
+        """Whether the floor failed to save for this bundle (``key``: as ``first_refusal``'s)
+        for the first time in this worker (the directory that remembers refusals may fail too).
+        """
+        if key in self._floor_failures:
+            return False
+        self._floor_failures.add(key)
+        return True
+
+    def accepted(self, loaded: LoadedBundle) -> None:
+        """The bundle is in force (in this worker)."""
+        self.in_force, self.fresh = loaded.sha256, loaded.fresh
+        if loaded.fresh is not None:
+            self.metrics.policy_bundle_version.set(loaded.fresh.version)
+            version = loaded.fresh.version
+            self.known = FreshnessState(
+                version, max(self.known.highest, version), bundle_sha256=loaded.sha256
+            )
+        self.health.serving_from = "cached copy" if loaded.cached_copy else "source"
+        if not loaded.cached_copy:
+            self.health.refused = None
+        self._show()
 
     async def first_refusal(self, key: str) -> bool:
         """Whether this refusal is the first of its bundle (``FreshnessStore.first_refusal``);
@@ -261,6 +355,9 @@ class BundleLoader:
         """One conditional fetch: new bytes to load, or ``None`` (unchanged, already in force,
         already refused, or the server failed: counted and shown)."""
         assert self.source is not None  # noqa: S101 - only polled with a source
+        behind = await asyncio.to_thread(self._floor_bundle_if_behind)
+        if behind is not None:
+            return behind
         try:
             fetched = await self.source.changed()
         except UpstreamError as exc:
@@ -277,6 +374,30 @@ class BundleLoader:
             return None
         self.answered()
         return None if sha in self._refused else fetched
+
+    def _floor_bundle_if_behind(self) -> bytes | None:
+        """The replica's floor bundle when another worker put a newer version in force than
+        this worker serves, else ``None``.
+
+        Each worker polls on its own: one that missed a version (the storage served it back
+        before this worker's poll) would otherwise keep serving the older policy forever,
+        since the source then serves what it already has. The floor in ``state.json`` is
+        shared by the workers of a replica; its bundle is kept beside it (and verified again by
+        the load that follows)."""
+        if self.store is None or self.fresh is None:
+            return None
+        state = self.store.read()
+        if state.bundle_sha256 in (None, self.in_force) or state.version <= self.fresh.version:
+            return None
+        cached = self.store.cached()
+        if cached is None or sha256_of(cached) != state.bundle_sha256:
+            return None
+        log.warning(
+            "policy watch: this worker serves version %d, the replica's floor is %d; loading it",
+            self.fresh.version,
+            state.version,
+        )
+        return cached
 
     def answered(self) -> None:
         """The source answered (its bundle is judged by the load that follows)."""
@@ -305,6 +426,8 @@ class BundleLoader:
             "problem": health.problem,
         }
         ok = health.ok or self.source is None
+        if self.floor_problem is not None:
+            details["problem"], ok = self.floor_problem, False
         if self.fresh is not None:
             details["version"] = self.fresh.version
             details["expires"] = self.fresh.expires_at

@@ -4,10 +4,11 @@ A reload (SIGHUP, ``POST /v1/admin/policy/reload``, or a change seen by polling 
 ``reload_seconds``) runs, off the event loop: for a directory, one read, ``opa check
 --strict``, the structure rules, the policy's own Rego tests (``opa test``) and ``opa build -t
 wasm`` on those bytes; for a bundle, one read and the broker's own verification of its
-signature; then a smoke evaluation of a fixed input that must produce a decision. Only then is
-the engine swapped, atomically. Any failure keeps the last good policy serving, logs OPA's
-message verbatim, shows in ``/readyz`` and ``/metrics``, and appends a
-``policy_reload_failed`` record (trigger, who, problem, the digest that stays live).
+signature; then a smoke evaluation of a fixed input that must produce a decision; for a signed
+bundle, its version floor saved beside the log. Only then is the engine swapped, atomically.
+Any failure keeps the last good policy serving, logs OPA's message verbatim, shows in
+``/readyz`` and ``/metrics``, and appends a ``policy_reload_failed`` record (trigger, who,
+problem, the digest that stays live).
 
 Every policy that goes live is in the log: a ``policy_change`` record (old and new digest,
 revision, source digest, trigger, who) written before the swap, and at start-up whenever the
@@ -18,7 +19,10 @@ broker write one record per change.
 Bundles are held to TUF's rule (``freshness.py``, ``bundle_loader.py``): a signed bundle older
 than the one the replica loaded, or expired, is refused (one record per distinct bundle), the
 replica starts on its last verified bundle while the bundle server is down, and a deliberate
-downgrade goes only through the admin API (``allow_downgrade`` with a reason, logged with who).
+downgrade goes only through the admin API (``allow_downgrade`` naming ``to_version``, with a
+reason, logged with who). The floor is saved before the policy goes live (a floor that cannot be
+saved refuses the reload), and at start-up it is at least the version of the log's last
+``policy_change``.
 
 The OPA server engine (``engine = "opa"``) has nothing to reload here: the sidecar loads its
 own bundles.
@@ -43,8 +47,9 @@ from broker.core.metrics import Metrics
 from broker.policy import records
 from broker.policy.build import compile_policy_dir
 from broker.policy.bundle import load_policy_dir
-from broker.policy.bundle_loader import BundleLoader, LoadedBundle, RefusedBundle
+from broker.policy.bundle_loader import BundleLoader, FloorNotSaved, LoadedBundle, RefusedBundle
 from broker.policy.engine import PolicyEngine
+from broker.policy.freshness import DowngradeTarget, FreshnessState
 from broker.policy.records import ReloadOutcome
 from broker.policy.testing import find_opa
 from broker.policy.wasm import (
@@ -130,6 +135,7 @@ class PolicyManager:
         policy_log: ChangeLog | None = None,
         *,
         session: aiohttp.ClientSession | None = None,
+        logged: FreshnessState | None = None,
     ) -> PolicyEngine:
         """Load the configured policy (start-up: a policy that does not load stops the broker),
         and log it as a ``policy_change`` when the log names another one last.
@@ -139,6 +145,8 @@ class PolicyManager:
             policy_log: appends a ``policy_change`` record unless the log's last one names the
                 same digest (``DecisionLog.append_policy_change``); default ``change_log``.
             session: fetches ``bundle_url`` (an HTTPS bundle server).
+            logged: the version and bundle of the log's last ``policy_change`` (the floor is
+                at least that, whatever ``<log>.policy/state.json`` says or lacks).
 
         Raises:
             ConfigError / PolicyLoadError: with OPA's message.
@@ -154,7 +162,14 @@ class PolicyManager:
                 smoke=_smoke_tested,
                 state_dir=self.state_dir,
                 session=session,
+                logged=logged,
             )
+        # The reload request this start-up answers is read BEFORE the policy: a request written
+        # while the policy loads is not answered by it (the worker would confirm an admin's
+        # reload with the policy from before it); it arrives as SIGHUP once this worker serves.
+        answered = None
+        if self.workers is not None:
+            answered = await asyncio.to_thread(self.workers.read_request)
         if self.settings.engine == "opa":
             digest = await asyncio.to_thread(self._dir_digest_or_url)
             from broker.policy.opa_server import OpaServerEngine  # noqa: PLC0415 - engine = "opa" only
@@ -169,6 +184,7 @@ class PolicyManager:
         else:
             before = await asyncio.to_thread(self._stamp_before_load)
             compiled, bundle = await self._load_at_startup()
+            await self._persist_at_startup(bundle)
             try:
                 await self._record_change(None, compiled, "startup", SYSTEM_WHO, bundle)
             except UpstreamError:
@@ -178,14 +194,13 @@ class PolicyManager:
                     "policy %s could not be logged; nothing will be decided", compiled.digest
                 )
             if bundle is not None and self._bundles is not None:
-                await self._bundles.accepted(bundle, who=SYSTEM_WHO, reason=None)
+                self._bundles.accepted(bundle)
             self.engine = WasmPolicyEngine(compiled)
             self._watch_stamp = _stamp_of(compiled, before)
         self.metrics.policy_info(self.digest)
-        if self.workers is not None:
-            request = await asyncio.to_thread(self.workers.read_request)
-            self._handled_generation = request.generation
-            await self._report(request.generation, ok=True, problem=None)
+        if answered is not None:
+            self._handled_generation = answered.generation
+            await self._report(answered.generation, ok=True, problem=None)
         return self.engine
 
     async def close(self) -> None:
@@ -201,14 +216,15 @@ class PolicyManager:
         trigger: str,
         who: str = SYSTEM_WHO,
         fetched: bytes | None = None,
-        allow_downgrade: bool = False,
+        downgrade: DowngradeTarget | None = None,
         reason: str | None = None,
         generation: int | None = None,
     ) -> ReloadOutcome:
-        """Check, test and swap; on any failure the last good policy keeps serving.
-        ``fetched``: the bundle server's new bytes, already fetched by the poll.
-        ``allow_downgrade`` (admin API only, with a ``reason``): a signed bundle older than the
-        one in force may go live; logged with who and why.
+        """Check, test, save the floor and swap; on any failure the last good policy keeps
+        serving. ``fetched``: the bundle server's new bytes, already fetched by the poll.
+        ``downgrade`` (admin API only, with a ``reason``): the signed bundle it names (version,
+        optionally bytes) may go live although older than the one in force; any other bundle
+        is refused; logged with who and why.
         ``generation``: the workers' reload request this reload answers (``on_signal``); only
         such a reload reports to the other workers, so a poll that runs just before or after
         cannot answer for an admin's request (it once turned an allowed downgrade into 409)."""
@@ -222,8 +238,11 @@ class PolicyManager:
             else:
                 try:
                     before = await asyncio.to_thread(self._stamp_before_load)
-                    compiled, bundle = await self._load(fetched, allow_downgrade=allow_downgrade)
+                    compiled, bundle = await self._load(fetched, downgrade=downgrade)
                     stamp = _stamp_of(compiled, before)
+                    if bundle is not None and self._bundles is not None:
+                        # The floor first: durable before the policy serves, or no swap.
+                        await self._bundles.persist(bundle, who=who, reason=reason)
                     if compiled.digest != previous:
                         # The record first: a change that cannot be logged does not go live.
                         await self._record_change(
@@ -234,19 +253,21 @@ class PolicyManager:
                         outcome.previous = previous
                         outcome.digest = compiled.digest
                     if bundle is not None and self._bundles is not None:
-                        await self._bundles.accepted(bundle, who=who, reason=reason)
+                        self._bundles.accepted(bundle)
                     self._watch_stamp = stamp
-                except (ConfigError, UpstreamError, OSError, RefusedBundle) as exc:
+                except (ConfigError, UpstreamError, OSError, RefusedBundle, FloorNotSaved) as exc:
                     outcome.ok = False
                     outcome.problem = getattr(exc, "message", str(exc))
-                    refused = exc.sha256 if isinstance(exc, RefusedBundle) else None
+                    refused = exc.sha256 if isinstance(exc, RefusedBundle | FloorNotSaved) else None
                     log.error(  # noqa: TRY400 - the message is OPA's
                         "policy reload (%s) failed; keeping %s:\n%s",
                         trigger,
                         previous,
                         outcome.problem,
                     )
-                    await self._record_failure(outcome, who, refused)
+                    await self._record_failure(
+                        outcome, who, refused, here_only=isinstance(exc, FloorNotSaved)
+                    )
             outcome.version = self._version()
             self.last_reload = outcome
             self.metrics.policy_reloaded(outcome.ok, self.digest)
@@ -259,19 +280,24 @@ class PolicyManager:
             return outcome
 
     async def reload_everywhere(
-        self, *, trigger: str, who: str, allow_downgrade: bool = False, reason: str | None = None
+        self,
+        *,
+        trigger: str,
+        who: str,
+        downgrade: DowngradeTarget | None = None,
+        reason: str | None = None,
     ) -> BrokerReload:
         """Reload in every worker of this broker and wait for each to confirm (admin API).
 
-        A single process reloads itself. Under a supervisor: record the request (with
-        ``allow_downgrade`` and ``reason``), SIGHUP the supervisor (every worker, this one
+        A single process reloads itself. Under a supervisor: record the request (with the
+        ``downgrade`` target and ``reason``), SIGHUP the supervisor (every worker, this one
         included, reloads through ``on_signal``), and wait until every worker reports this
         request's generation.
         """
         group = self.workers
         if group is None or group.count == 1 or group.supervisor_pid is None:
             outcome = await self.reload(
-                trigger=trigger, who=who, allow_downgrade=allow_downgrade, reason=reason
+                trigger=trigger, who=who, downgrade=downgrade, reason=reason
             )
             report = WorkerReport(
                 0, 0, self._handled_generation, self.digest, outcome.ok, outcome.problem
@@ -279,7 +305,7 @@ class PolicyManager:
             return BrokerReload(outcome, (report,), ())
         previous = self.digest
         generation = await asyncio.to_thread(
-            group.request, trigger, who, allow_downgrade=allow_downgrade, reason=reason
+            group.request, trigger, who, downgrade=downgrade, reason=reason
         )
         group.signal_all()
         reports, silent = await group.confirmed(generation)
@@ -305,18 +331,19 @@ class PolicyManager:
         """SIGHUP: a reload requested through the admin API (the request file names its trigger
         and who) or a plain ``kill -HUP`` / ``systemctl reload``."""
         trigger, who = "sighup", "signal:SIGHUP"
-        allow_downgrade, reason = False, None
+        downgrade: DowngradeTarget | None = None
+        reason: str | None = None
         generation: int | None = None
         if self.workers is not None:
             request = await asyncio.to_thread(self.workers.read_request)
             generation = request.generation
             if request.generation > self._handled_generation:
                 trigger, who = request.trigger, request.who
-                allow_downgrade, reason = request.allow_downgrade, request.reason
+                downgrade, reason = request.downgrade, request.reason
         return await self.reload(
             trigger=trigger,
             who=who,
-            allow_downgrade=allow_downgrade,
+            downgrade=downgrade,
             reason=reason,
             generation=generation,
         )
@@ -350,20 +377,37 @@ class PolicyManager:
             return
         while True:
             await asyncio.sleep(interval * random.uniform(0.8, 1.2))  # noqa: S311 - jitter
-            if self._bundles is not None and self._bundles.source is not None:
-                fetched = await self._bundles.poll()
-                if fetched is not None:
-                    await self.reload(trigger="poll", fetched=fetched)
-                continue
             try:
-                stamp = await asyncio.to_thread(self._stamp)
-            except (ConfigError, OSError) as exc:
-                log.warning("policy watch: %s", exc)
-                continue
-            if stamp != self._watch_stamp:
-                outcome = await self.reload(trigger="poll")
-                if not outcome.ok:
-                    self._watch_stamp = stamp  # do not retry the same broken files in a loop
+                await self._poll_once()
+            except Exception:  # a bug in one poll must not end polling for good
+                log.exception("policy watch: the poll failed; polling goes on")
+
+    async def _poll_once(self) -> None:
+        if self._bundles is not None and self._bundles.source is not None:
+            fetched = await self._bundles.poll()
+            if fetched is not None:
+                await self.reload(trigger="poll", fetched=fetched)
+            return
+        try:
+            stamp = await asyncio.to_thread(self._stamp)
+        except (ConfigError, OSError) as exc:
+            log.warning("policy watch: %s", exc)
+            return
+        if stamp != self._watch_stamp:
+            outcome = await self.reload(trigger="poll")
+            if not outcome.ok:
+                self._watch_stamp = stamp  # do not retry the same broken files in a loop
+
+    async def _persist_at_startup(self, bundle: LoadedBundle | None) -> None:
+        """The start-up bundle's floor saved; if it cannot be, the broker still starts (the
+        log's ``policy_change`` names its version, the floor at the next start) and says so in
+        ``/readyz`` and ``broker_policy_floor_saved``."""
+        if bundle is None or self._bundles is None:
+            return
+        try:
+            await self._bundles.persist(bundle, who=SYSTEM_WHO, reason=None)
+        except FloorNotSaved as exc:
+            log.error("at start-up: %s (the log names the version in force)", exc.problem)  # noqa: TRY400
 
     async def _load_at_startup(self) -> tuple[CompiledPolicy, LoadedBundle | None]:
         """``_load``, except that a bundle server that is down, or serves a bundle that is
@@ -388,13 +432,17 @@ class PolicyManager:
             return fallback.compiled, fallback
 
     async def _load(
-        self, fetched: bytes | None = None, *, allow_downgrade: bool = False, startup: bool = False
+        self,
+        fetched: bytes | None = None,
+        *,
+        downgrade: DowngradeTarget | None = None,
+        startup: bool = False,
     ) -> tuple[CompiledPolicy, LoadedBundle | None]:
         """The policy to serve: a bundle (from the bundle server, these bytes or fetched now,
         or the configured file), or the configured directory."""
         if self._bundles is None:
             return await asyncio.to_thread(self._prepare), None
-        bundle = await self._bundles.load(fetched, allow_downgrade=allow_downgrade, startup=startup)
+        bundle = await self._bundles.load(fetched, downgrade=downgrade, startup=startup)
         return bundle.compiled, bundle
 
     def source_health(self) -> tuple[bool, dict[str, object]]:
@@ -484,19 +532,29 @@ class PolicyManager:
         await self._policy_log(entry)
 
     async def _record_failure(
-        self, outcome: ReloadOutcome, who: str, refused: str | None = None
+        self,
+        outcome: ReloadOutcome,
+        who: str,
+        refused: str | None = None,
+        *,
+        here_only: bool = False,
     ) -> None:
         """A refused reload is in the log too, once per refused bundle (``refused``: the
         bundle's SHA-256) however many polls and workers meet it; an admin's attempt is
-        recorded once per request. If even that cannot be written, the server log says so and
-        the last good policy keeps serving (nothing changed)."""
+        recorded once per request; a floor that cannot be saved (``here_only``: the directory
+        that remembers refusals may fail too) once per bundle and worker. If even that cannot
+        be written, the server log says so and the last good policy keeps serving."""
         if self._change_log is None:
             return
         if refused is not None and self._bundles is not None:
             key = refused
             if outcome.trigger not in ("poll", "startup", "sighup"):
                 key += f":{outcome.trigger}:{self._handled_generation or outcome.time}"
-            if not await self._bundles.first_refusal(key):
+            if here_only:
+                first = self._bundles.first_floor_failure(key)
+            else:
+                first = await self._bundles.first_refusal(key)
+            if not first:
                 return
         fresh = self._bundles.fresh if self._bundles is not None else None
         entry = records.failure_record(

@@ -1,37 +1,46 @@
 """OPA bundles as the broker reads and writes them: one read, one verification, one load.
 
-A bundle arrives as bytes (read once by the caller). This module unpacks those bytes with its own
-strict tar reader, verifies OPA's signature format on the unpacked files, and hands back exactly
-the files it verified; the engine loads ``policy.wasm`` and ``data.json`` from them. Nothing is
-read a second time, and no other reader (Python's ``tarfile``, OPA) sees different bytes.
+A bundle arrives as bytes (read once by the caller). This module unpacks those bytes with the
+broker's own strict tar reader (``tarball.py``), verifies OPA's signature format on the unpacked
+files, and hands back exactly the files it verified; the engine loads ``policy.wasm`` and
+``data.json`` from them. Nothing is read a second time, and no other reader (Python's
+``tarfile``, OPA) sees different bytes.
 
 Checklist of ``read_bundle`` (OPA's bundle format, docs/policy.md "Bundles"):
 
 1. Size: at most ``MAX_BUNDLE_BYTES`` compressed and ``MAX_UNPACKED_BYTES`` unpacked; every
    gzip member complete with a good CRC; nothing after the last member.
-2. Tar (POSIX ustar/GNU header blocks, checked by checksum): only regular-file entries (type
-   ``0``, or the legacy NUL); every other type — links, directories, devices, FIFOs, "contiguous"
-   files (``7``), sparse files, PAX and GNU extension headers — refuses the whole bundle (OPA
-   skips such entries where Python's ``tarfile`` reads some of them as files: type ``7`` named
-   ``policy.wasm`` was a way to load an unsigned policy). The end is two zero blocks.
-3. Names: relative (no leading ``/``), normalised (no empty, ``.`` or ``..`` component, no
-   backslash), printable UTF-8, unique. The ustar prefix field must be empty.
+2. Tar (POSIX ustar/GNU header blocks, checked by checksum): regular-file entries (type ``0``,
+   or the legacy NUL) and directory entries (type ``5``, name ending in ``/``, size 0: OPA skips
+   them, and so does the broker; ``tar czf b.tar.gz .`` writes them); every other type — links,
+   devices, FIFOs, "contiguous" files (``7``), sparse files, PAX and GNU extension headers, a
+   directory with content — refuses the whole bundle (OPA skips such entries where Python's
+   ``tarfile`` reads some of them as files: type ``7`` named ``policy.wasm`` was a way to load an
+   unsigned policy). The end is two zero blocks.
+3. Names, after one leading ``/`` (``opa build`` writes it; OPA's verifier takes it off) or
+   ``./`` (``tar czf b.tar.gz .`` after ``opa sign``, which lists the names without it) is
+   taken off: relative, normalised (no empty, ``.`` or ``..`` component, no backslash),
+   printable UTF-8, unique. The ustar prefix field must be empty.
 4. Only files the broker loads: ``.manifest``, ``.signatures.json``, ``policy.wasm``,
    ``data.json`` at the root, and ``*.rego`` (the sources the Wasm was built from).
 5. Signature (when a verification key is configured; a signed bundle without one is refused, as
-   OPA refuses it): ``.signatures.json`` holds exactly one compact JWS, no ``plugin``; it
+   OPA refuses it): ``.signatures.json`` holds exactly one compact JWS, no ``plugin`` but
+   OPA's built-in ``_default`` (which ``opa build --signing-key`` names); it
    verifies with the configured key and algorithm; its payload's ``scope`` equals the configured
    scope; it lists every other file exactly once with a SHA-256 hash (OPA's hash: the bytes, or
    for ``data.json`` and ``.manifest`` the parsed JSON walked in sorted-key order), and every
    file it lists is present.
 6. ``policy.wasm`` present; ``data.json`` a JSON object; ``.manifest`` a JSON object naming
-   the broker's entrypoint.
+   the broker's entrypoint, and only Wasm modules the bundle holds.
 
 OPA's own ``opa build -b BUNDLE --verification-key`` is the test oracle
 (``tests/integration/test_bundle_differential.py``): whenever OPA refuses a bundle the broker
-refuses it, whenever the broker accepts one OPA accepts it and loads the same ``policy.wasm``
-and data, and the bundles OPA accepts but the broker refuses are exactly the stricter classes of
-steps 1-4 (OPA ignores non-regular entries and strips a leading ``/``).
+refuses it, whenever the broker accepts one OPA accepts it (for a ``./`` tar: the same files
+without the ``./``, since OPA 1.22's verifier compares ``./data.json`` with the ``data.json``
+that ``opa sign`` listed) and loads the same ``policy.wasm`` and data, and the bundles OPA accepts
+but the broker refuses are exactly the stricter classes of steps 1-4. Where OPA compares raw
+names (its verifier, a manifest's Wasm module path) the broker compares them with the one ``/``
+or ``./`` taken off: that is the whole of what it accepts beyond OPA.
 """
 
 from __future__ import annotations
@@ -39,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,14 +58,11 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa, utils
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import AttestationError
 from broker.crypto import jose
+from broker.policy.tarball import MAX_BUNDLE_BYTES, pack, unpack
 from broker.policy.wasm import PolicyLoadError
 
-MAX_BUNDLE_BYTES = 32 * 1024 * 1024
-MAX_UNPACKED_BYTES = 64 * 1024 * 1024
-MAX_ENTRIES = 1024
-MAX_NAME_CHARS = 100  # the ustar name field; the prefix field must be empty
-BLOCK = 512
-ZERO_BLOCK = bytes(BLOCK)
+__all__ = ["MAX_BUNDLE_BYTES", "pack", "unpack"]  # callers read and write bundles from here
+
 SIGNATURES = ".signatures.json"
 MANIFEST = ".manifest"
 WASM = "policy.wasm"
@@ -65,26 +70,7 @@ DATA = "data.json"
 ROOT_FILES = frozenset({SIGNATURES, MANIFEST, WASM, DATA})
 STRUCTURED = frozenset({DATA, MANIFEST})  # OPA hashes these as parsed JSON
 HASH_ALGORITHM = "SHA-256"
-REGULAR_TYPES = (b"0", b"\0")
-TYPE_NAMES = {
-    b"1": "hard link",
-    b"2": "symbolic link",
-    b"3": "character device",
-    b"4": "block device",
-    b"5": "directory",
-    b"6": "FIFO",
-    b"7": "contiguous file",
-    b"g": "PAX global header",
-    b"x": "PAX extended header",
-    b"L": "GNU long name",
-    b"K": "GNU long link name",
-    b"S": "GNU sparse file",
-    b"D": "GNU directory dump",
-    b"M": "GNU multi-volume",
-    b"V": "GNU volume label",
-}
-FIXED_MTIME = 0  # builds are reproducible: no clock in the archive
-FILE_MODE = 0o644
+DEFAULT_VERIFIER = "_default"  # OPA's built-in signer/verifier id (``opa build --signing-key``)
 
 
 @dataclass(frozen=True)
@@ -127,16 +113,50 @@ class VerifiedBundle:
 
 
 def files_digest(files: Mapping[str, bytes]) -> str:
-    """``sha256:`` over every file's name and bytes, in sorted order (``.signatures.json`` left
-    out: a signature is not policy). The same function names a policy directory and a bundle."""
+    """``sha256:`` over every file's name and bytes, in sorted order, but ``.signatures.json`` (a
+    signature is not policy) and the ``.manifest``'s ``revision`` (a label: the manifest counts
+    in OPA's canonical JSON with ``revision`` empty). The same function names a policy directory
+    and a bundle, so a directory, its bundle built with or without ``--revision``, and that
+    bundle signed have one digest."""
     digest = hashlib.sha256()
     for name in sorted(files):
         if name == SIGNATURES:
             continue
-        content = files[name]
+        content = _without_revision(files[name]) if name == MANIFEST else files[name]
         digest.update(f"{name}\0{len(content)}\0".encode())
         digest.update(content)
     return "sha256:" + digest.hexdigest()
+
+
+def _without_revision(manifest: bytes) -> bytes:
+    """The manifest in OPA's canonical JSON (``opa_hashed_bytes``) with ``revision`` emptied; its
+    own bytes when it is not a JSON object (``read_bundle`` refuses it)."""
+    try:
+        value = _json_preserving_numbers(manifest, MANIFEST)
+    except PolicyLoadError:
+        return manifest
+    if not isinstance(value, dict):
+        return manifest
+    if "revision" in value:
+        value["revision"] = ""
+    out: list[bytes] = []
+    _walk(value, out)
+    return b"".join(out)
+
+
+def with_revision(manifest: bytes, revision: str, *, source: str) -> bytes:
+    """``manifest`` (a JSON object) in OPA's canonical JSON with ``revision`` set.
+
+    Raises:
+        PolicyLoadError: not a JSON object.
+    """
+    value = _json_preserving_numbers(manifest, f"{source}: {MANIFEST}")
+    if not isinstance(value, dict):
+        raise PolicyLoadError(f"{source}: {MANIFEST} is not a JSON object")
+    value["revision"] = revision
+    out: list[bytes] = []
+    _walk(value, out)
+    return b"".join(out)
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -170,6 +190,7 @@ def read_bundle(
         raise PolicyLoadError(f"{source}: the bundle has no policy.wasm (build it with -t wasm)")
     data = _json_object(files.get(DATA, b"{}"), f"{source}: data.json")
     manifest = _json_object(files.get(MANIFEST, b"{}"), f"{source}: .manifest")
+    _check_wasm_modules(manifest, files, source)
     return VerifiedBundle(
         files=files,
         wasm=files[WASM],
@@ -181,115 +202,22 @@ def read_bundle(
     )
 
 
-def unpack(raw: bytes, *, source: str, rooted: bool = False) -> dict[str, bytes]:
-    """Steps 1-3: the regular files of a ``.tar.gz``, by name, in archive order.
-
-    ``rooted``: names may carry one leading ``/`` (OPA writes them so); only for reading what
-    our own ``opa build`` just wrote.
+def _check_wasm_modules(
+    manifest: Mapping[str, Any], files: Mapping[str, bytes], source: str
+) -> None:
+    """Step 6: every Wasm module the manifest names is a file of the bundle (OPA's rule; its
+    ``/policy.wasm`` names the entry ``/policy.wasm``, read here as ``policy.wasm``).
 
     Raises:
-        PolicyLoadError: any entry or byte outside the rules.
+        PolicyLoadError: a module that is not a file of the bundle.
     """
-    if len(raw) > MAX_BUNDLE_BYTES:
-        raise PolicyLoadError(f"{source}: bundle exceeds {MAX_BUNDLE_BYTES} bytes")
-    archive = _gunzip(raw, source)
-    files: dict[str, bytes] = {}
-    position = 0
-    while True:
-        block = archive[position : position + BLOCK]
-        if len(block) < BLOCK:
-            raise PolicyLoadError(f"{source}: the archive is truncated (no end-of-archive blocks)")
-        if block == ZERO_BLOCK:
-            if archive[position + BLOCK : position + 2 * BLOCK] != ZERO_BLOCK:
-                raise PolicyLoadError(f"{source}: a zero block not followed by another")
-            return files  # what follows the end marker is not part of the archive
-        name, size = _header(block, source, rooted=rooted)
-        if name in files:
-            raise PolicyLoadError(f"{source}: {name!r} appears twice in the archive")
-        if len(files) >= MAX_ENTRIES:
-            raise PolicyLoadError(f"{source}: more than {MAX_ENTRIES} entries")
-        start = position + BLOCK
-        if start + size > len(archive):
-            raise PolicyLoadError(f"{source}: {name!r} is truncated")
-        files[name] = archive[start : start + size]
-        position = start + -(-size // BLOCK) * BLOCK
-
-
-def _gunzip(raw: bytes, source: str) -> bytes:
-    out = bytearray()
-    rest = raw
-    while True:
-        inflater = zlib.decompressobj(wbits=31)
-        try:
-            out += inflater.decompress(rest, MAX_UNPACKED_BYTES + 1 - len(out))
-        except zlib.error as exc:
-            raise PolicyLoadError(f"{source}: not a gzip-compressed bundle ({exc})") from exc
-        if len(out) > MAX_UNPACKED_BYTES or inflater.unconsumed_tail:
-            raise PolicyLoadError(f"{source}: bundle unpacks to more than {MAX_UNPACKED_BYTES}")
-        if not inflater.eof:
-            raise PolicyLoadError(f"{source}: the gzip stream is truncated")
-        rest = inflater.unused_data
-        if not rest:
-            return bytes(out)
-
-
-def _header(block: bytes, source: str, *, rooted: bool) -> tuple[str, int]:
-    """One header block: its checksum, type, name and size (steps 2-3)."""
-    stored = _octal(block[148:156], "checksum", source)
-    unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
-    signed = sum(b - 256 if b > 127 else b for b in block[:148] + block[156:]) + 8 * 32
-    if stored not in (unsigned, signed):
-        raise PolicyLoadError(f"{source}: a tar header fails its checksum")
-    raw_name = block[:100].split(b"\0", 1)[0]
-    typeflag = block[156:157]
-    kind = TYPE_NAMES.get(typeflag, f"type {typeflag!r}")
-    if raw_name.endswith(b"/"):
-        kind = "directory"
-    if typeflag not in REGULAR_TYPES or kind == "directory":
-        shown = raw_name.decode("utf-8", "backslashreplace")
-        raise PolicyLoadError(
-            f"{source}: entry {shown!r} is a {kind}; a bundle holds only regular files"
-        )
-    for field, (start, end) in {"mode": (100, 108), "uid": (108, 116), "gid": (116, 124)}.items():
-        _octal(block[start:end], field, source)
-    _octal(block[136:148], "mtime", source)
-    if block[345:500].strip(b"\0"):
-        raise PolicyLoadError(f"{source}: a tar header uses the name prefix field")
-    name = _entry_name(raw_name, source, rooted=rooted)
-    return name, _octal(block[124:136], "size", source)
-
-
-def _octal(field: bytes, what: str, source: str) -> int:
-    """A numeric header field as Go's archive/tar reads it: octal digits, padded with spaces or
-    NULs (base-256 numbers are refused)."""
-    text = field.strip(b" \0")
-    if not text:
-        return 0
-    if not all(0x30 <= b <= 0x37 for b in text):
-        raise PolicyLoadError(f"{source}: a tar header's {what} is not an octal number")
-    return int(text, 8)
-
-
-def _entry_name(raw_name: bytes, source: str, *, rooted: bool) -> str:
-    try:
-        name = raw_name.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PolicyLoadError(f"{source}: an entry name is not UTF-8") from exc
-    if rooted and name.startswith("/"):
-        name = name[1:]
-    parts = name.split("/")
-    if (
-        not name
-        or name.startswith("/")
-        or "\\" in name
-        or not name.isprintable()
-        or any(part in ("", ".", "..") for part in parts)
-    ):
-        raise PolicyLoadError(
-            f"{source}: entry name {name!r} is not a relative, normalised path "
-            "(no leading /, no empty, . or .. component, no backslash)"
-        )
-    return name
+    entries = manifest.get("wasm", [])
+    for entry in entries if isinstance(entries, list) else [entries]:
+        module = entry.get("module") if isinstance(entry, dict) else None
+        if not isinstance(module, str) or module.removeprefix("/") not in files:
+            raise PolicyLoadError(
+                f"{source}: .manifest names Wasm module {module!r}, which the bundle lacks"
+            )
 
 
 # --- OPA's signature format --------------------------------------------------------------------
@@ -313,7 +241,7 @@ def verify_signature(
         )
     config = _json_object(files[SIGNATURES], f"{source}: .signatures.json")
     tokens = config.get("signatures")
-    if config.get("plugin") not in (None, ""):
+    if config.get("plugin") not in (None, "", DEFAULT_VERIFIER):
         raise PolicyLoadError(f"{source}: .signatures.json names a verifier plugin")
     if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], str):
         raise PolicyLoadError(f"{source}: .signatures.json must hold exactly one JWS")
@@ -535,43 +463,6 @@ def signatures_file(
 
 def _compact(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), sort_keys=True).encode("utf-8")
-
-
-def pack(files: Mapping[str, bytes]) -> bytes:
-    """A reproducible ``.tar.gz``: entries sorted by name, regular files only, mode 0644, uid and
-    gid 0, mtime 0, no user names, and a gzip header without a time or file name.
-
-    Raises:
-        PolicyLoadError: for a name the reader would refuse.
-    """
-    blocks = bytearray()
-    for name in sorted(files):
-        encoded = _entry_name(name.encode("utf-8"), "bundle", rooted=False).encode("utf-8")
-        if len(encoded) > MAX_NAME_CHARS:
-            raise PolicyLoadError(f"bundle entry name {name!r} exceeds {MAX_NAME_CHARS} bytes")
-        content = files[name]
-        blocks += _ustar_header(encoded, len(content))
-        blocks += content + bytes(-len(content) % BLOCK)
-    blocks += ZERO_BLOCK * 2
-    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
-    body = compressor.compress(bytes(blocks)) + compressor.flush()
-    # zlib writes mtime 0 and no name; the OS byte is fixed to "unknown" for every platform
-    return body[:9] + b"\xff" + body[10:]
-
-
-def _ustar_header(name: bytes, size: int) -> bytes:
-    header = bytearray(BLOCK)
-    header[0 : len(name)] = name
-    header[100:108] = b"%07o\0" % FILE_MODE
-    header[108:116] = b"%07o\0" % 0
-    header[116:124] = b"%07o\0" % 0
-    header[124:136] = b"%011o\0" % size
-    header[136:148] = b"%011o\0" % FIXED_MTIME
-    header[148:156] = b" " * 8
-    header[156:157] = b"0"
-    header[257:265] = b"ustar\x0000"
-    header[148:156] = b"%06o\0 " % sum(header)
-    return bytes(header)
 
 
 def load_public_key(pem: bytes) -> Any:

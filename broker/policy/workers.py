@@ -3,7 +3,8 @@
 The workers of one replica share a directory beside its log, ``<log>.workers/``:
 
 * ``request.json`` — the newest reload request, ``{"generation", "trigger", "who",
-  "allow_downgrade", "reason"}``, written under ``request.lock``;
+  "allow_downgrade", "to_version", "bundle_sha256", "reason"}``, written under ``request.lock``
+  (an admin downgrade names its target, so every worker loads that bundle or refuses);
 * ``worker-<index>.json`` — each worker's report, rewritten atomically whenever its policy is
   (re)loaded: ``{"index", "pid", "generation", "digest", "ok", "problem", "time"}``.
 
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from broker.policy.freshness import DowngradeTarget
+
 CONFIRM_TIMEOUT_SECONDS = 60.0
 POLL_SECONDS = 0.05
 
@@ -44,6 +47,15 @@ class ReloadRequest:
     who: str
     allow_downgrade: bool = False  # an admin's deliberate downgrade (with its reason)
     reason: str | None = None
+    to_version: int | None = None  # the downgrade's target version (required with it)
+    bundle_sha256: str | None = None  # and, optionally, the target bundle's bytes
+
+    @property
+    def downgrade(self) -> DowngradeTarget | None:
+        """The admin downgrade this request asks for (``None``: none, or no target named)."""
+        if not self.allow_downgrade or self.to_version is None:
+            return None
+        return DowngradeTarget(self.to_version, self.bundle_sha256)
 
 
 @dataclass(frozen=True)
@@ -90,9 +102,15 @@ class WorkerGroup:
     # --- requests ------------------------------------------------------------------------------
 
     def request(
-        self, trigger: str, who: str, *, allow_downgrade: bool = False, reason: str | None = None
+        self,
+        trigger: str,
+        who: str,
+        *,
+        downgrade: DowngradeTarget | None = None,
+        reason: str | None = None,
     ) -> int:
-        """Record a reload request; its generation."""
+        """Record a reload request (``downgrade``: an admin downgrade's target); its
+        generation."""
         with self._locked():
             current = self.read_request()
             generation = current.generation + 1
@@ -102,7 +120,9 @@ class WorkerGroup:
                     "generation": generation,
                     "trigger": trigger,
                     "who": who,
-                    "allow_downgrade": allow_downgrade,
+                    "allow_downgrade": downgrade is not None,
+                    "to_version": None if downgrade is None else downgrade.version,
+                    "bundle_sha256": None if downgrade is None else downgrade.bundle_sha256,
                     "reason": reason,
                 },
             )
@@ -116,6 +136,8 @@ class WorkerGroup:
             who=str(value.get("who", "signal:SIGHUP")),
             allow_downgrade=value.get("allow_downgrade") is True,
             reason=str(value["reason"]) if value.get("reason") is not None else None,
+            to_version=_positive(value.get("to_version")),
+            bundle_sha256=_text(value.get("bundle_sha256")),
         )
 
     def signal_all(self) -> None:
@@ -199,6 +221,14 @@ class WorkerGroup:
             yield
         finally:
             os.close(fd)
+
+
+def _positive(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _alive(pid: int) -> bool:

@@ -18,8 +18,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
+from broker.client import BrokerClient, ReleasedDek
+from broker.client.sdk import new_ephemeral_key
+from broker.crypto.jwk import public_jwk, thumbprint
+from broker.demo import ALLOWED_DIGEST, DEMO_KEY
+from broker.dev.issuer import DevTokenSource
 from broker.keys.admin import cli_actor
 from tests.integration.conftest import write_config, write_statement_key
 from tests.support.cli import run
@@ -165,24 +171,85 @@ def test_policy_test_passes_on_shipped_policy_and_fails_on_a_broken_one(tmp_path
     assert "FAIL" in result.stdout
 
 
-def test_demo_runs_end_to_end(tmp_path: Path) -> None:
-    result = run_process("demo", "--workdir", str(tmp_path / "demo"), timeout=120)
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One run of ``broker demo --workdir DIR`` (slow) for the tests below: (DIR, its output)."""
+    workdir = tmp_path_factory.mktemp("demo") / "demo"
+    result = run_process("demo", "--workdir", str(workdir), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "denied 403 policy_denied" in result.stdout
+    return workdir, result.stdout
+
+
+def test_demo_runs_end_to_end(demo: tuple[Path, str]) -> None:
+    _, stdout = demo
+    assert "denied 403 policy_denied" in stdout
     assert (
         "decision log verified: 12 records (create, create, weights-encrypt, policy_change, "
         "allow, deny, attestation allow, attested_release allow, policy_change, "
-        "attestation_revoked, deny, attested_release deny)" in result.stdout
+        "attestation_revoked, deny, attested_release deny)" in stdout
     )
-    assert "the formerly allowed image is now denied" in result.stdout
+    assert "the formerly allowed image is now denied" in stdout
     # attest once: the weights key and a query key on one result, then revoked by the reload
-    assert "released models/demo-llama v1 (AES-256) on it with a DPoP proof" in result.stdout
-    assert "released queries/demo-chat v1" in result.stdout
-    assert "is refused: 401 attestation_revoked" in result.stdout
-    assert "no longer allows it: image sha256:" in result.stdout
-    assert "`broker weights encrypt model/ bucket/` sealed model.safetensors" in result.stdout
-    assert "read tensor layer.5.weight (65536 floats)" in result.stdout
-    assert "SHA-256 matches the manifest" in result.stdout
+    assert "released models/demo-llama v1 (AES-256) on it with a DPoP proof" in stdout
+    assert "released queries/demo-chat v1" in stdout
+    assert "is refused: 401 attestation_revoked" in stdout
+    assert "no longer allows it: image sha256:" in stdout
+    assert "`broker weights encrypt model/ bucket/` sealed model.safetensors" in stdout
+    assert "read tensor layer.5.weight (65536 floats)" in stdout
+    assert "SHA-256 matches the manifest" in stdout
+
+
+def test_the_demo_workspace_mints_dev_tokens_and_releases_when_served(
+    demo: tuple[Path, str],
+) -> None:
+    """After the demo, DIR is a ``broker dev`` workspace: ``broker dev token DIR`` and
+    ``DevTokenSource.from_workspace(DIR)`` mint from its issuer, and ``broker serve --config
+    DIR/broker.toml`` releases the demo key on them (the demo used to keep its issuer in memory
+    only, and left the image withdrawn)."""
+    workdir, stdout = demo
+    assert f"broker dev token {workdir} --image {ALLOWED_DIGEST}" in stdout
+    port = free_port()
+    process = subprocess.Popen(
+        [*BROKER, "serve", "--config", str(workdir / "broker.toml")],
+        cwd=ROOT,
+        env={**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
+    try:
+        wait_ready(port, tls)
+        released, curl_status = asyncio.run(_release_from_workspace(workdir, port, tls))
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=60)
+    assert (released.key, released.version, len(released.dek)) == (DEMO_KEY, 1, 32), stderr
+    assert curl_status == 200, stderr
+
+
+async def _release_from_workspace(
+    workdir: Path, port: int, tls: ssl.SSLContext
+) -> tuple[ReleasedDek, int]:
+    """The SDK with ``DevTokenSource.from_workspace``, then a token from ``broker dev token``
+    in a hand-made request (what a curl user does)."""
+    url = f"https://127.0.0.1:{port}"
+    source = DevTokenSource.from_workspace(workdir, image=ALLOWED_DIGEST)
+    async with BrokerClient(url, ssl_context=tls) as client:
+        released = await client.release(DEMO_KEY, source)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/challenge", json={}, ssl=tls) as response:
+            nonce = (await response.json())["nonce"]
+        jwk = public_jwk(new_ephemeral_key().public_key())
+        minted = await asyncio.to_thread(
+            run_process, "dev", "token", str(workdir), "--image", ALLOWED_DIGEST,
+            "--nonce", nonce, "--nonce", thumbprint(jwk),
+        )  # fmt: skip
+        assert minted.returncode == 0, minted.stderr
+        body = {"key": DEMO_KEY, "nonce": nonce, "evidence": {"gca": minted.stdout.strip()},
+                "runner_key": jwk}  # fmt: skip
+        async with session.post(f"{url}/v1/release", json=body, ssl=tls) as response:
+            return released, response.status
 
 
 REAL = ROOT / "tests" / "fixtures" / "real"

@@ -9,9 +9,13 @@ from it here (``tests/k8s_schemas.py``). Nothing is fetched while the tests run.
 
 from __future__ import annotations
 
+import difflib
+import json
 import py_compile
+import re
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,10 @@ import pytest
 import yaml
 
 from broker.config import load_settings
+from broker.policy.bundle import load_policy_dir
+from tests.integration.test_kubernetes_policy_volume import kubelet_volume
 from tests.k8s_schemas import generate
+from tests.support.cli import run
 
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
@@ -45,14 +52,14 @@ def tool(name: str) -> str:
     return str(path)
 
 
-def render(overlay: str) -> str:
+def render(overlay: str, deploy: Path = DEPLOY) -> str:
     built = subprocess.run(
         [
             tool("kustomize"),
             "build",
             "--load-restrictor",
             "LoadRestrictionsNone",
-            str(DEPLOY / "k8s" / overlay),
+            str(deploy / "k8s" / overlay),
         ],
         capture_output=True,
         text=True,
@@ -189,6 +196,153 @@ def test_the_shipped_config_is_a_valid_broker_config(tmp_path: Path) -> None:
     assert secrets["challenge-key"] == "broker-challenge-key"
     policies = one("overlays/production", "ConfigMap", name=_generated("broker-policies"))
     assert set(policies["data"]) == {"release.rego", "data.json"}
+
+
+ONE_EDIT = "../../../policies/broker/key_policies/mistral.rego"
+MISTRAL_DENIES = "models/mistral: only the approved image may receive this key"
+
+
+def projected(volume: dict[str, Any], config_maps: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The files a pod sees in a projected or ConfigMap volume (path: content), as the kubelet
+    lays them out: a source's ``items`` where it lists them, every key where it does not."""
+    sources = volume["projected"]["sources"] if "projected" in volume else [volume]
+    files: dict[str, str] = {}
+    for source in sources:
+        config_map = source["configMap"]
+        data = config_maps[config_map["name"]]
+        items = config_map.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            assert item["path"] not in files, f"{item['path']} is projected twice"
+            files[item["path"]] = data[item["key"]]
+    return files
+
+
+def mounted_policies(tree: Path, overlay: str, volume_root: Path) -> list[Path]:
+    """Render ``tree``'s copy of deploy/k8s; lay out the StatefulSet's and the migrate Job's
+    policy volumes as the kubelet does under ``volume_root``; return their directories."""
+    docs = [d for d in yaml.safe_load_all(render(overlay, tree / "deploy")) if d]
+    config_maps = {
+        d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"
+    }
+    volumes = []
+    for workload in (d for d in docs if d["kind"] in ("StatefulSet", "Job")):
+        (volume,) = [
+            v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "policies"
+        ]
+        source = volume_root / f"{workload['kind']}-files"
+        for relative, content in projected(volume, config_maps).items():
+            (source / relative).parent.mkdir(parents=True, exist_ok=True)
+            (source / relative).write_text(content)
+        kubelet_volume(volume_root / workload["kind"], source, "2026_12_02_12_00_00.000000001")
+        volumes.append(volume_root / workload["kind"])
+    return volumes
+
+
+def decide_mistral(policy: Path, tmp_path: Path) -> dict[str, Any]:
+    example = json.loads((ROOT / "docs" / "examples" / "input.json").read_text())
+    example["request"]["key"] = "models/mistral"
+    (tmp_path / "input.json").write_text(json.dumps(example))
+    done = run("policy", "eval", "--policy", str(policy), "--input", str(tmp_path / "input.json"))
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+def test_a_per_key_policy_reaches_every_pod_in_one_manifest_edit(tmp_path: Path) -> None:
+    """Adding a per-key policy used to take two manifest edits (the ConfigMap generator and the
+    volume's items list; three with the migrate Job): one forgotten, and the module was in the
+    ConfigMap but never mounted, so the key stayed as open as before. Now the one line in
+    base/kustomization.yaml puts it in the pods' policy volume, where it denies."""
+    tree = tmp_path / "repo"
+    shutil.copytree(DEPLOY / "k8s", tree / "deploy" / "k8s")
+    shutil.copytree(
+        ROOT / "policies", tree / "policies", ignore=shutil.ignore_patterns("*_test.rego")
+    )
+    example = ROOT / "docs" / "examples" / "per-key-policy" / "broker" / "key_policies"
+    (tree / "policies" / "broker" / "key_policies").mkdir()
+    shutil.copy(example / "mistral.rego", tree / "policies" / "broker" / "key_policies")
+    kustomization = tree / "deploy" / "k8s" / "base" / "kustomization.yaml"
+    before = kustomization.read_text()
+    place = "  - name: broker-key-policies\n    files:\n"
+    after = before.replace(place, f"{place}      - {ONE_EDIT}\n")
+    changed = [line for line in difflib.ndiff(before.splitlines(), after.splitlines())
+               if line[:1] in "+-"]  # fmt: skip
+    assert changed == [f"+       - {ONE_EDIT}"]  # the one edit: a line added
+    unedited = mounted_policies(tree, "overlays/production", tmp_path / "unedited")
+    kustomization.write_text(after)
+    edited = mounted_policies(tree, "overlays/production", tmp_path / "edited")
+    config_map = one_in(tree, "ConfigMap", "broker-key-policies-")
+    assert config_map["data"]["mistral.rego"] == (example / "mistral.rego").read_text()
+    assert len(edited) == 2  # the StatefulSet's pods and the migrate Job see the same volume
+    for volume in edited:
+        assert "mistral.rego" in load_policy_dir(volume).files
+        assert MISTRAL_DENIES in decide_mistral(volume, tmp_path)["reasons"]
+    for volume in unedited:
+        assert MISTRAL_DENIES not in decide_mistral(volume, tmp_path)["reasons"]
+
+
+def one_in(tree: Path, kind: str, prefix: str) -> dict[str, Any]:
+    rendered = render("overlays/production", tree / "deploy")
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(prefix)]
+    return dict(found)
+
+
+# What a placeholder looks like in a manifest value: an upper-case name standing for an id
+# inside a path, host or account (``…/PROJECT/…``, ``broker@PROJECT.…``), a reserved example
+# domain (RFC 2606, RFC 6761), an all-zero digest, an ``<angle>`` or "changeme" marker.
+PLACEHOLDERS = (
+    re.compile(r"(?<=[/@.:])[A-Z][A-Z0-9_]*(?=[/@.:]|$)|^[A-Z][A-Z0-9_]*(?=[/@.:])"),
+    re.compile(r"(?:[a-z0-9-]+\.)*(?:example\.(?:com|net|org)|example|invalid|test)\b(?![.-])"),
+    re.compile(r"sha256:0{64}"),
+    re.compile(r"<[a-z][a-z _-]*>|(?i:\b(?:changeme|change-me|replace-me|todo)\b)"),
+)
+
+
+def values(value: Any) -> Iterator[str]:
+    """Every string value (not key, not comment) in a manifest; a ConfigMap's TOML and JSON
+    files parsed, its Rego skipped (policy, not deployment)."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if isinstance(item, str) and name.endswith(".toml"):
+                yield from values(tomllib.loads(item))
+            elif isinstance(item, str) and name.endswith(".json"):
+                yield from values(json.loads(item))
+            elif not (isinstance(item, str) and name.endswith(".rego")):
+                yield from values(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from values(item)
+    elif isinstance(value, str):
+        yield value
+
+
+def placeholders(documents: list[dict[str, Any]]) -> set[str]:
+    return {m.group(0) for v in values(documents) for p in PLACEHOLDERS for m in p.finditer(v)}
+
+
+def placeholder_table() -> list[str]:
+    """The first column's strings of docs/deploy.md's placeholder table."""
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    section = guide.split("### Placeholders in the production overlay", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [name for row in rows for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+
+
+def test_every_placeholder_of_the_production_overlay_is_documented() -> None:
+    """The production overlay shipped ``PROJECT``, ``broker.example.com`` and an all-zero digest
+    without saying so: applied as is, the broker ran with another project's KMS names and an
+    audience no runner uses. Each one found in the rendered overlay is in docs/deploy.md's
+    table (with what to put there), and each row names something the overlay holds."""
+    documents = list(objects("overlays/production"))
+    found = placeholders(documents)
+    listed = placeholder_table()
+    assert {"PROJECT", "broker.example.com", "sha256:" + "0" * 64} <= found
+    assert found - set(listed) == set(), "placeholders missing from docs/deploy.md's table"
+    rendered = render("overlays/production")
+    assert [name for name in listed if name not in rendered] == []  # no stale rows
+    # the detector sees the kinds of placeholder a later edit would add
+    added = placeholders([{"a": "gs://BUCKET/x", "b": "https://kms.test", "c": "<your-id>"}])
+    assert added == {"BUCKET", "kms.test", "<your-id>"}
 
 
 def _generated(prefix: str) -> str:

@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import ssl
 import subprocess
 import sys
@@ -82,24 +83,32 @@ class Deployment:
     def tls(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.workdir / "tls" / "ca.pem"))
 
-    async def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "broker.cli",
-                "serve",
-                "--config",
-                str(self.config),
-                "--workers",
-                "2",
-            ],
-            cwd=ROOT,
-            env={**os.environ, **self.environ},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    @property
+    def stderr(self) -> Path:
+        return self.workdir / "broker.stderr"
+
+    async def start(self, *, serves: bool = True) -> None:
+        """Run ``broker serve --workers 2``; wait until both workers serve (``serves``)."""
+        with self.stderr.open("a") as stderr:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "broker.cli",
+                    "serve",
+                    "--config",
+                    str(self.config),
+                    "--workers",
+                    "2",
+                ],
+                cwd=ROOT,
+                env={**os.environ, **self.environ},
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                text=True,
+            )
+        if not serves:
+            return
         await asyncio.to_thread(wait_ready, self.port, self.tls)
         seen: set[int] = set()
 
@@ -116,8 +125,8 @@ class Deployment:
     async def stop(self) -> None:
         assert self.process is not None
         self.process.terminate()
-        _, stderr = await asyncio.to_thread(self.process.communicate, timeout=60)
-        assert self.process.returncode == 0, stderr[-3000:]
+        await asyncio.to_thread(self.process.communicate, timeout=60)
+        assert self.process.returncode == 0, self.stderr.read_text()[-3000:]
 
     def records(self, kind: str) -> list[dict[str, Any]]:
         lines = self.log.read_text().splitlines() if self.log.exists() else []
@@ -179,7 +188,7 @@ class Client:
 
     async def digests(self) -> set[str]:
         """The digest each worker serves (readyz answered by both, connections not reused)."""
-        return {(await self.readyz())["checks"]["policy"] for _ in range(8)}
+        return {(await self.readyz())["checks"]["policy"] for _ in range(24)}
 
     async def release(self) -> int:
         d = self.deployed
@@ -236,6 +245,38 @@ async def refused_once(client: Client, bundle: bytes, says: str, active: str) ->
     assert record["active_digest"] == active
     assert await client.digests() == {active}
     assert await client.release() == 403  # the withdrawn image is still denied
+
+
+async def test_a_worker_that_missed_a_version_catches_up_with_the_replicas_floor(
+    deployment: Deployment,
+) -> None:
+    """Each worker polls on its own. The storage served v2 to one poll only, then v1 again (a
+    freeze): the worker that missed v2 saw nothing new and kept serving v1, releasing the
+    withdrawn image, while the other served v2. Now a worker behind the replica's floor loads
+    the floor's bundle."""
+    workdir = deployment.workdir
+    v1, allowed = await asyncio.to_thread(build, workdir, "v1", allowed=True)
+    v2, withdrawn = await asyncio.to_thread(build, workdir, "v2", allowed=False)
+    deployment.server.body = v1
+    await deployment.start()
+    async with session() as http:
+        client = Client(http, deployment)
+        await client.polls(4)
+        deployment.server.once = v2  # one worker's next poll gets v2; every other gets v1
+
+        async def one_loaded_it() -> bool:
+            return (
+                bool(deployment.records("policy_change")[-1:])
+                and deployment.records("policy_change")[-1].get("new_digest") == withdrawn
+            )
+
+        await wait_for(one_loaded_it, "a worker put v2 in force")
+        await client.polls(8)  # both workers polled again, seeing only v1
+        served = {(await client.readyz())["checks"]["policy"] for _ in range(40)}
+        assert served == {withdrawn}, (served, allowed)
+        assert [await client.release() for _ in range(6)] == [403] * 6
+        assert not refusals(deployment, v2)
+    await deployment.stop()
 
 
 async def test_rollback_expired_and_foreign_bundles_are_refused_once_each(
@@ -324,43 +365,69 @@ async def test_replica_restarts_on_its_cached_bundle_while_the_bundle_server_is_
     await deployment.stop()
 
 
-async def test_deliberate_downgrade_goes_only_through_the_admin_api_and_is_logged(
+async def test_deliberate_downgrade_goes_only_through_the_admin_api_to_the_version_it_names(
     deployment: Deployment,
 ) -> None:
+    """The admin names the target version (and bytes): storage that swaps in another signed
+    bundle between the request and the workers' fetches is refused by every worker."""
     workdir = deployment.workdir
-    v1, allowed = await asyncio.to_thread(build, workdir, "v1", allowed=True)
-    v2, withdrawn = await asyncio.to_thread(build, workdir, "v2", allowed=False)
-    deployment.server.body = v2
+    older, _ = await asyncio.to_thread(build, workdir, "v1", allowed=True)
+    v2, allowed = await asyncio.to_thread(build, workdir, "v2", allowed=True)
+    v3, withdrawn = await asyncio.to_thread(build, workdir, "v3", allowed=False)
+    deployment.server.body = v3
     await deployment.start()
+    reload_url = deployment.url + "/v1/admin/policy/reload"
     async with session() as http:
         client = Client(http, deployment)
-        deployment.server.body = v1
+
+        async def reload(body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+            async with http.post(reload_url, json=body, ssl=deployment.tls,
+                                 headers=ADMIN) as response:  # fmt: skip
+                return response.status, await response.json()
+
+        deployment.server.body = older
         # A plain admin reload does not roll back either.
-        async with http.post(deployment.url + "/v1/admin/policy/reload", ssl=deployment.tls,
-                             headers=ADMIN) as response:  # fmt: skip
-            assert response.status == 409
-            assert "older than version 2" in (await response.json())["error"]["problem"]
+        status, answer = await reload(None)
+        assert status == 409
+        assert "older than version 3" in answer["error"]["problem"]
+        reason = "INC-4711: v3 breaks every release on the new GPU driver"
+        # A downgrade to whatever the storage serves at that moment is no longer asked for.
+        status, answer = await reload({"allow_downgrade": True, "reason": reason})
+        assert (status, answer["error"]["code"]) == (400, "downgrade_target_required"), answer
+        # The admin names version 2; the storage serves version 1: both workers refuse it.
+        status, answer = await reload({"allow_downgrade": True, "to_version": 2, "reason": reason})
+        assert status == 409, answer
+        assert (
+            "the downgrade names version 2; the source serves version 1"
+            in (answer["error"]["problem"])
+        )
+        assert [w["ok"] for w in answer["error"]["workers"]] == [False, False], answer
         assert await client.digests() == {withdrawn}
-        reason = "INC-4711: v2 breaks every release on the new GPU driver"
-        async with http.post(
-            deployment.url + "/v1/admin/policy/reload",
-            json={"allow_downgrade": True, "reason": reason},
-            ssl=deployment.tls,
-            headers=ADMIN,
-        ) as response:
-            answer = await response.json()
-            assert response.status == 200, answer
-        assert (answer["active_digest"], answer["version"]) == (allowed, 1)
+        # Version 2, but not the bytes named.
+        deployment.server.body = v2
+        status, answer = await reload(
+            {"allow_downgrade": True, "to_version": 2, "bundle_sha256": sha256(older),
+             "reason": reason}
+        )  # fmt: skip
+        assert status == 409, answer
+        assert "the downgrade names bundle" in answer["error"]["problem"]
+        status, answer = await reload(
+            {"allow_downgrade": True, "to_version": 2, "bundle_sha256": sha256(v2),
+             "reason": reason}
+        )  # fmt: skip
+        assert status == 200, answer
+        assert (answer["active_digest"], answer["version"]) == (allowed, 2)
         assert [w["digest"] for w in answer["workers"]] == [allowed, allowed]
         assert await client.release() == 200
         # The version rolled back from stays refused: storage cannot serve it back.
-        await refused_once_after_downgrade(client, v2, allowed)
+        await refused_once_after_downgrade(client, v3, allowed)
     await deployment.stop()
     (downgrade,) = [c for c in deployment.records("policy_change") if "downgrade" in c]
     assert downgrade["trigger"] == "admin-downgrade"
     assert downgrade["who"].startswith("token:")
-    assert downgrade["downgrade"] == {"from_version": 2, "to_version": 1, "reason": reason}
+    assert downgrade["downgrade"] == {"from_version": 3, "to_version": 2, "reason": reason}
     assert (downgrade["old_digest"], downgrade["new_digest"]) == (withdrawn, allowed)
+    assert downgrade["bundle_sha256"] == sha256(v2)
 
 
 async def refused_once_after_downgrade(client: Client, bundle: bytes, active: str) -> None:
@@ -430,3 +497,130 @@ async def test_bundle_server_with_a_private_ca_is_trusted_only_through_bundle_ca
         await asyncio.to_thread(
             load_settings, config, {**environ, "BROKER_POLICY_BUNDLE_URL": "gs://b/o"}
         )
+
+
+CONFLICT = """
+# Two complete definitions that disagree: OPA builds it, and evaluation fails at run time.
+conflict := 1 if input.schema
+
+conflict := 2 if input.request
+
+allow if conflict == 3
+"""
+
+
+def build_failing_at_run_time(workdir: Path, revision: str) -> bytes:
+    """A signed, fresh, in-scope bundle (``broker policy build``) whose Rego fails when
+    evaluated (a conflict between two complete rules that ``allow`` uses)."""
+    release = workdir / "policies" / "broker" / "release.rego"
+    original = release.read_text()
+    release.write_text(original + CONFLICT)
+    try:
+        return build(workdir, revision, allowed=True)[0]
+    finally:
+        release.write_text(original)
+
+
+async def test_bundles_failing_at_run_time_or_reusing_the_version_in_force_are_refused_once(
+    deployment: Deployment,
+) -> None:
+    """A bundle whose Rego fails at run time was refused on every poll of every worker (the
+    smoke test's error was not remembered) while /readyz said the source was fine; a bundle
+    with the version in force but other bytes went live (a version names one bundle)."""
+    workdir = deployment.workdir
+    v2, withdrawn = await asyncio.to_thread(build, workdir, "v2", allowed=False)
+    deployment.server.body = v2
+    await deployment.start()
+    async with session() as http:
+        client = Client(http, deployment)
+        broken = await asyncio.to_thread(build_failing_at_run_time, workdir, "v3")
+        await refused_once(client, broken, "policy evaluation failed", withdrawn)
+
+        async def degraded() -> bool:
+            source = (await client.readyz())["checks"]["policy_source"]
+            return source["ok"] is False and "refused bundle" in str(source["problem"])
+
+        await wait_for(degraded, "/readyz shows the source serving a refused bundle")
+        same_version, _ = await asyncio.to_thread(build, workdir, "v2b", allowed=True, version=2)
+        await refused_once(client, same_version, "already in force with other bytes", withdrawn)
+    await deployment.stop()
+    assert [c["new_digest"] for c in deployment.records("policy_change")] == [withdrawn]
+
+
+async def test_floor_that_cannot_be_saved_keeps_the_new_policy_out(
+    deployment: Deployment,
+) -> None:
+    """The floor was saved after the swap and a failure only logged: the new version served
+    with rollback protection silently off. Now it is saved first, or nothing goes live."""
+    workdir = deployment.workdir
+    v1, allowed = await asyncio.to_thread(build, workdir, "v1", allowed=True)
+    v2, withdrawn = await asyncio.to_thread(build, workdir, "v2", allowed=False)
+    deployment.server.body = v1
+    await deployment.start()
+    state = workdir / "decisions.log.policy" / "state.json"
+    state.unlink()
+    (state / "blocker").mkdir(parents=True)  # os.replace onto a non-empty directory fails
+    async with session() as http:
+        client = Client(http, deployment)
+        deployment.server.body = v2
+
+        async def logged() -> bool:
+            return bool(refusals(deployment, v2))
+
+        await wait_for(logged, "the reload whose floor cannot be saved is logged")
+        await client.polls(8)
+        refused = refusals(deployment, v2)
+        assert 1 <= len(refused) <= 2, refused  # once per worker, not once per poll
+        assert all("floor cannot be saved" in r["problem"] for r in refused), refused
+        assert await client.digests() == {allowed}
+        assert await client.release() == 200  # v2 never served
+
+        async def shown() -> bool:
+            source = (await client.readyz())["checks"]["policy_source"]
+            return source["ok"] is False and "floor cannot be saved" in str(source["problem"])
+
+        await wait_for(shown, "/readyz shows the floor that cannot be saved")
+        assert "broker_policy_floor_saved 0.0" in await client.metrics()
+        await asyncio.to_thread(shutil.rmtree, state)  # the volume is writable again
+        await client.serving(withdrawn)
+        assert await client.release() == 403
+        assert "broker_policy_floor_saved 1.0" in await client.metrics()
+    await deployment.stop()
+    assert json.loads(state.read_text())["version"] == 2
+
+
+async def test_lost_or_corrupt_policy_state_does_not_reset_the_floor(
+    deployment: Deployment,
+) -> None:
+    """Deleting ``<log>.policy/`` (or a new volume) reset the floor to 0, and a corrupt
+    ``state.json`` crashed the watch task; the log's last ``policy_change`` now sets the floor."""
+    workdir = deployment.workdir
+    v1, _ = await asyncio.to_thread(build, workdir, "v1", allowed=True)
+    v2, withdrawn = await asyncio.to_thread(build, workdir, "v2", allowed=False)
+    deployment.server.body = v2
+    await deployment.start()
+    await deployment.stop()
+    await asyncio.to_thread(shutil.rmtree, workdir / "decisions.log.policy")
+    deployment.server.body = v1  # the storage serves back the older signed bundle
+    await deployment.start(serves=False)
+
+    async def refused_at_start() -> bool:
+        return "older than version 2 already loaded" in deployment.stderr.read_text()
+
+    await wait_for(refused_at_start, "the replica refuses the older bundle at start-up")
+    assert deployment.process is not None
+    deployment.process.kill()
+    await asyncio.to_thread(deployment.process.communicate, timeout=60)
+    assert [c["new_digest"] for c in deployment.records("policy_change")] == [withdrawn]
+    deployment.server.body = v2
+    await deployment.start()
+    state = workdir / "decisions.log.policy" / "state.json"
+    state.write_text('{"version": "2", "highest": 2}')  # corrupt: not an integer
+    async with session() as http:
+        client = Client(http, deployment)
+        await refused_once(client, v1, "older than version 2 already loaded", withdrawn)
+        v3, allowed = await asyncio.to_thread(build, workdir, "v3", allowed=True)
+        deployment.server.body = v3  # polling goes on: a newer version still goes live
+        await client.serving(allowed)
+    await deployment.stop()
+    assert json.loads(state.read_text())["version"] == 3

@@ -255,6 +255,8 @@ async def test_only_this_deployments_logs_are_forwarded(start_broker: Any) -> No
             prefix + "1@evil.example",  # not a replica id
             prefix + "1/../../admin",
             prefix + "",
+            prefix + "evil.attacker",  # several DNS labels under peer_url's domain
+            prefix + "-1",
         ):
             assert await get(origin) == (404, "not_found"), origin
         assert await get(prefix + "1", **{"Broker-Log-Forwarded": "1"}) == (404, "not_found")

@@ -38,6 +38,7 @@ class BundleServer:
 
     def __init__(self, *, etags: bool = True) -> None:
         self.body = b""
+        self.once: bytes | None = None  # served to the next request only, then ``body`` again
         self.etags = etags
         self.answers: dict[int, int] = {200: 0, 304: 0}
         self.port = 0
@@ -52,12 +53,13 @@ class BundleServer:
         return self.answers[200] + self.answers[304]
 
     async def handle(self, request: web.Request) -> web.Response:
-        etag = '"' + hashlib.sha256(self.body).hexdigest() + '"'
+        body, self.once = (self.body, None) if self.once is None else (self.once, None)
+        etag = '"' + hashlib.sha256(body).hexdigest() + '"'
         if self.etags and request.headers.get("If-None-Match") == etag:
             self.answers[304] += 1
             return web.Response(status=304, headers={"ETag": etag})
         self.answers[200] += 1
-        return web.Response(body=self.body, headers={"ETag": etag} if self.etags else {})
+        return web.Response(body=body, headers={"ETag": etag} if self.etags else {})
 
     async def start(self) -> None:
         """Listen on 127.0.0.1 (the same port again after ``stop``)."""
@@ -130,8 +132,8 @@ allow if input.request.key == "models/llama"
 def opa_built(policy_dir: Path, extra: dict[str, str] | None = None) -> dict[str, bytes]:
     """The files of ``opa build -b -t wasm`` run by the pinned OPA (not ``broker policy
     build``) inside a copy of ``policy_dir`` with the broker's decision wrapper and ``extra``
-    modules, tests left out; OPA's leading ``/`` stripped from the names (the broker's reader
-    refuses it), nothing else changed."""
+    modules, tests left out, as the broker's reader reads them (OPA's leading ``/`` taken off),
+    nothing else changed."""
     with tempfile.TemporaryDirectory(prefix="opa-built-") as tmp:
         root = Path(tmp) / "policy"
         shutil.copytree(policy_dir, root)
@@ -146,7 +148,7 @@ def opa_built(policy_dir: Path, extra: dict[str, str] | None = None) -> dict[str
             cwd=root,
         )
         assert done.returncode == 0, done.stderr
-        return opa_bundle.unpack(output.read_bytes(), source="opa", rooted=True)
+        return opa_bundle.unpack(output.read_bytes(), source="opa")
 
 
 def signed(files: dict[str, bytes], key_pem: Path, fresh: Freshness, scope: str = SCOPE) -> bytes:
