@@ -27,6 +27,11 @@ from broker.api.log_peers import LogPeers
 from broker.api.middleware import METRICS, request_context
 from broker.api.readiness import Readiness
 from broker.api.routes import register
+from broker.api.self_attestation import (
+    SELF_ATTESTATION,
+    SelfAttestation,
+    open_self_attestation,
+)
 from broker.api.services import (
     ATTESTATIONS,
     CHECKPOINTS,
@@ -113,6 +118,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
     reverse order on shutdown."""
     settings, clock, metrics = app[SETTINGS], app[CLOCK], app[METRICS]
     async with AsyncExitStack() as stack:
+        sealed = await _self_attestation(app, settings, clock)  # first: it fails closed
         session = await stack.enter_async_context(aiohttp.ClientSession())
         nonces = open_nonce_store(
             settings.nonces.store,
@@ -178,6 +184,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             "nonces": _store_kind(settings.nonces.store),
             "checkpoints": "signed" if publisher else "off (no signing_key)",
             "attestations": "on" if attestations.service else "off",
+            "self_attestation": "on" if sealed else "off (not in a TEE)",
         }
         app[NONCES] = nonces
         app[DECISIONS] = audit
@@ -198,9 +205,10 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             statement_key_set=statements.key is not None,
             clock=clock,
             interval=settings.server.health_interval_seconds,
+            attestation_expired=None if sealed is None else sealed.expired,
         )
         await readiness.refresh()  # /readyz answers from this until the background task runs
-        background = _background(policies, publisher, sink)
+        background = _background(policies, publisher, sink, sealed)
         background.append(asyncio.create_task(readiness.run(), name="readiness"))
         log.info("broker ready: %s", {"policy": engine.digest, **facts})
         try:
@@ -355,11 +363,31 @@ def _gpu_sources(
     return GpuSources(rims=rims, ocsp=ocsp)
 
 
+async def _self_attestation(
+    app: web.Application, settings: Settings, clock: Clock
+) -> SelfAttestation | None:
+    """``[sealed]``: the broker's own attestation token, published by the app.
+
+    Raises:
+        ConfigError: sealed, and the launcher does not answer (the broker does not start).
+    """
+    sealed = await open_self_attestation(settings, clock)
+    if sealed is not None:
+        app[SELF_ATTESTATION] = sealed
+    return sealed
+
+
 def _background(
-    policies: PolicyManager, publisher: CheckpointPublisher | None, sink: AuditSink | None
+    policies: PolicyManager,
+    publisher: CheckpointPublisher | None,
+    sink: AuditSink | None,
+    sealed: SelfAttestation | None,
 ) -> list[asyncio.Task[None]]:
-    """The service's own tasks: policy reloads, checkpoints, the audit stream."""
+    """The service's own tasks: policy reloads, checkpoints, the audit stream, renewals of the
+    broker's attestation."""
     background = [asyncio.create_task(policies.watch(), name="policy-watch")]
+    if sealed is not None:
+        background.append(asyncio.create_task(sealed.run(), name="self-attestation"))
     if publisher is not None:
         background.append(asyncio.create_task(publisher.run(), name="checkpoints"))
     if sink is not None:

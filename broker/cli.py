@@ -201,6 +201,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     """The verdict as JSON on stdout: exit 1 for evidence that does not verify; exit 2, with the
     same JSON and one line on stderr, for a file or an option the command cannot use."""
+    if args.kind == "broker":  # the one kind checked over the network: a running broker
+        from broker import cli_verify_broker  # noqa: PLC0415 - the SDK loads only on this path
+
+        return cli_verify_broker.run(args)
     try:
         result = offline.run(args)
     except (InputError, ConfigError) as exc:

@@ -5,6 +5,8 @@ allowing the given image digests for a key, a local KEK, a decision log) with a 
 development issuer** (``DIR/dev-issuer.json``, private), creates the key, and says what to run.
 ``broker dev token DIR --image … --nonce …`` mints a token from that issuer (for curl), and the
 SDK's ``DevTokenSource.from_workspace(DIR, image=…)`` does the same for ``BrokerClient``.
+``broker dev launcher --workspace DIR --socket PATH --image …`` serves that issuer as a
+Confidential Space launcher on a Unix socket, for a broker with ``[sealed] launcher_socket``.
 
 DEVELOPMENT ONLY. The issuer is a ``*.invalid`` host, which a broker trusts only when it
 listens on loopback (``config.py``); ``dev token`` refuses a workspace whose broker does not.
@@ -15,13 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from datetime import UTC, datetime
+import signal
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from broker.config import is_development_issuer, is_loopback, load_settings, split_listen
 from broker.core.errors import ConfigError
 from broker.dev.issuer import DEV_ISSUER, ISSUER_FILE, DevIssuer, Workload
+from broker.dev.launcher import DevLauncher, serve_dev_launcher
 from broker.dev.workspace import write_dev_workspace
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
@@ -48,6 +52,16 @@ def add_commands(commands: Any) -> None:
     token.add_argument("--audience", help="default: the workspace broker's [server] audience")
     token.add_argument("--debug", action="store_true", help="a debug image (the policy denies it)")
     token.set_defaults(run=_token)
+    launcher = dev.add_parser(
+        "launcher", help="a development Confidential Space launcher on a Unix socket"
+    )
+    launcher.add_argument("--workspace", type=Path, required=True, metavar="DIR")
+    launcher.add_argument("--socket", type=Path, required=True, help="the Unix socket to serve")
+    launcher.add_argument("--image", required=True, help="the image digest the tokens name")
+    launcher.add_argument(
+        "--lifetime", type=int, default=3600, help="each token's validity, in seconds"
+    )
+    launcher.set_defaults(run=_launcher)
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -119,4 +133,31 @@ def _token(args: argparse.Namespace) -> int:
             now=datetime.now(UTC),
         )
     )
+    return 0
+
+
+def _launcher(args: argparse.Namespace) -> int:
+    """Serve the development launcher until SIGTERM or SIGINT (``broker dev launcher``)."""
+    try:
+        issuer = DevIssuer.load(args.workspace / ISSUER_FILE)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            "--workspace", f"no development issuer in {args.workspace}: {exc}"
+        ) from exc
+    if not args.image.startswith("sha256:") or not 0 < args.lifetime <= 86400:
+        raise ConfigError("--image", "a sha256:… digest, and --lifetime 1..86400")
+    launcher = DevLauncher(
+        issuer, Workload(image_digest=args.image), lifetime=timedelta(seconds=args.lifetime)
+    )
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        async with serve_dev_launcher(launcher, args.socket):
+            print(f"development launcher on {args.socket} (DEVELOPMENT ONLY)", flush=True)
+            await stop.wait()
+
+    asyncio.run(serve())
     return 0

@@ -282,6 +282,19 @@ class AttestSettings:
 
 
 @dataclass(frozen=True)
+class SealedSettings:
+    """``[sealed]``: the broker attests itself through the Confidential Space launcher and
+    publishes the token at ``/.well-known/broker-attestation`` (docs/api.md). Off by default."""
+
+    # The launcher's Unix socket (Confidential Space: /run/container_launcher/teeserver.sock);
+    # unset: not attested. Set: a launcher that does not answer at start-up stops the broker.
+    launcher_socket: Path | None = None
+    token_audience: str = ""  # the token's aud; empty: [server] audience
+    renew_seconds: int = 300  # renew this long before exp (at most half the token's lifetime)
+    timeout_seconds: float = 10.0  # one call to the launcher
+
+
+@dataclass(frozen=True)
 class Settings:
     server: ServerSettings
     issuers: tuple[IssuerSettings, ...]
@@ -292,6 +305,7 @@ class Settings:
     admin: AdminSettings = field(default_factory=AdminSettings)
     nonces: NonceSettings = field(default_factory=NonceSettings)
     attest: AttestSettings = field(default_factory=AttestSettings)
+    sealed: SealedSettings = field(default_factory=SealedSettings)
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -387,7 +401,18 @@ def settings_from_mapping(
         ConfigError: naming the first bad key.
     """
     env = os.environ if environ is None else environ
-    known = {"server", "issuers", "policy", "keys", "audit", "nvidia", "admin", "nonces", "attest"}
+    known = {
+        "server",
+        "issuers",
+        "policy",
+        "keys",
+        "audit",
+        "nvidia",
+        "admin",
+        "nonces",
+        "attest",
+        "sealed",
+    }
     for key in raw:
         if key not in known:
             raise ConfigError(key, "unknown section")
@@ -425,7 +450,11 @@ def settings_from_mapping(
     attest = replace(
         attest, previous_keys=tuple(str(resolve_path(base_dir, k)) for k in attest.previous_keys)
     )
+    sealed = config_table(SealedSettings, "sealed", raw, env, base_dir)
+    if not sealed.token_audience:
+        sealed = replace(sealed, token_audience=server.audience)
     settings = Settings(
+        sealed=sealed,
         server=server,
         issuers=issuers,
         policy=policy,
@@ -518,6 +547,7 @@ def _validate(settings: Settings) -> None:
     _validate_nvidia(settings.nvidia)
     _validate_nonces(settings.nonces)
     _validate_attest(settings.attest)
+    _validate_sealed(settings)
     if settings.server.workers > 1 and settings.nonces.store == "memory":
         raise ConfigError(
             "nonces.store",
@@ -527,6 +557,16 @@ def _validate(settings: Settings) -> None:
     _validate_replica_origin(settings)
     if sum(1 for i in settings.issuers if i.kind == "nras") > 1:
         raise ConfigError("issuers", "at most one nras issuer entry")
+
+
+def _validate_sealed(settings: Settings) -> None:
+    sealed = settings.sealed
+    if sealed.renew_seconds < 1 or not 0 < sealed.timeout_seconds <= 120:
+        raise ConfigError("sealed", "renew_seconds >= 1 and 0 < timeout_seconds <= 120")
+    if sealed.launcher_socket is not None and settings.server.insecure_http:
+        raise ConfigError(
+            "sealed.launcher_socket", "an attested broker binds its TLS key: serve TLS"
+        )
 
 
 def _validate_policy(policy: PolicySettings) -> None:

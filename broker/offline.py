@@ -41,12 +41,12 @@ DEFAULT_ISSUERS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("kind", choices=["gca", "ita", "nras", "nvidia"])
+    parser.add_argument("kind", choices=["gca", "ita", "nras", "nvidia", "broker"])
     parser.add_argument(
         "files",
         nargs="+",
-        type=Path,
-        help="gca/ita: token; nras: NRAS result JSON; nvidia: report (hex) or evidence JSON",
+        help="gca/ita: token; nras: NRAS result JSON; nvidia: report (hex) or evidence JSON; "
+        "broker: the broker's https:// URL (its self-attestation is checked over the network)",
     )
     parser.add_argument("--at", help="verification time, RFC 3339 (default: now)")
     parser.add_argument("--jwks", type=Path, help="key set (gca OIDC, ita, nras)")
@@ -77,6 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thumbprint", help="the runner key's RFC 7638 thumbprint")
     parser.add_argument("--audience", help="the audience the token must carry")
     parser.add_argument("--issuer", help="the issuer the token must name (default per kind)")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="sha256:DIGEST",
+        help="broker: an allowed broker image digest, repeatable",
+    )
+    parser.add_argument("--ca", type=Path, help="broker: CA certificates (PEM) for its TLS")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +166,7 @@ def _json(data: bytes, what: str) -> Any:
 
 
 def _evidence(args: argparse.Namespace) -> Any:
-    data = _read(args.files[0], "FILE")
+    data = _read(Path(args.files[0]), "FILE")
     if args.kind in ("gca", "ita"):
         return data.decode("ascii", "replace").strip()
     if args.kind == "nras":

@@ -15,6 +15,18 @@ from broker.api.openapi_schemas import object_schema as _object_schema
 from broker.api.openapi_schemas import ref as _ref
 from broker.attestation.ear import MEDIA_TYPE as EAR_MEDIA_TYPE
 
+_BROKER_ATTESTATION = _object_schema(  # docs/api.md, "Broker attestation"
+    {
+        "attested": {"type": "boolean"},
+        "token": {"type": "string"},
+        "token_type": {"enum": ["OIDC", "PKI"]},
+        "keys": {"type": "object", "additionalProperties": {"type": "string"}},
+        "expires": {"type": "string", "format": "date-time"},
+        "reason": {"type": "string"},
+    },
+    ["attested"],
+)
+
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {JSON: {"schema": schema}}}
@@ -200,6 +212,16 @@ def openapi_document() -> dict[str, Any]:
                         404,
                     ),
                     "parameters": [jti],
+                }
+            },
+            "/.well-known/broker-attestation": {
+                "get": {
+                    "summary": "the broker's own attestation token and the keys it binds",
+                    "tags": ["runner"],
+                    "responses": {
+                        "200": _json(_BROKER_ATTESTATION, "attested, or why not"),
+                        **_errors(429),
+                    },
                 }
             },
             "/.well-known/jwks.json": {

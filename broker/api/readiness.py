@@ -73,6 +73,8 @@ class Readiness:
     statement_key_set: bool
     clock: Callable[[], datetime]
     interval: float = 5.0
+    # [sealed]: whether the broker's own attestation token has expired at a given time
+    attestation_expired: Callable[[datetime], bool] | None = None
     _last: HealthRound | None = field(default=None, init=False)
 
     @property
@@ -111,9 +113,12 @@ class Readiness:
         ok, source = self.policies.source_health()
         checks["policy_source"] = {"ok": ok, **{k: _plain(v) for k, v in source.items()}}
         warnings = () if ok else ("the policy source fails; the last good policy is serving",)
+        now = self.clock()
+        if self.attestation_expired is not None and self.attestation_expired(now):
+            warnings = (*warnings, "the broker's attestation token expired: renewals fail")
         state = HealthRound(
             taken=time.monotonic(),
-            checked_at=self.clock().isoformat(),
+            checked_at=now.isoformat(),
             checks=checks,
             problems=tuple(problems),
             warnings=warnings,

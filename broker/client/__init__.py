@@ -12,12 +12,14 @@ wrapped key is useful only to this process.
 """
 
 from broker.client.attested import Attestation
+from broker.client.broker_identity import BrokerIdentity, VerifiedBrokerIdentity
 from broker.client.sdk import BrokerClient, BrokerClientError, ProofError, Proven, ReleasedDek
 from broker.client.tokens import ConfidentialSpaceTokenSource, GpuEvidenceSource, TokenSource
 
 __all__ = [
     "Attestation",
     "BrokerClient",
+    "BrokerIdentity",
     "BrokerClientError",
     "ConfidentialSpaceTokenSource",
     "GpuEvidenceSource",
@@ -25,4 +27,5 @@ __all__ = [
     "Proven",
     "ReleasedDek",
     "TokenSource",
+    "VerifiedBrokerIdentity",
 ]

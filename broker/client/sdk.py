@@ -9,6 +9,7 @@ import json
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,8 @@ import aiohttp
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
 
+from broker.client.broker_identity import BrokerIdentity, BrokerNotAttested, VerifiedBrokerIdentity
+from broker.client.broker_pin import attest_broker
 from broker.client.tokens import GpuEvidenceSource, TokenSource
 from broker.client.weights import key_of_file
 from broker.core.binding import attestation_thumbprint, binding_digest
@@ -61,10 +64,19 @@ def reaching(url: str) -> Iterator[None]:
     Raises:
         BrokerClientError: ``tls_error`` (certificate not trusted, wrong host, handshake),
             ``timeout``, ``broker_unreachable`` (refused, no route, unknown host) or
-            ``connection_lost`` (the connection broke before a whole answer).
+            ``connection_lost`` (the connection broke before a whole answer); with a
+            ``broker_identity``, ``broker_not_attested`` when a later connection presents
+            another certificate than the attested one.
     """
     try:
         yield
+    except aiohttp.ServerFingerprintMismatch as exc:
+        raise BrokerClientError(
+            0,
+            "broker_not_attested",
+            "tls: the broker's certificate is not the one its attestation was checked with",
+            {"check": "tls"},
+        ) from exc
     except (aiohttp.ClientSSLError, ssl.SSLError) as exc:
         raise _transport("tls_error", url, exc) from exc
     except TimeoutError as exc:
@@ -155,11 +167,19 @@ class BrokerClient:
         ssl_context: ssl.SSLContext | None = None,
         audience: str | None = None,
         timeout_seconds: float = 30.0,
+        broker_identity: BrokerIdentity | None = None,
     ) -> None:
+        """``broker_identity``: verify the broker's attestation (its image, its TLS key) before
+        the first request, and pin its certificate for every later one (docs/runner.md)."""
         self._base_url = base_url.rstrip("/")
         self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
         self._audience = audience
+        self._timeout = timeout_seconds
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_seconds))
+        self._identity = broker_identity
+        self._verified: VerifiedBrokerIdentity | None = None
+        self._pin: aiohttp.Fingerprint | None = None
+        self._attesting = asyncio.Lock()
 
     async def __aenter__(self) -> BrokerClient:
         return self
@@ -174,6 +194,48 @@ class BrokerClient:
 
     async def close(self) -> None:
         await self._session.close()
+
+    async def verify_broker(self) -> VerifiedBrokerIdentity:
+        """The broker's verified identity, checked now if not yet or no longer valid.
+
+        Raises:
+            BrokerClientError: ``broker_not_attested`` with the failed check, or a
+                ``TRANSPORT_CODES`` code; ``ValueError`` without a ``broker_identity``.
+        """
+        if self._identity is None:
+            raise ValueError("this client has no broker_identity to verify")
+        async with self._attesting:
+            now = datetime.now(UTC)
+            if self._verified is not None and now < self._verified.expires:
+                return self._verified
+            url = self._base_url + "/.well-known/broker-attestation"
+            try:
+                with reaching(url):
+                    verified, pin = await attest_broker(
+                        self._base_url,
+                        self._identity,
+                        self._ssl,
+                        now=now,
+                        timeout_seconds=self._timeout,
+                    )
+            except BrokerNotAttested as exc:
+                raise BrokerClientError(
+                    0, "broker_not_attested", str(exc), {"check": exc.check}
+                ) from exc
+            self._verified, self._pin = verified, pin
+            return verified
+
+    async def _transport_ssl(self) -> ssl.SSLContext | bool | aiohttp.Fingerprint:
+        """What a request passes as ``ssl``: the attested certificate's pin, once verified.
+
+        Raises:
+            BrokerClientError: as ``verify_broker``.
+        """
+        if self._identity is None:
+            return self._ssl
+        await self.verify_broker()
+        assert self._pin is not None  # noqa: S101 - set by verify_broker
+        return self._pin
 
     async def challenge(self) -> Challenge:
         body = await self._post("/v1/challenge", {})
@@ -389,8 +451,9 @@ class BrokerClient:
 
     async def _get_text(self, path: str) -> str:
         url = self._base_url + path
+        transport_ssl = await self._transport_ssl()
         with reaching(url):
-            async with self._session.get(url, ssl=self._ssl) as response:
+            async with self._session.get(url, ssl=transport_ssl) as response:
                 raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
             if response.status != 200:
                 raise ProofError(f"GET {path.split('?', maxsplit=1)[0]}: HTTP {response.status}")
@@ -404,9 +467,10 @@ class BrokerClient:
         Raises:
             BrokerClientError: the broker was not reached (``TRANSPORT_CODES``).
         """
+        transport_ssl = await self._transport_ssl()
         with reaching(url):
             async with self._session.post(
-                url, json=payload, headers=headers, ssl=self._ssl
+                url, json=payload, headers=headers, ssl=transport_ssl
             ) as response:
                 raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
             answer: Any
@@ -420,9 +484,10 @@ class BrokerClient:
             return response.status, answer, dict(response.headers)
 
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        transport_ssl = await self._transport_ssl()
         with reaching(self._base_url + path):
             async with self._session.post(
-                self._base_url + path, json=payload, ssl=self._ssl
+                self._base_url + path, json=payload, ssl=transport_ssl
             ) as response:
                 raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
             try:

@@ -28,9 +28,10 @@ from tests.integration.attested import ADMIN, admin_post
 from tests.integration.conftest import RunningBroker
 from tests.integration.test_admin_and_query_keys import write_signing_key
 from tests.integration.test_attest import ATTEST_TOML, with_result_key
+from tests.integration.test_broker_attestation import Sealed, sealed_broker, socket_dir
 from tests.integration.test_token_sources import serve_launcher
 from tests.support.cli import run
-from tests.support.constants import ALLOWED, KEY
+from tests.support.constants import ALLOWED, AUDIENCE, KEY
 from tests.support.processes import free_port
 from tests.support.weights import sealed_before_a_rotation
 
@@ -42,6 +43,7 @@ QUERY_KEY = "queries/chat"  # the name the snippets use
 DEV_IMAGE = "sha256:" + "5e" * 32
 # Builds, pip and fresh interpreters on a loaded 2-core CI machine: minutes, not seconds.
 pytestmark = pytest.mark.timeout(300)
+__all__ = ["sealed_broker", "socket_dir"]  # issue 29's sealed broker fixtures, used by name
 
 
 def snippets() -> dict[str, str]:
@@ -63,6 +65,7 @@ EXPECTED = {  # snippet -> what its output must say
     "Developing without a TEE": "released models/dev#1",
     "Encrypted weights": "read from the middle",
     "Queries and answers": "answer to question",
+    "Verifying the broker": f"broker image {ALLOWED} attested until",
 }
 
 
@@ -140,7 +143,7 @@ async def test_the_runner_snippets_run_against_a_loopback_broker(
             "TEE_LAUNCHER_SOCKET": socket,
             "STATEMENT_KEY": str(tmp_path / "statement.pem"),
         }
-        for title in set(EXPECTED) - {"Developing without a TEE"}:
+        for title in set(EXPECTED) - {"Developing without a TEE", "Verifying the broker"}:
             await run_snippet(title, environ, tmp_path)
     assert await asyncio.to_thread(out.read_bytes) == plain
     kinds = [r["type"] for r in broker.records()]
@@ -164,3 +167,20 @@ async def test_the_development_snippet_runs_on_a_dev_init_workspace(
     await run_snippet(
         "Developing without a TEE", {"BROKER_URL": broker.url, "IMAGE": DEV_IMAGE}, here
     )
+
+
+def test_the_verifying_snippet_checks_a_sealed_broker(
+    sealed_broker: Sealed, tmp_path: Path
+) -> None:
+    """Issue 29: a broker attested through the development launcher (its issuer's JWKS)."""
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps(sealed_broker.issuer.jwks()))
+    environ = {
+        "BROKER_URL": sealed_broker.url,
+        "BROKER_CA": str(sealed_broker.workdir / "tls" / "ca.pem"),
+        "BROKER_IMAGE": ALLOWED,
+        "ATTESTATION_JWKS": str(jwks),
+        "BROKER_AUDIENCE": AUDIENCE,
+        "ATTESTATION_ISSUER": sealed_broker.issuer.issuer,
+    }
+    asyncio.run(run_snippet("Verifying the broker", environ, tmp_path))

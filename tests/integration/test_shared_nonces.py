@@ -51,7 +51,8 @@ KEY_FILE = Path(tempfile.mkdtemp(prefix="broker-nonce-key-")) / "challenge.key" 
 
 async def open_store(uri: str, ttl: timedelta = TTL, capacity: int = 1000) -> NonceStore:
     """As a process opens it: challenges MAC'd with the shared key, spent nonces in ``uri``."""
-    store = open_nonce_store(uri, ttl=ttl, capacity=capacity, timeout=2.0, key_path=KEY_FILE)
+    # sized for a loaded CI machine (a store that does not answer is tested with its own)
+    store = open_nonce_store(uri, ttl=ttl, capacity=capacity, timeout=10.0, key_path=KEY_FILE)
     await store.open()
     return store
 
