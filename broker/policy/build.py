@@ -314,13 +314,7 @@ def load_bundle_bytes(
     Raises:
         PolicyLoadError: as ``load_bundle``.
     """
-    verification = None
-    if verification_key is not None:
-        try:
-            pem = verification_key.read_bytes()
-        except OSError as exc:
-            raise PolicyLoadError(f"cannot read the verification key {verification_key}") from exc
-        verification = opa_bundle.BundleVerification(opa_bundle.load_public_key(pem), scope)
+    verification = opa_bundle.verification_from_file(verification_key, scope)
     verified = opa_bundle.read_bundle(raw, source=source, verification=verification)
     return load_verified_bundle(verified, source=source, opa=opa)
 

@@ -94,13 +94,7 @@ def read_bundle_file(
             raw = handle.read(opa_bundle.MAX_BUNDLE_BYTES + 1)
     except OSError as exc:
         raise PolicyLoadError(f"cannot read the bundle {path}") from exc
-    verification = None
-    if verification_key is not None:
-        try:
-            pem = verification_key.read_bytes()
-        except OSError as exc:
-            raise PolicyLoadError(f"cannot read the verification key {verification_key}") from exc
-        verification = opa_bundle.BundleVerification(opa_bundle.load_public_key(pem), scope)
+    verification = opa_bundle.verification_from_file(verification_key, scope)
     return opa_bundle.read_bundle(raw, source=str(path), verification=verification)
 
 

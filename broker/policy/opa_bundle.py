@@ -50,6 +50,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives import hashes, serialization
@@ -83,6 +84,21 @@ class BundleVerification:
     @property
     def algorithm(self) -> str:
         return signing_algorithm(self.public_key)
+
+
+def verification_from_file(key: Path | None, scope: str) -> BundleVerification | None:
+    """The verification a ``--verification-key`` file and scope ask for (``None``: no key).
+
+    Raises:
+        PolicyLoadError: the key file cannot be read or is not a public key this verifies with.
+    """
+    if key is None:
+        return None
+    try:
+        pem = key.read_bytes()
+    except OSError as exc:
+        raise PolicyLoadError(f"cannot read the verification key {key}") from exc
+    return BundleVerification(load_public_key(pem), scope)
 
 
 @dataclass(frozen=True)
