@@ -29,6 +29,15 @@ from broker.core.errors import ErrorCode, UpstreamError
 NOW = datetime.now(UTC)
 
 
+@pytest.fixture(autouse=True)
+def fresh_now() -> None:
+    """Each test's clock reading. It was taken once at import: on a loaded CI machine the suite
+    reached these tests more than the entries' 300 s later, and the stores (which also honour
+    real time: Redis and PostgreSQL expire by the server's clock) had dropped them."""
+    global NOW  # noqa: PLW0603 - one reading per test, used by entry() and the tests
+    NOW = datetime.now(UTC)
+
+
 def entry(expires_in: float = 300) -> AttestationEntry:
     return AttestationEntry(
         jti=secrets.token_hex(8),
