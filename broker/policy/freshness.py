@@ -144,7 +144,7 @@ def check(
         raise StaleBundle(
             f"{source}: bundle version {fresh.version} is older than version {state.version} "
             "already loaded (a rollback); a deliberate downgrade goes through "
-            "POST /v1/admin/policy/reload with allow_downgrade and a reason"
+            "POST /v1/admin/policy/reload with allow_downgrade, to_version and a reason"
         )
     if state.version < fresh.version <= state.highest:
         raise StaleBundle(
