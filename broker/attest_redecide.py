@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Protocol
 
+from broker.core.errors import UpstreamError
+
 log = logging.getLogger(__name__)
 FIRST_DELAY = 0.5  # seconds before the first retry
 MAX_DELAY = 30.0  # seconds between retries, at most
@@ -84,12 +86,13 @@ class Redecider:
             revoked = await self._revalidate(who=who, now=self._clock(), trigger=trigger)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - store or engine down, or a bug: retried
+        except UpstreamError as exc:  # the store or the engine did not answer: retried
             log.error(  # noqa: TRY400 - the cause is the store's or engine's, logged by it
-                "re-deciding attestation results (%s) failed, will retry: %s",
-                trigger,
-                getattr(exc, "message", None) or repr(exc),
+                "re-deciding attestation results (%s) failed, will retry: %s", trigger, exc.message
             )
+            return False
+        except Exception:  # a bug: with its traceback, and retried like an outage
+            log.exception("re-deciding attestation results (%s) failed, will retry", trigger)
             return False
         if revoked:
             log.warning("re-deciding attestation results (%s): %d revoked", trigger, revoked)
