@@ -178,7 +178,12 @@ async def _serve_until_signalled(settings: Settings, *, life_pipe: int | None = 
 
         def reload_policy() -> None:  # SIGHUP: the TLS pair; check, test and swap the policy
             cert, key = settings.server.tls_cert, settings.server.tls_key
-            if tls is not None and cert is not None and key is not None:
+            if settings.sealed.launcher_socket is not None:  # the token binds the TLS key
+                logging.getLogger("broker").warning(
+                    "sealed broker: the TLS certificate is not reloaded (its attestation "
+                    "binds the key); restart instead"
+                )
+            elif tls is not None and cert is not None and key is not None:
                 reload_server_certificate(tls, cert, key)
             task = asyncio.create_task(policies.on_signal())
             reloads.add(task)
