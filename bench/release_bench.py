@@ -146,10 +146,15 @@ class Broker:
 
     def __init__(self, config: Path, workers: int, environ: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        env = {**os.environ, "BROKER_SERVER_LISTEN": f"127.0.0.1:{self.port}", **(environ or {})}
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {
+            **os.environ,
+            "BROKER_SERVER_LISTEN": f"127.0.0.1:{self.port}",
+            "BROKER_SERVER_PUBLIC_URLS": self.url,  # DPoP proofs name the URL the bench uses
+            **(environ or {}),
+        }
         command = [*CLI, "serve", "--config", str(config), "--workers", str(workers)]
         self.process = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
-        self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         self.process.terminate()
