@@ -22,7 +22,7 @@ K8S_OPENAPI := $(VENV)/k8s-openapi-$(KUBERNETES_VERSION).json
 SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
 REDIS := /usr/bin/redis-server
 
-.PHONY: demo test lint typecheck pytest policy-test bench soak clean postgresql deploy-tools deploy-check
+.PHONY: demo test lint typecheck pytest policy-test bench soak clean postgresql deploy-tools deploy-check image image-lock
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -113,6 +113,25 @@ bench: $(STAMP) $(OPA) $(FAKE_GCS)
 # Not part of `make test`: a 20 s max run, then 2 minutes at 70 % of it (0 errors, RSS < +10 %).
 soak: $(STAMP) $(OPA)
 	$(BIN)/python bench/load_bench.py --connections 32 --duration 20 --soak 120 --fraction 0.7
+
+# The broker's OCI image for Confidential Space, reproducibly and without a container daemon
+# (docs/deploy.md, "Rebuilding the image and checking its digest"): writes build/image/ (OCI
+# layout), build/image.spdx.json (SBOM) and prints the manifest digest. Pinned inputs:
+# deploy/image/*.lock, OPA_VERSION, IMAGE_GO_TOOLCHAIN; deploy/confidential-space/broker/image.json.
+# Needs apt-get, dpkg-deb, go, chroot (root, or unprivileged user namespaces).
+IMAGE_GO_TOOLCHAIN := go1.26.8
+IMAGE_TOOLS := build/image-tools
+image: $(IMAGE_TOOLS)/.installed
+	$(IMAGE_TOOLS)/bin/python -m deploy.image.build --opa-version $(OPA_VERSION) --go-toolchain $(IMAGE_GO_TOOLCHAIN)
+
+# Maintainers: refresh deploy/image/{debian,python,tools}.lock (python.lock takes the versions of .venv).
+image-lock: $(IMAGE_TOOLS)/.installed $(STAMP)
+	$(IMAGE_TOOLS)/bin/python -m deploy.image.lock --constraints-from $(BIN)/python
+
+$(IMAGE_TOOLS)/.installed: deploy/image/tools.lock
+	@test -x $(IMAGE_TOOLS)/bin/python || $(PY) -m venv $(IMAGE_TOOLS)
+	$(IMAGE_TOOLS)/bin/python -m pip install --quiet --require-hashes --no-deps -r deploy/image/tools.lock
+	@touch $@
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

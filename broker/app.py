@@ -414,6 +414,7 @@ async def _result_signer(settings: Settings, key: str, stack: AsyncExitStack) ->
             key,
             endpoint=settings.keys.kms_endpoint,
             timeout_seconds=settings.keys.upstream_timeout_seconds,
+            credentials_file=settings.keys.kms_credentials,
         )
         await signer.open()
         stack.push_async_callback(signer.close)

@@ -1,12 +1,14 @@
 """Attestation results signed by a Cloud KMS key version (``EC_SIGN_P256_SHA256``): the result
 key never leaves the KMS. ``[attest] signing_key = "cloudkms:projects/P/locations/L/keyRings/R/
-cryptoKeys/K/cryptoKeyVersions/N"``; the endpoint is ``[keys] kms_endpoint``. The digest and the
+cryptoKeys/K/cryptoKeyVersions/N"``; the endpoint is ``[keys] kms_endpoint``, the credentials
+``[keys] kms_credentials`` (Workload Identity Federation) when set. The digest and the
 signature carry CRC32C checksums, checked both ways as for the KEK, and every signature is
 verified with the version's public key before it is used."""
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -27,13 +29,21 @@ def _unavailable(message: str) -> UpstreamError:
 
 
 class KmsResultSigner:
-    def __init__(self, uri: str, *, endpoint: str, timeout_seconds: float) -> None:
+    def __init__(
+        self,
+        uri: str,
+        *,
+        endpoint: str,
+        timeout_seconds: float,
+        credentials_file: Path | None = None,
+    ) -> None:
         self._kms = KmsKeyVersion(
             uri,
             setting="attest.signing_key",
             endpoint=endpoint,
             timeout_seconds=timeout_seconds,
             unavailable=_unavailable,
+            credentials_file=credentials_file,
         )
         self._public: ec.EllipticCurvePublicKey | None = None
         self.jwk: dict[str, str] = {}

@@ -73,6 +73,7 @@ from broker.crypto.dpop import (
 )
 from broker.crypto.jwk import RunnerKey, parse_runner_key
 from broker.crypto.wrap import check_wrap_mode, key_id, wrap_to_runner
+from broker.keys.custody import release_from_custody
 from broker.keys.service import KeyService
 from broker.keys.store.base import KeyVersionRecord
 from broker.nonces import NonceStore
@@ -293,6 +294,7 @@ class AttestedReleaseService:
             raise RuntimeError("a key decided before its attestation was admitted")
         try:
             key.record = record = await self._keys.resolve(ask.key, ask.version)
+            custody = self._keys.check_release(record, request.wrap, encryption_key)
             key.policy_input = policy_input = release_input(
                 entry,
                 RequestFacts(
@@ -308,6 +310,15 @@ class AttestedReleaseService:
             key.decision = decision = await self._policy.evaluate(policy_input, encoded=encoded)
             if not decision.allowed:
                 raise PolicyDenied(decision.reasons, outcome.release_id)
+            if custody is not None:  # the HSM makes the wrapped key (keys/custody.py)
+                key.wrapped = await release_from_custody(
+                    custody,
+                    record,
+                    encryption_key,
+                    decision_id=outcome.release_id,
+                    policy_digest=decision.policy_digest,
+                )
+                return key
             dek = await self._keys.unwrap(record)
             key.wrapped = wrap_to_runner(
                 dek,

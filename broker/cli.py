@@ -14,17 +14,19 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
 from aiohttp import web
 
 from broker import cli_audit, cli_dev, cli_keys, cli_policy, cli_status, cli_weights, offline
+from broker.api.sealed_keys import discarded, make_sealed_keys
 from broker.api.server import BrokerRunner, reload_server_certificate
 from broker.api.services import POLICIES
 from broker.app import create_app, server_ssl_context
 from broker.audit.records import LogCorrupt
-from broker.config import Settings, load_settings
+from broker.config import Settings, load_settings, makes_keys
 from broker.core.errors import BrokerError, ConfigError, InputError
 from broker.policy.workers import WorkerGroup
 from broker.supervisor import Supervisor, worker_pipe_fd
@@ -123,9 +125,15 @@ def _serve(args: argparse.Namespace) -> int:
         environ["BROKER_SERVER_WORKERS"] = str(args.workers)
     life_pipe = worker_pipe_fd(environ)  # set only by the supervisor for its workers
     settings = load_settings(args.config, environ)
-    if settings.server.workers > 1 and life_pipe is None:
-        return run_loop(Supervisor(settings, args.config).run(), settings.server.event_loop)
-    run_loop(_serve_until_signalled(settings, life_pipe=life_pipe), settings.server.event_loop)
+    made = None
+    if makes_keys(settings):  # sealed: its keys are made here, once, before any worker
+        made = asyncio.run(make_sealed_keys(settings, now=datetime.now(UTC)))
+        settings = made.settings
+        os.environ.update(made.environ)  # the workers read the same files
+    with discarded(made):
+        if settings.server.workers > 1 and life_pipe is None:
+            return run_loop(Supervisor(settings, args.config).run(), settings.server.event_loop)
+        run_loop(_serve_until_signalled(settings, life_pipe=life_pipe), settings.server.event_loop)
     return 0
 
 

@@ -19,6 +19,15 @@ the keys; later runs refuse another key for a log already followed.
 A rotated log key is followed only through a hand-over note signed by the pinned key and naming
 the new one (``broker.audit.handover``, served with ``GET /v1/log/key``); the answer names both
 keys and the state pins the new one. An old key that signed past its hand-over is a fork.
+
+With ``--broker-image`` (``cli_broker_pin.py``) a broker URL is trusted only once its attestation
+verifies: before any log request, its image, its token and its TLS key are checked, its
+certificate is pinned for every later request, and the key served at ``GET /v1/log/key`` must be
+the attested checkpoint key (it is then pinned on a first run without ``--key``); the log the
+broker answers for is its own (each replica at its own address), and every log key followed from
+it, after hand-overs, must be the attested one. A refusal is exit 1 (``broker_not_attested``). An
+attestation that binds no checkpoint key (one held in Cloud KMS) is refused unless
+``--accept-unbound-log-key``: the log key is then only as good as the ``--key`` pinned by hand.
 """
 
 from __future__ import annotations
@@ -27,39 +36,30 @@ import argparse
 import base64
 import json
 import os
-import ssl
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import quote, urlsplit
+from typing import Any
 
 from broker.audit.handover import Handover, follow_handovers
-from broker.audit.identity import read_handovers
-from broker.audit.publisher import checkpoint_paths
-from broker.audit.segments import log_files
-from broker.config import is_loopback
+from broker.cli_audit_sources import Inconsistent, Source, Unreachable, open_source
+from broker.cli_broker_pin import (
+    BrokerUnreachable,
+    add_broker_identity_arguments,
+    broker_identity_from_args,
+    not_attested_line,
+)
+from broker.client.broker_identity import BrokerNotAttested
 from broker.core.errors import ConfigError
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto.checkpoint import Checkpoint, NoteError, NoteVerifier, parse_checkpoint
-from broker.crypto.merkle import MerkleTree, verify_consistency
+from broker.crypto.merkle import verify_consistency
 
 EXIT_INCONSISTENT = 1
 EXIT_UNREACHABLE = 3
-MAX_ANSWER_BYTES = 1024 * 1024
 STATE_VERSION = 2  # one entry per origin (version 1: a single log, read and carried over)
-
-
-class Unreachable(Exception):
-    """The log could not be read; nothing was checked."""
-
-
-class Inconsistent(Exception):
-    """The log contradicts what was seen before (or its checkpoint is not genuine)."""
 
 
 def add_parser(audit: Any) -> None:
@@ -82,6 +82,13 @@ def add_parser(audit: Any) -> None:
     )
     monitor.add_argument("--ca", type=Path, help="the CA that signs the broker's TLS certificate")
     monitor.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    add_broker_identity_arguments(monitor)
+    monitor.add_argument(
+        "--accept-unbound-log-key",
+        action="store_true",
+        help="with --broker-image: follow a broker whose attestation binds no checkpoint key "
+        "(held in Cloud KMS); its log key is then checked only against --key",
+    )
     monitor.set_defaults(run=run)
 
 
@@ -104,8 +111,33 @@ class Followed:
 
 def run(args: argparse.Namespace) -> int:
     previous = _load_state(args.state)
-    keys = _keys(args.key, previous)
-    sources = [_source(text, args) for text in args.source]
+    identity = broker_identity_from_args(args)
+    if identity is not None and all("://" not in text for text in args.source):
+        raise ConfigError("--broker-image", "pins a broker: give its https:// URL")
+    if identity is None and args.accept_unbound_log_key:
+        raise ConfigError("--accept-unbound-log-key", "applies with --broker-image only")
+    try:
+        sources = [
+            open_source(
+                text,
+                ca=args.ca,
+                timeout=args.timeout,
+                identity=identity,
+                accept_unbound=args.accept_unbound_log_key,
+            )
+            for text in args.source
+        ]
+    except BrokerNotAttested as exc:
+        problem = not_attested_line(exc)
+        report = {"ok": False, "checked": True, "code": "broker_not_attested", "check": exc.check}
+        print(json.dumps({**report, "problem": problem.removeprefix("error: ")}))
+        print(problem, file=sys.stderr)
+        return EXIT_INCONSISTENT
+    except (BrokerUnreachable, OSError) as exc:  # OSError: urllib's URLError too
+        print(json.dumps({"ok": False, "checked": False, "problem": str(exc)}))
+        return EXIT_UNREACHABLE
+    attested = [s.attested.log_key for s in sources if s.attested and s.attested.log_key]
+    keys = _keys(args.key, previous, attested)
     outcomes = [_follow(origin, key, previous.get(origin), sources) for origin, key in keys.items()]
     state = dict(previous)
     for origin, outcome in zip(keys, outcomes, strict=True):
@@ -123,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _keys(given: list[str], previous: dict[str, Seen]) -> dict[str, str]:
-    """The logs to follow (origin → pinned key): those in the state, and new ones given.
+def _keys(given: list[str], previous: dict[str, Seen], attested: list[str]) -> dict[str, str]:
+    """The logs to follow (origin → pinned key): those in the state, new ones given, and the
+    attested brokers' logs not yet followed (their attested keys).
 
     Raises:
         ConfigError: ``--key`` missing on the first run, two keys for one log, or a key other
@@ -140,6 +173,8 @@ def _keys(given: list[str], previous: dict[str, Seen]) -> dict[str, str]:
         if origin in keys and keys[origin] != text.strip():
             raise ConfigError("--key", "differs from the key this monitor pinned on its first run")
         keys[origin] = text.strip()
+    for text in attested:
+        keys.setdefault(_verifier(text).name, text)
     if not keys:
         raise ConfigError("--key", "the first run pins the log's verifier key: give it")
     return keys
@@ -152,9 +187,11 @@ def _verifier(key: str) -> NoteVerifier:
         raise ConfigError("--key", str(exc)) from exc
 
 
-def _follow(origin: str, key: str, previous: Seen | None, sources: list[_Source]) -> Followed:
+def _follow(origin: str, key: str, previous: Seen | None, sources: list[Source]) -> Followed:
     """Check one log in the first source that holds it."""
     problem = f"no source holds the log of origin {origin!r}"
+    if any(source.attested is not None for source in sources):
+        problem += " (an attested broker answers for its own log: give each replica's address)"
     for source in sources:
         if not source.holds(origin):
             continue
@@ -169,7 +206,7 @@ def _follow(origin: str, key: str, previous: Seen | None, sources: list[_Source]
     return Followed(report, EXIT_UNREACHABLE, None)
 
 
-def _check(origin: str, key: str, previous: Seen | None, source: _Source) -> Followed:
+def _check(origin: str, key: str, previous: Seen | None, source: Source) -> Followed:
     note = source.checkpoint(origin)
     rotations: list[Handover] = []
     try:
@@ -177,6 +214,8 @@ def _check(origin: str, key: str, previous: Seen | None, source: _Source) -> Fol
     except Inconsistent:
         rotations = follow_handovers(key, source.handovers(origin))
         if not rotations:
+            if source.attested is not None:  # say so when the pinned key is not the attested
+                source.attested.check(origin, key)
             raise
         checkpoint = _open(NoteVerifier.parse(rotations[-1].new_key), note)
         if previous is not None and previous.size > rotations[0].size:
@@ -199,6 +238,9 @@ def _check(origin: str, key: str, previous: Seen | None, source: _Source) -> Fol
             for step in rotations
         ]
     pinned = rotations[-1].new_key if rotations else key
+    if source.attested is not None:  # the key it was checked with is the attested one
+        source.attested.check(origin, pinned)
+        report["broker"] = source.attested.report()
     return Followed(report, 0, Seen(pinned, checkpoint.size, checkpoint.root, note))
 
 
@@ -224,118 +266,6 @@ def _check_consistent(previous: Seen, new: Checkpoint, proof_of: Any) -> None:
             f"the tree of {new.size} records does not extend the {previous.size} seen before "
             "(records were changed or removed)"
         )
-
-
-class _Source(Protocol):
-    """Where the monitor reads logs: a broker's public API, or a log on this machine."""
-
-    def holds(self, origin: str) -> bool: ...
-
-    def checkpoint(self, origin: str) -> str: ...
-
-    def consistency(self, origin: str, first: int, second: int) -> list[bytes]: ...
-
-    def handovers(self, origin: str) -> list[str]: ...
-
-
-class _Broker:
-    """A broker's public audit API over HTTPS (loopback HTTP for development); every replica
-    behind it answers for every replica's log, asked for by its origin."""
-
-    def __init__(self, url: str, ca: Path | None, timeout: float) -> None:
-        self._url = url.rstrip("/")
-        self._context = ssl.create_default_context(cafile=str(ca) if ca else None)
-        self._timeout = timeout
-
-    def holds(self, origin: str) -> bool:
-        return True
-
-    def _get(self, path: str, origin: str) -> bytes:
-        query = ("&" if "?" in path else "?") + "origin=" + quote(origin, safe="")
-        try:
-            with urllib.request.urlopen(  # noqa: S310 - the URL's scheme is checked in _source
-                self._url + path + query, context=self._context, timeout=self._timeout
-            ) as response:
-                return bytes(response.read(MAX_ANSWER_BYTES))
-        except urllib.error.HTTPError as exc:
-            raise Unreachable(f"GET {path.split('?', 1)[0]}: HTTP {exc.code}") from exc
-        except (urllib.error.URLError, OSError, TimeoutError) as exc:
-            raise Unreachable(f"{self._url} cannot be reached: {exc}") from exc
-
-    def checkpoint(self, origin: str) -> str:
-        return self._get("/v1/log/checkpoint", origin).decode("utf-8", "replace")
-
-    def consistency(self, origin: str, first: int, second: int) -> list[bytes]:
-        raw = self._get(f"/v1/log/proof/consistency?first={first}&second={second}", origin)
-        try:
-            return [base64.b64decode(h, validate=True) for h in loads_bounded(raw)["hashes"]]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise Inconsistent("the consistency proof is malformed") from exc
-
-    def handovers(self, origin: str) -> list[str]:
-        try:
-            notes = loads_bounded(self._get("/v1/log/key", origin)).get("handovers", [])
-        except (ValueError, AttributeError):
-            return []
-        return [str(note) for note in notes] if isinstance(notes, list) else []
-
-
-class _LocalLog:
-    """A log on this machine: its checkpoint file, and proofs computed from its records."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-
-    def holds(self, origin: str) -> bool:
-        try:
-            note = self.checkpoint(origin)
-            return parse_checkpoint(note[: note.find("\n\n") + 1]).origin == origin
-        except (Unreachable, NoteError):
-            return True  # tried, so that what is wrong with it is said
-
-    def checkpoint(self, origin: str) -> str:
-        try:
-            return checkpoint_paths(self._path)[0].read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise Unreachable(f"no checkpoint beside {self._path}: {exc}") from exc
-
-    def consistency(self, origin: str, first: int, second: int) -> list[bytes]:
-        try:
-            data = b"".join(p.read_bytes() for p in log_files(self._path) if p.exists())
-        except OSError as exc:
-            raise Unreachable(f"{self._path}: {exc.strerror}") from exc
-        lines = data.split(b"\n")[:-1]
-        if len(lines) < second:
-            raise Inconsistent(f"the log holds {len(lines)} records, its checkpoint {second}")
-        tree = MerkleTree.from_lines(lines[:second])
-        return tree.consistency_proof(first, second)
-
-    def handovers(self, origin: str) -> list[str]:
-        return read_handovers(self._path)
-
-
-def _source(text: str, args: argparse.Namespace) -> _Source:
-    """A broker URL (``https://``; ``http://`` only when its host is loopback, parsed as a URL:
-    ``http://127.0.0.1@evil.example/`` and ``http://127.0.0.1.evil.example/`` are remote), or a
-    log file.
-
-    Raises:
-        ConfigError: any other URL.
-    """
-    if "://" not in text:
-        return _LocalLog(Path(text))
-    try:
-        parts = urlsplit(text)
-        host = parts.hostname or ""
-        parts.port  # noqa: B018 - a malformed port raises here, not at the first request
-    except ValueError as exc:
-        raise ConfigError("URL-or-LOG", f"not a URL: {exc}") from exc
-    plain_loopback = parts.scheme == "http" and is_loopback(host)
-    if parts.username is not None or parts.password is not None or not host:
-        raise ConfigError("URL-or-LOG", "a broker URL has a host and no user name or password")
-    if parts.scheme != "https" and not plain_loopback:
-        raise ConfigError("URL-or-LOG", "a broker URL is https:// (http:// only on loopback)")
-    return _Broker(text, args.ca, args.timeout)
 
 
 def _load_state(path: Path) -> dict[str, Seen]:

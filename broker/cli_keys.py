@@ -1,7 +1,11 @@
 """``broker keys …``: the key lifecycle from the command line.
 
 Every command loads the config, opens the store and the KEKs it names, and (for changes) appends
-a ``key_admin`` record to the decision log, the same log the service writes.
+a ``key_admin`` record to the decision log, the same log the service writes. ``keys create
+--url URL`` instead asks a running broker (``POST /v1/admin/keys`` with the token of
+``--token-file``, ``cli_admin_remote.py``): the only way once the KEK serves the sealed broker
+alone. With ``--broker-image`` (``cli_broker_pin.py``) the broker's attestation is verified and
+its certificate pinned before the token is sent.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 from broker import cli_keys_transfer as transfer
 from broker.audit.log import DecisionLog
+from broker.cli_admin_remote import add_remote_arguments, ask_admin, refuse_remote_flags
 from broker.config import load_settings
 from broker.core.errors import FileFormatError
 from broker.core.protocol import Algorithm
@@ -26,6 +31,7 @@ from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
 from broker.keys.service import KeyService
 from broker.keys.store.base import Purpose
 
+EXIT_NO = 1
 EXIT_USAGE = 2
 MATERIAL_BYTES = 32  # keys import: AES-256
 Work = Callable[[KeyService, datetime], Awaitable[Any]]
@@ -34,16 +40,26 @@ Work = Callable[[KeyService, datetime], Awaitable[Any]]
 def add_commands(keys: Any) -> None:
     """Register the ``keys`` sub-commands on an argparse sub-parser group."""
 
-    def command(name: str, help_text: str, run: Callable[[argparse.Namespace], int]) -> Any:
+    def command(
+        name: str, help_text: str, run: Callable[[argparse.Namespace], int], *, remote: bool = False
+    ) -> Any:
         parser = keys.add_parser(name, help=help_text)
-        parser.add_argument("--config", type=Path, required=True)
+        parser.add_argument(
+            "--config",
+            type=Path,
+            required=not remote,
+            help="the broker's configuration file (broker.toml); or --url" if remote else None,
+        )
         parser.set_defaults(run=run)
         return parser
 
-    create = command("create", "create a key (AES-256 DEK; HPKE key pair for query)", _create)
+    create = command(
+        "create", "create a key (AES-256 DEK; HPKE key pair for query)", _create, remote=True
+    )
     create.add_argument("name")
     create.add_argument("--purpose", required=True, help=", ".join(p.value for p in Purpose))
     create.add_argument("--algorithm", help=", ".join(a.value for a in Algorithm))
+    add_remote_arguments(create)
     imported = command("import", "create a key from 32 bytes of your own material", _import)
     imported.add_argument("name")
     imported.add_argument(
@@ -153,6 +169,18 @@ def _print(value: object) -> int:
 def _create(args: argparse.Namespace) -> int:
     name, purpose = admin.key_name(args.name), admin.purpose(args.purpose)
     algorithm = admin.algorithm(args.algorithm)
+    if args.url is not None:
+        body = {"name": name, "purpose": purpose.value}
+        if algorithm is not None:
+            body["algorithm"] = algorithm.value
+        code, answer = ask_admin(args, "/v1/admin/keys", body)
+        if code != 0:
+            print(answer, file=sys.stderr)
+            return int(code)
+        return _print(answer)
+    refuse_remote_flags(
+        args, "the key is made here, in the configured key store, and no broker is asked"
+    )
     record = run_keys(
         args,
         lambda keys, now: keys.create(

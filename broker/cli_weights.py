@@ -9,6 +9,13 @@ the file is read once, in order; memory stays at ``2 * workers`` segments whatev
 ``OUT`` may be ``gs://bucket/object`` (or a prefix for a directory): encrypted locally, then
 uploaded (``cloud/storage_upload.py``). ``decrypt`` is for the owner's own checks (same
 logging, digests compared with the manifest); ``inspect`` reads a header and needs no key.
+
+``encrypt --url URL`` is for a sealed broker, whose KEK answers only the attested broker: the
+owner's machine makes a fresh AES-256 DEK, imports it into the broker as a new version of
+``--key`` (``POST /v1/admin/keys/import``, ``cli_admin_remote.py``; with ``--broker-image`` only
+after the broker's attestation is verified, over its attested certificate, so the TLS session
+ends inside the TEE), and only once the broker has named the version encrypts with that DEK
+and version, then zeroes its copy. Nothing is encrypted with a DEK the broker did not take.
 """
 
 from __future__ import annotations
@@ -31,10 +38,18 @@ from typing import Any
 from tqdm import tqdm
 
 from broker.audit.log import DecisionLog
+from broker.cli_admin_remote import (
+    BrokerRefused,
+    add_remote_arguments,
+    check_remote,
+    import_new_dek,
+    refuse_remote_flags,
+    wipe,
+)
 from broker.client.weights import decrypt_to, open_source, read_sealed
 from broker.cloud.storage_upload import split_gs_uri, storage_client, upload
 from broker.config import load_settings
-from broker.core.errors import FileFormatError, InputError
+from broker.core.errors import ConfigError, FileFormatError, InputError
 from broker.crypto.weights import (
     DEFAULT_SEGMENT,
     MAX_SEGMENT,
@@ -47,14 +62,18 @@ from broker.crypto.weights import (
     segment_nonce,
 )
 from broker.crypto.wrap import key_id
+from broker.keys import admin
 from broker.keys.admin import cli_actor
 from broker.keys.factory import open_key_service
+from broker.keys.store.base import Purpose
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 SEALED_SUFFIX = ".brkw"
 MANIFEST = "manifest.json"
 EXIT_NO = 1
 Advance = Callable[[int], object]
+# (the files to encrypt, their total size) -> (kid, the DEK): called once the input is checked
+KeySource = Callable[[list[Path], int], tuple[str, bytearray]]
 
 
 def add_commands(weights: Any) -> None:
@@ -66,10 +85,17 @@ def add_commands(weights: Any) -> None:
         help="a file or a directory; gs://BUCKET/NAME uploads (the [gcs] extra)",
     )
     encrypt.add_argument("--key", required=True)
-    encrypt.add_argument("--version", type=int, help="default: the newest enabled version")
-    encrypt.add_argument("--config", type=Path, required=True)
+    encrypt.add_argument(
+        "--version", type=int, help="default: the newest enabled version (not with --url)"
+    )
+    encrypt.add_argument(
+        "--config",
+        type=Path,
+        help="the broker's configuration file (broker.toml): the DEK from its key store; or --url",
+    )
     encrypt.add_argument("--segment-size", type=int, default=DEFAULT_SEGMENT)
     encrypt.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    add_remote_arguments(encrypt)  # --url: a new DEK made here, imported into the broker
     encrypt.set_defaults(run=_encrypt)
     decrypt = weights.add_parser("decrypt", help="decrypt (the owner's check)")
     decrypt.add_argument("source", type=Path, metavar="IN", help="a .brkw file or a directory")
@@ -87,7 +113,7 @@ def add_commands(weights: Any) -> None:
 
 
 def encrypt_file(
-    dek: bytes,
+    dek: bytes | bytearray,
     kid: str,
     source: Path,
     target: Path,
@@ -122,7 +148,7 @@ def encrypt_file(
 
 
 def _seal_to(
-    dek: bytes,
+    dek: bytes | bytearray,
     kid: str,
     source: Path,
     partial: Path,
@@ -169,36 +195,57 @@ def model_files(directory: Path) -> Iterator[Path]:
 
 def _encrypt(args: argparse.Namespace) -> int:
     """Encrypt to a path, or to ``gs://`` (encrypted locally, then uploaded)."""
+    keys = _key_source(args)
     target = str(args.target)
-    if not target.startswith("gs://"):
-        print(json.dumps(_encrypt_to(args, Path(target)), indent=2))
-        return 0
-    split_gs_uri(target)
-    client = storage_client()  # a missing [gcs] extra is said before the key is used
-    with tempfile.TemporaryDirectory(prefix="broker-weights-") as tmp:
-        name = "out" if args.source.is_dir() else target.rstrip("/").rsplit("/", 1)[-1]
-        local = Path(tmp) / name
-        result = _encrypt_to(args, local)
-        result["uploaded"] = upload(local, target, client=client)
+    try:
+        if not target.startswith("gs://"):
+            print(json.dumps(_encrypt_to(args, Path(target), keys), indent=2))
+            return 0
+        split_gs_uri(target)
+        client = storage_client()  # a missing [gcs] extra is said before the key is used
+        with tempfile.TemporaryDirectory(prefix="broker-weights-") as tmp:
+            name = "out" if args.source.is_dir() else target.rstrip("/").rsplit("/", 1)[-1]
+            local = Path(tmp) / name
+            result = _encrypt_to(args, local, keys)
+            result["uploaded"] = upload(local, target, client=client)
+    except BrokerRefused as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_NO
     print(json.dumps(result, indent=2))
     return 0
 
 
-def _encrypt_to(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Encrypt ``args.source`` to ``out`` (a file, or a directory); the kid and entries."""
-    if not 1 <= args.segment_size <= MAX_SEGMENT:
-        raise InputError(f"--segment-size must be 1..{MAX_SEGMENT}")
-    fix = "name a weights file or a model directory (*.safetensors, *.bin, *.gguf)"
-    if not args.source.exists():
-        raise FileFormatError(args.source, "no such file or directory", fix)
-    if args.source.is_dir():
-        plan = [p for p in model_files(args.source) if p.name.endswith(WEIGHT_SUFFIXES)]
-        if not plan:
-            raise FileFormatError(args.source, "holds no weights files", fix)
-        out.mkdir(parents=True, exist_ok=True)
-    else:
-        plan = [args.source]
-    total = sum(p.stat().st_size for p in plan)
+def _key_source(args: argparse.Namespace) -> KeySource:
+    """Where the DEK comes from: the broker's key store (``--config``), or a new one made here
+    and imported into the broker at ``--url``. The usage checks run here, before any work.
+
+    Raises:
+        ConfigError: flags that do not go together.
+    """
+    if args.url is None:
+        refuse_remote_flags(args, "the DEK comes from the configured key store")
+        return lambda plan, total: _stored_dek(args, plan, total)
+    check_remote(args)
+    if args.version is not None:
+        raise ConfigError("--version", "the broker numbers an imported version; not with --url")
+    if not args.broker_image:
+        print(
+            "warning: no --broker-image: the broker's attestation is not checked, and the new "
+            "DEK goes to whichever server --ca (or the system's CAs) vouches for",
+            file=sys.stderr,
+        )
+    name = admin.key_name(args.key)
+
+    def imported(plan: list[Path], total: int) -> tuple[str, bytearray]:
+        version, dek = import_new_dek(args, name, Purpose.MODEL_WEIGHTS)
+        return key_id(name, version), dek
+
+    return imported
+
+
+def _stored_dek(args: argparse.Namespace, plan: list[Path], total: int) -> tuple[str, bytearray]:
+    """The DEK of ``--key`` (``--version``) from the key store of ``--config``, its use logged
+    as a ``key_admin`` ``weights-encrypt`` record first."""
     settings = load_settings(args.config)
 
     async def dek() -> tuple[str, bytes]:
@@ -220,6 +267,42 @@ def _encrypt_to(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             return key_id(record.name, record.version), material
 
     kid, material = asyncio.run(dek())
+    return kid, bytearray(material)
+
+
+def _encrypt_to(args: argparse.Namespace, out: Path, keys: KeySource) -> dict[str, Any]:
+    """Encrypt ``args.source`` to ``out`` (a file, or a directory); the kid and entries. The
+    key is asked for once the input is checked, and nothing is written before it is known."""
+    if not 1 <= args.segment_size <= MAX_SEGMENT:
+        raise InputError(f"--segment-size must be 1..{MAX_SEGMENT}")
+    fix = "name a weights file or a model directory (*.safetensors, *.bin, *.gguf)"
+    if not args.source.exists():
+        raise FileFormatError(args.source, "no such file or directory", fix)
+    if args.source.is_dir():
+        plan = [p for p in model_files(args.source) if p.name.endswith(WEIGHT_SUFFIXES)]
+        if not plan:
+            raise FileFormatError(args.source, "holds no weights files", fix)
+    else:
+        plan = [args.source]
+    total = sum(p.stat().st_size for p in plan)
+    kid, material = keys(plan, total)
+    try:
+        return _encrypt_plan(args, out, plan=plan, total=total, kid=kid, material=material)
+    finally:
+        wipe(material)
+
+
+def _encrypt_plan(
+    args: argparse.Namespace,
+    out: Path,
+    *,
+    plan: list[Path],
+    total: int,
+    kid: str,
+    material: bytearray,
+) -> dict[str, Any]:
+    if args.source.is_dir():
+        out.mkdir(parents=True, exist_ok=True)
     entries = []
     with (
         ThreadPoolExecutor(max_workers=max(1, args.workers)) as pool,

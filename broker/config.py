@@ -173,6 +173,10 @@ class KeySettings:
     kek: str = "local:/var/lib/broker/kek.key"  # or pkcs11:… or cloudkms:projects/…
     kek_previous: tuple[str, ...] = ()  # older KEKs: unwrap only, until `keys rewrap` is done
     kms_endpoint: str = "cloudkms.googleapis.com"
+    # Workload Identity Federation credential configuration (type external_account; written by
+    # deploy/confidential-space/broker/wif.sh): the KMS clients present the broker's own
+    # attestation token. Unset: Application Default Credentials (refused when sealed).
+    kms_credentials: Path | None = None
     secretmanager_endpoint: str = "secretmanager.googleapis.com"
     upstream_timeout_seconds: int = 10  # KMS / Secret Manager: per call, retries included
     dek_cache_seconds: int = 300
@@ -292,6 +296,11 @@ class SealedSettings:
     token_audience: str = ""  # the token's aud; empty: [server] audience
     renew_seconds: int = 300  # renew this long before exp (at most half the token's lifetime)
     timeout_seconds: float = 10.0  # one call to the launcher
+    # The broker makes its keys inside the TEE (api/sealed_keys.py): a TLS key each start, and
+    # the statement, checkpoint and result keys once, kept only sealed by the KEK in key_file.
+    # false: the operator's key files are used (the operator then holds them: threat model).
+    make_keys: bool = True
+    key_file: Path | None = None  # default: sealed-keys.json beside [audit] log
 
 
 @dataclass(frozen=True)
@@ -523,7 +532,7 @@ def _issuers(raw: Any, base_dir: Path) -> tuple[IssuerSettings, ...]:
 
 
 def _validate(settings: Settings) -> None:
-    _validate_server(settings.server)
+    _validate_server(settings.server, made_by_broker=makes_keys(settings))
     if not settings.issuers:
         raise ConfigError("issuers", "at least one [[issuers]] entry is required")
     seen: set[str] = set()
@@ -546,8 +555,9 @@ def _validate(settings: Settings) -> None:
             raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     _validate_nvidia(settings.nvidia)
     _validate_nonces(settings.nonces)
-    _validate_attest(settings.attest)
+    _validate_attest(settings.attest, made_by_broker=makes_keys(settings))
     _validate_sealed(settings)
+    _validate_kms_access(settings)
     if settings.server.workers > 1 and settings.nonces.store == "memory":
         raise ConfigError(
             "nonces.store",
@@ -566,6 +576,70 @@ def _validate_sealed(settings: Settings) -> None:
     if sealed.launcher_socket is not None and settings.server.insecure_http:
         raise ConfigError(
             "sealed.launcher_socket", "an attested broker binds its TLS key: serve TLS"
+        )
+    if makes_keys(settings):
+        operator_files = {
+            "server.tls_cert": settings.server.tls_cert,
+            "server.tls_key": settings.server.tls_key,
+            "keys.signing_key": settings.keys.signing_key,
+            "audit.signing_key": _local_key(settings.audit.signing_key),
+            "attest.signing_key": _local_key(settings.attest.signing_key),
+        }
+        for key, value in operator_files.items():
+            if value is not None:
+                raise ConfigError(
+                    key,
+                    "a sealed broker makes its own keys inside the TEE; remove this file, or set "
+                    "[sealed] make_keys = false to serve with the operator's keys "
+                    "(docs/threat-model.md: the operator then holds them)",
+                )
+
+
+def makes_keys(settings: Settings) -> bool:
+    """The broker makes its own keys at start-up (``[sealed]`` with ``make_keys``)."""
+    return settings.sealed.launcher_socket is not None and settings.sealed.make_keys
+
+
+def _local_key(key: str | None) -> str | None:
+    """A key setting that names a file (not a KMS or HSM key), else ``None``."""
+    return None if key is None or key.startswith(("cloudkms:", "pkcs11:")) else key
+
+
+def _validate_kms_access(settings: Settings) -> None:
+    """A sealed broker that holds a key in Cloud KMS reaches it only as its attested self.
+
+    Application Default Credentials are the VM's service account, which whoever administers the
+    project can use from anywhere; the broker presents its attestation token instead (Workload
+    Identity Federation, ``cloud/federation.py``, which also checks the file's content when it
+    loads it). The endpoint must be Google's: the broker sends it that token and the DEKs.
+    """
+    keys = settings.keys
+    if keys.kms_credentials is not None and not keys.kms_credentials.is_file():
+        raise ConfigError("keys.kms_credentials", f"no such file: {keys.kms_credentials}")
+    uses_kms = any(
+        (uri or "").startswith("cloudkms:")
+        for uri in (
+            keys.kek,
+            *keys.kek_previous,
+            settings.audit.signing_key,
+            settings.audit.previous_signing_key,
+            settings.attest.signing_key,
+        )
+    )
+    if settings.sealed.launcher_socket is None or not uses_kms:
+        return
+    if keys.kms_credentials is None:
+        raise ConfigError(
+            "keys.kms_credentials",
+            "a sealed broker reaches Cloud KMS only with its own attestation (Workload Identity "
+            "Federation): name the credential configuration deploy/confidential-space/broker/"
+            "wif.sh writes; Application Default Credentials would be the VM's service account",
+        )
+    host = (urlsplit(f"//{keys.kms_endpoint}").hostname or "").lower()
+    if not (host == "googleapis.com" or host.endswith(".googleapis.com") or is_loopback(host)):
+        raise ConfigError(
+            "keys.kms_endpoint",
+            "a sealed broker sends its KMS token and DEKs only to a *.googleapis.com endpoint",
         )
 
 
@@ -659,10 +733,10 @@ def _validate_replica_origin(settings: Settings) -> None:
             raise ConfigError("audit.peer_url", "scheme, host and port only")
 
 
-def _validate_attest(attest: AttestSettings) -> None:
+def _validate_attest(attest: AttestSettings, *, made_by_broker: bool = False) -> None:
     if not 1 <= attest.ttl_seconds <= MAX_EAR_TTL_SECONDS:
         raise ConfigError("attest.ttl_seconds", f"must be 1..{MAX_EAR_TTL_SECONDS}")
-    if attest.enabled and attest.signing_key is None:
+    if attest.enabled and attest.signing_key is None and not made_by_broker:
         raise ConfigError("attest.signing_key", "attest needs a result-signing key (EC P-256 PEM)")
 
 
@@ -734,7 +808,7 @@ def _url_allowed(url: str) -> bool:
     return parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname or ""))
 
 
-def _validate_server(server: ServerSettings) -> None:
+def _validate_server(server: ServerSettings, *, made_by_broker: bool = False) -> None:
     try:
         host, _ = split_listen(server.listen)
     except ValueError as exc:
@@ -746,7 +820,7 @@ def _validate_server(server: ServerSettings) -> None:
             raise ConfigError(
                 "server.insecure_http", "plain HTTP is refused unless listen is a loopback address"
             )
-    else:
+    elif not made_by_broker:
         for key, path in (("server.tls_cert", server.tls_cert), ("server.tls_key", server.tls_key)):
             if path is None:
                 raise ConfigError(key, "is required (TLS is the default; see insecure_http)")

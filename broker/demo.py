@@ -35,6 +35,7 @@ import base64
 import hashlib
 import json
 import secrets
+import shutil
 import socket
 import ssl
 import struct
@@ -54,13 +55,14 @@ from broker.app import create_app, server_ssl_context
 from broker.audit.log import DecisionLog
 from broker.audit.segments import verify_file
 from broker.audit.signers import open_checkpoint_signer
-from broker.client import Attestation, BrokerClient, BrokerClientError
+from broker.client import Attestation, BrokerClient, BrokerClientError, BrokerIdentity
 from broker.client.weights import decrypt_to, open_encrypted, open_source
 from broker.config import Settings, load_settings
 from broker.crypto.checkpoint import NoteVerifier, parse_checkpoint
 from broker.crypto.merkle import leaf_hash, verify_inclusion
 from broker.crypto.wrap import key_id
 from broker.dev.issuer import ISSUER_FILE, DevIssuer, DevTokenSource, Workload
+from broker.dev.launcher import DevLauncher, serve_dev_launcher
 from broker.dev.workspace import allow_images, write_dev_workspace, write_private_pem
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
@@ -69,6 +71,8 @@ DEMO_KEY = "models/demo-llama"
 DEMO_QUERY_KEY = "queries/demo-chat"  # a query key: its HPKE private half is released
 AUDIENCE = "https://broker.demo.invalid"
 ALLOWED_DIGEST = "sha256:" + hashlib.sha256(b"sealed-runner:1.0").hexdigest()
+# the broker's own image, as the development launcher attests it (`make image` gives the real one)
+BROKER_DIGEST = "sha256:" + hashlib.sha256(b"sealed-broker:demo").hexdigest()
 OTHER_DIGEST = "sha256:" + hashlib.sha256(b"tampered-runner:6.6").hexdigest()
 
 
@@ -117,8 +121,34 @@ async def _run(workdir: Path) -> bool:
     listening.bind(("127.0.0.1", 0))
     port = listening.getsockname()[1]
     public = f"{AUDIENCE},https://127.0.0.1:{port}"
-    settings = load_settings(config, environ={"BROKER_SERVER_PUBLIC_URLS": public})
+    launcher_dir = Path(tempfile.mkdtemp(prefix="bd-"))  # short: a socket path is <= 107 bytes
+    sealed = {
+        "BROKER_SEALED_LAUNCHER_SOCKET": str(launcher_dir / "teeserver.sock"),
+        # the demo's later steps read its key files; a deployed sealed broker makes its keys
+        # inside the TEE instead (make_keys, docs/deploy.md "A sealed broker")
+        "BROKER_SEALED_MAKE_KEYS": "false",
+    }
+    settings = load_settings(config, environ={"BROKER_SERVER_PUBLIC_URLS": public, **sealed})
     _say("setup", f"config {config} (TLS on loopback, development issuer {issuer.issuer})")
+    try:
+        async with serve_dev_launcher(
+            DevLauncher(issuer, Workload(image_digest=BROKER_DIGEST)),
+            launcher_dir / "teeserver.sock",
+        ):
+            return await _serve_demo(workdir, settings, config, issuer, listening, admin_token)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, launcher_dir, ignore_errors=True)
+
+
+async def _serve_demo(  # noqa: PLR0917 - the demo's state, passed on once
+    workdir: Path,
+    settings: Settings,
+    config: Path,
+    issuer: DevIssuer,
+    listening: socket.socket,
+    admin_token: str,
+) -> bool:
+    port = listening.getsockname()[1]
 
     change_log = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
     await change_log.open()
@@ -140,8 +170,18 @@ async def _run(workdir: Path) -> bool:
     await site.start()
     client_tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
     ok = False
+    expected = BrokerIdentity(
+        image_digests=frozenset({BROKER_DIGEST}),
+        jwks=json.dumps(issuer.jwks()),
+        audience=AUDIENCE,
+        issuer=issuer.issuer,
+    )
     try:
-        async with BrokerClient(f"https://127.0.0.1:{port}", ssl_context=client_tls) as client:
+        async with BrokerClient(
+            f"https://127.0.0.1:{port}", ssl_context=client_tls, broker_identity=expected
+        ) as client:
+            if not await _broker_verified(client):
+                return False
             ok = await _runners(client, issuer, storage.url, client_tls, workdir)
             attestation = await _attest_once(client, issuer) if ok else None
             base = f"https://127.0.0.1:{port}"
@@ -262,6 +302,24 @@ def _read_tensor(
         handle.seek(8 + length + start)
         values = struct.unpack(f"<{(end - start) // 4}f", handle.read(end - start))
     return values, sum(fetched), source.size()
+
+
+async def _broker_verified(client: BrokerClient) -> bool:
+    """The runner checks the broker before it sends anything: the broker's token (from the
+    development launcher, as Confidential Space's) names the expected image and binds the TLS
+    key of this very connection and the broker's other keys."""
+    try:
+        verified = await client.verify_broker()
+    except BrokerClientError as exc:
+        _say("broker", f"FAILED: the broker's attestation did not verify: {exc}")
+        return False
+    _say(
+        "broker",
+        f"attested through the development launcher as image {verified.image_digest[:19]}…; "
+        "the runner verified it and pinned its TLS key (bound keys: "
+        f"{', '.join(sorted(verified.keys))})",
+    )
+    return True
 
 
 async def _runners(

@@ -85,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="broker: an allowed broker image digest, repeatable",
     )
     parser.add_argument("--ca", type=Path, help="broker: CA certificates (PEM) for its TLS")
+    parser.add_argument(
+        "--tls-trust",
+        dest="tls_trust",
+        choices=("ca", "attestation"),
+        default="ca",
+        help="broker: trust its TLS certificate through a CA (default) or only through the "
+        "attestation that binds its key (a sealed broker's own, self-signed certificate)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

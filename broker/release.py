@@ -44,6 +44,7 @@ from broker.core.fields import optional_version, string_field
 from broker.core.metrics import Metrics
 from broker.crypto.jwk import RunnerKey, parse_runner_key
 from broker.crypto.wrap import WRAP_MODES, check_wrap_mode, key_id, wrap_to_runner
+from broker.keys.custody import release_from_custody
 from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
 from broker.keys.store.base import KeyVersionRecord
 from broker.nonces import MAX_NONCE_CHARS, NonceStore
@@ -216,6 +217,7 @@ class ReleaseService:
         if self._seen is not None:  # what OCSP revoked revokes attestation results too
             await self._seen(outcome.evidence, now)
         outcome.record = record = await self._keys.resolve(request.key, request.version)
+        custody = self._keys.check_release(record, request.wrap, request.runner_key)
         outcome.lap("key")
         facts = RequestFacts(
             key=record.name,
@@ -237,6 +239,13 @@ class ReleaseService:
         outcome.lap("policy")
         if not decision.allowed:
             raise PolicyDenied(decision.reasons, outcome.decision_id)
+        if custody is not None:  # the HSM unwraps and wraps in one call: timed as "wrap"
+            outcome.lap("unwrap")
+            wrapped = await release_from_custody(
+                custody, record, request.runner_key, decision_id=outcome.decision_id
+            )
+            outcome.lap("wrap")
+            return wrapped
         dek = await self._keys.unwrap(record)
         outcome.lap("unwrap")
         wrapped = wrap_to_runner(

@@ -19,8 +19,11 @@ from aiohttp import web
 from broker.api.body import read_json_object, string_field
 from broker.api.services import ATTESTATIONS, CLOCK, KEYS, POLICIES, SETTINGS
 from broker.attestation.stored import MAX_REASON_CHARS
+from broker.config import is_loopback
+from broker.core.encoding import b64url_decode
 from broker.core.errors import Conflict, ErrorCode, InputError, Unauthorized, UpstreamError
 from broker.keys import admin
+from broker.keys.service import DEK_BYTES
 from broker.policy.freshness import MAX_VERSION, DowngradeTarget
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -84,6 +87,58 @@ async def create_key(request: web.Request) -> web.Response:
         who=request[ADMIN_WHO],
     )
     return web.json_response(record.describe(), status=201)
+
+
+async def import_key(request: web.Request) -> web.Response:
+    """``POST /v1/admin/keys/import`` (role ``key-admin``): a new version of a key (version 1 of
+    a new one) from a DEK its owner made, ``{"name", "purpose", "dek": base64url}``; the owner
+    encrypts with it only once this answer names the version (``broker weights encrypt
+    --url``). Over TLS only, which on a sealed broker ends inside its TEE; the DEK is wrapped by
+    the KEK at once and never logged, echoed or recorded."""
+    require_tls(request)
+    body = await read_json_object(request, required=("name", "purpose", "dek"))
+    record = await request.app[KEYS].import_version(
+        admin.key_name(body["name"]),
+        admin.purpose(body["purpose"]),
+        dek_material(body["dek"]),
+        now=request.app[CLOCK](),
+        who=request[ADMIN_WHO],
+    )
+    return web.json_response(record.describe(), status=201)
+
+
+def require_tls(request: web.Request) -> None:
+    """Key material only over TLS; plain HTTP only from a loopback peer of a development broker
+    (``[server] insecure_http``, itself allowed only on a loopback listener).
+
+    Raises:
+        InputError: ``tls_required``.
+    """
+    server = request.app[SETTINGS].server
+    if request.secure or (server.insecure_http and is_loopback(request.remote or "")):
+        return
+    raise InputError(
+        "key material is accepted over TLS only (plain HTTP: a loopback development broker)",
+        code=ErrorCode.TLS_REQUIRED,
+    )
+
+
+def dek_material(value: object) -> bytes:
+    """32 bytes of AES-256 key material from canonical unpadded base64url (RFC 4648 §5).
+
+    Raises:
+        InputError: ``key_material_invalid``; the message never repeats the value.
+    """
+    try:
+        material = b64url_decode(value) if isinstance(value, str) and len(value) == 43 else b""
+    except ValueError:
+        material = b""
+    if len(material) != DEK_BYTES:
+        raise InputError(
+            "dek must be 32 bytes (AES-256) in unpadded base64url: 43 characters",
+            code=ErrorCode.KEY_MATERIAL_INVALID,
+        )
+    return material
 
 
 async def rotate_key(request: web.Request) -> web.Response:

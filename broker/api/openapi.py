@@ -261,6 +261,18 @@ def openapi_document() -> dict[str, Any]:
                     "create a key", "CreateKey", (201, "KeyVersion"), 400, 409, 413, 415
                 ),
             },
+            "/v1/admin/keys/import": {
+                "post": _admin(
+                    "a new version (version 1 of a new key) from the owner's DEK; TLS only "
+                    "(400 tls_required), 32 bytes (400 key_material_invalid)",
+                    "ImportKey",
+                    (201, "KeyVersion"),
+                    400,
+                    409,
+                    413,
+                    415,
+                )
+            },
             "/v1/admin/keys/rotate": {
                 "post": _admin("add a version", "KeyName", (201, "KeyVersion"), 400, 404, 409)
             },

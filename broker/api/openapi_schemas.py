@@ -239,6 +239,21 @@ SCHEMAS: dict[str, Any] = {
         },
         ["name", "purpose"],
     ),
+    "ImportKey": object_schema(
+        {
+            "name": KEY_NAME_SCHEMA,
+            "purpose": {
+                "type": "string",
+                "enum": [Purpose.MODEL_WEIGHTS.value, Purpose.GENERIC.value],
+            },
+            "dek": {
+                "type": "string",
+                "pattern": "^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$",
+                "description": "the 32-byte DEK the owner made, unpadded base64url",
+            },
+        },
+        ["name", "purpose", "dek"],
+    ),
     "KeyName": object_schema({"name": KEY_NAME_SCHEMA}, ["name"]),
     "KeyNameVersion": object_schema(
         {"name": KEY_NAME_SCHEMA, "version": VERSION_SCHEMA}, ["name", "version"]

@@ -20,12 +20,13 @@ async def public_key(request: web.Request) -> web.Response:
     record = await request.app[KEYS].resolve(name, version)
     if record.purpose is not Purpose.QUERY:
         raise NotFound(f"{name!r} is not a query key", code=ErrorCode.KEY_UNKNOWN)
+    public = await request.app[KEYS].query_public(record)  # the stored half only checked
     statement = sign_statement(
         signer,
         key=record.name,
         version=record.version,
         algorithm=record.algorithm,
-        public_raw=record.public_key,
+        public_raw=public,
         policy_digest=request.app[POLICY].digest,
         now=request.app[CLOCK](),
     )

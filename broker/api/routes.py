@@ -75,6 +75,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/admin/keys", admin.list_keys, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/keys", admin.create_key, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/keys/rotate", admin.rotate_key, Permission.KEY_ADMIN),
+    Route("POST", "/v1/admin/keys/import", admin.import_key, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/keys/disable", admin.disable_version, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/keys/enable", admin.enable_version, Permission.KEY_ADMIN),
     Route("POST", "/v1/admin/keys/destroy", admin.destroy_version, Permission.KEY_ADMIN),

@@ -1,9 +1,12 @@
 """Checkpoints signed by a Cloud KMS key version (``EC_SIGN_ED25519``): the signing key never
 leaves the KMS. ``[audit] signing_key = "cloudkms:projects/P/locations/L/keyRings/R/cryptoKeys/
-K/cryptoKeyVersions/N"``; the endpoint is ``[keys] kms_endpoint``. Requests and answers carry
+K/cryptoKeyVersions/N"``; the endpoint is ``[keys] kms_endpoint``, the credentials ``[keys]
+kms_credentials`` (Workload Identity Federation) when set. Requests and answers carry
 CRC32C checksums, checked both ways as for the KEK (keys/kek/cloudkms.py)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -20,13 +23,22 @@ def _unavailable(message: str) -> UpstreamError:
 
 
 class KmsNoteSigner:
-    def __init__(self, name: str, uri: str, *, endpoint: str, timeout_seconds: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        uri: str,
+        *,
+        endpoint: str,
+        timeout_seconds: float,
+        credentials_file: Path | None = None,
+    ) -> None:
         self._kms = KmsKeyVersion(
             uri,
             setting="audit.signing_key",
             endpoint=endpoint,
             timeout_seconds=timeout_seconds,
             unavailable=_unavailable,
+            credentials_file=credentials_file,
         )
         self.name = _check_name(name)
         self.public_raw = b""

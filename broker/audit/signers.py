@@ -34,6 +34,7 @@ async def open_checkpoint_signer(
             key,
             endpoint=settings.keys.kms_endpoint,
             timeout_seconds=settings.keys.upstream_timeout_seconds,
+            credentials_file=settings.keys.kms_credentials,
         )
         await signer.open()
         return signer

@@ -277,6 +277,7 @@ class Attestation:
             expected_key=name,
             expected_version=version,
             policy_digest=str(entry.get("policy_digest", "")),
+            expected_wrap=keys.wrap,
         )
 
 

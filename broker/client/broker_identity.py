@@ -18,7 +18,8 @@ a ``BrokerNotAttested`` naming its ``check``:
 4. ``issuer``: ``iss`` equals the configured issuer (Google's by default).
 5. ``audience``: ``aud`` is, or contains, the configured audience (when one is configured).
 6. ``debug``: ``dbgstat`` is ``disabled-since-boot`` (a debug image lets its operator in).
-7. ``software``: ``swname`` is ``CONFIDENTIAL_SPACE``.
+7. ``software``: ``swname`` is ``CONFIDENTIAL_SPACE`` and its ``support_attributes`` hold
+   ``STABLE`` (a supported launcher image; the KEK's federation condition requires it too).
 8. ``image``: ``submods.container.image_digest`` is one of the allowed digests.
 9. ``nonce``: ``eat_nonce`` holds the lowercase hex SHA-256 of every key in ``keys``.
 10. ``tls``: the SubjectPublicKeyInfo of the certificate the server presented on this very
@@ -61,6 +62,7 @@ from broker.crypto.jwk import public_jwk, thumbprint
 
 GOOGLE_ISSUER = "https://confidentialcomputing.googleapis.com"
 MAX_ATTESTATION_BYTES = 64 * 1024
+TLS_TRUST = frozenset({"ca", "attestation"})
 MAX_KEYS = 8
 MAX_CHAIN = 5
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -89,7 +91,10 @@ class BrokerIdentity:
 
     ``jwks``: the issuer's JSON Web Key Set (OIDC tokens); ``root_pem``: the issuer's root
     certificate (PKI tokens); one of them at least. ``audience``: the broker's token audience
-    (``[sealed] token_audience``); ``None`` leaves ``aud`` unchecked.
+    (``[sealed] token_audience``); ``None`` leaves ``aud`` unchecked. ``tls_trust``: ``"ca"``
+    (the connection's certificate must also chain to the client's CAs and name the host) or
+    ``"attestation"`` (a sealed broker's self-signed certificate, made in its TEE: trusted only
+    because the attestation binds its key, check 10; no CA the operator controls is involved).
 
     Raises:
         ValueError: no trust anchor, no image digest, or a digest not ``sha256:<64 hex>``.
@@ -101,8 +106,11 @@ class BrokerIdentity:
     audience: str | None = None
     issuer: str = GOOGLE_ISSUER
     leeway: timedelta = jose.DEFAULT_LEEWAY
+    tls_trust: str = "ca"
 
     def __post_init__(self) -> None:
+        if self.tls_trust not in TLS_TRUST:
+            raise ValueError(f"tls_trust must be one of {sorted(TLS_TRUST)}")
         if self.jwks is None and self.root_pem is None:
             raise ValueError("BrokerIdentity needs jwks (OIDC) or root_pem (PKI)")
         if not self.image_digests:
@@ -299,6 +307,12 @@ def check_claims(claims: Mapping[str, Any], identity: BrokerIdentity) -> None:
     if claims.get("swname") != "CONFIDENTIAL_SPACE":
         raise BrokerNotAttested("software", f"swname is {claims.get('swname')!r}")
     submods = claims.get("submods")
+    space = submods.get("confidential_space") if isinstance(submods, dict) else None
+    support = space.get("support_attributes") if isinstance(space, dict) else None
+    if not isinstance(support, list) or "STABLE" not in support:  # as the KEK's WIF condition
+        raise BrokerNotAttested(
+            "software", f"the Confidential Space image is not STABLE-supported ({support!r})"
+        )
     container = submods.get("container") if isinstance(submods, dict) else None
     digest = container.get("image_digest") if isinstance(container, dict) else None
     if digest not in identity.image_digests:

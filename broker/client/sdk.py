@@ -7,12 +7,12 @@ import base64
 import contextlib
 import json
 import ssl
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -25,12 +25,12 @@ from broker.client.tokens import GpuEvidenceSource, TokenSource
 from broker.client.weights import key_of_file
 from broker.core.binding import attestation_thumbprint, binding_digest
 from broker.core.encoding import b64url_decode
-from broker.crypto import hpke, jwe
+from broker.crypto import hpke, jwe, jwe_cek
 from broker.crypto.checkpoint import NoteError, NoteVerifier, parse_checkpoint
 from broker.crypto.jwk import hybrid_jwk, public_jwk, thumbprint
 from broker.crypto.merkle import verify_inclusion
 from broker.crypto.weights import WeightsFormatError
-from broker.crypto.wrap import release_info
+from broker.crypto.wrap import JWE_CEK, release_info
 
 if TYPE_CHECKING:
     from broker.client.attested import Attestation
@@ -51,6 +51,8 @@ class BrokerClientError(RuntimeError):
         self.message = message
         self.details = details
 
+
+T = TypeVar("T")
 
 # ``BrokerClientError.code`` when no HTTP answer came back (``status`` 0): stable, documented.
 TRANSPORT_CODES = ("broker_unreachable", "tls_error", "timeout", "connection_lost")
@@ -276,7 +278,9 @@ class BrokerClient:
         if wrap != "jwe":
             request["wrap"] = wrap
         body = await self._post("/v1/release", request)
-        return unwrap_release(body, private_key, expected_key=key, expected_version=version)
+        return unwrap_release(
+            body, private_key, expected_key=key, expected_version=version, expected_wrap=wrap
+        )
 
     async def attest(
         self,
@@ -449,15 +453,39 @@ class BrokerClient:
             proof=proof,
         )
 
+    async def _pinned(self, url: str, attempt: Callable[[Any], Awaitable[T]]) -> T:
+        """``attempt(ssl)`` over a connection pinned to the attested certificate. A certificate
+        that is no longer the pinned one (a sealed broker makes a new TLS key at each start)
+        drops the verdict and attests again, once, before the same attempt: a mismatch is found
+        in the handshake, before any byte of the request is sent, so repeating it is safe.
+
+        Raises:
+            BrokerClientError: as ``reaching``; ``broker_not_attested`` if the new attestation
+                fails or the certificate changes again.
+        """
+        for last in (False, True):
+            transport_ssl = await self._transport_ssl()
+            try:
+                with reaching(url):
+                    return await attempt(transport_ssl)
+            except BrokerClientError as exc:
+                changed = exc.code == "broker_not_attested" and exc.details.get("check") == "tls"
+                if last or self._identity is None or not changed:
+                    raise
+                self._verified = self._pin = None
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def _get_text(self, path: str) -> str:
         url = self._base_url + path
-        transport_ssl = await self._transport_ssl()
-        with reaching(url):
+
+        async def attempt(transport_ssl: Any) -> str:
             async with self._session.get(url, ssl=transport_ssl) as response:
                 raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
             if response.status != 200:
                 raise ProofError(f"GET {path.split('?', maxsplit=1)[0]}: HTTP {response.status}")
             return raw.decode("utf-8", "replace")
+
+        return await self._pinned(url, attempt)
 
     async def _exchange(
         self, url: str, payload: dict[str, Any], headers: dict[str, str]
@@ -467,8 +495,8 @@ class BrokerClient:
         Raises:
             BrokerClientError: the broker was not reached (``TRANSPORT_CODES``).
         """
-        transport_ssl = await self._transport_ssl()
-        with reaching(url):
+
+        async def attempt(transport_ssl: Any) -> tuple[int, Any, dict[str, str]]:
             async with self._session.post(
                 url, json=payload, headers=headers, ssl=transport_ssl
             ) as response:
@@ -483,29 +511,32 @@ class BrokerClient:
                     answer = {}
             return response.status, answer, dict(response.headers)
 
+        return await self._pinned(url, attempt)
+
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        transport_ssl = await self._transport_ssl()
-        with reaching(self._base_url + path):
-            async with self._session.post(
-                self._base_url + path, json=payload, ssl=transport_ssl
-            ) as response:
+        url = self._base_url + path
+
+        async def attempt(transport_ssl: Any) -> tuple[int, Any]:
+            async with self._session.post(url, json=payload, ssl=transport_ssl) as response:
                 raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
             try:
-                body = json.loads(raw) if raw else {}
+                return response.status, json.loads(raw) if raw else {}
             except ValueError:
-                body = {}
-            if response.status != 200:
-                error = body.get("error", {}) if isinstance(body, dict) else {}
-                details = {k: v for k, v in error.items() if k not in {"code", "message"}}
-                raise BrokerClientError(
-                    response.status,
-                    str(error.get("code", "unknown")),
-                    str(error.get("message", "")),
-                    details,
-                )
-            if not isinstance(body, dict):
-                raise BrokerClientError(response.status, "bad_response", "not a JSON object", {})
-            return body
+                return response.status, {}
+
+        status, body = await self._pinned(url, attempt)
+        if status != 200:
+            error = body.get("error", {}) if isinstance(body, dict) else {}
+            details = {k: v for k, v in error.items() if k not in {"code", "message"}}
+            raise BrokerClientError(
+                status,
+                str(error.get("code", "unknown")),
+                str(error.get("message", "")),
+                details,
+            )
+        if not isinstance(body, dict):
+            raise BrokerClientError(status, "bad_response", "not a JSON object", {})
+        return body
 
 
 def client_error(status: int, answer: Any) -> BrokerClientError:
@@ -525,9 +556,11 @@ def unwrap_release(
     expected_key: str,
     expected_version: int | None,
     policy_digest: str | None = None,
+    expected_wrap: str | None = None,
 ) -> ReleasedDek:
     """Decrypt a release response and check that its binding matches the request.
     ``policy_digest``: a release on an attestation result binds the policy that allowed it too.
+    ``expected_wrap``: the wrap asked for; an answer in another form is refused.
 
     Raises:
         jwe.JweError: on decryption failure or a binding that names another key or release.
@@ -538,6 +571,10 @@ def unwrap_release(
     ):
         raise jwe.JweError("the broker answered for another key or version")
     algorithm = str(body.get("algorithm", "AES-256"))
+    if expected_wrap is not None and body.get("wrap", "jwe") != expected_wrap:
+        raise jwe.JweError(f"asked for wrap {expected_wrap}, the broker answered another")
+    if body.get("wrap") == JWE_CEK:
+        return _unwrap_cek(body, private_key, expected_key, version, policy_digest)
     if body.get("wrap", "jwe") == "hpke":
         info = release_info(expected_key, version, str(body["decision_id"]), policy_digest)
         try:
@@ -569,6 +606,30 @@ def unwrap_release(
         decision_id=str(body["decision_id"]),
         dek=decrypted.plaintext,
         algorithm=algorithm,
+        log_index=int(body.get("log_index", -1)),
+        leaf_hash=_leaf_hash(body),
+        log_origin=str(body.get("log_origin", "")),
+    )
+
+
+def _unwrap_cek(
+    body: dict[str, Any],
+    private_key: RunnerSecret,
+    key: str,
+    version: int,
+    policy_digest: str | None,
+) -> ReleasedDek:
+    """``wrap: "jwe-cek"`` (a DEK an HSM keeps): the JWE's content-encryption key is the DEK."""
+    if not isinstance(private_key, rsa.RSAPrivateKey):
+        raise jwe.JweError("wrap jwe-cek is made for RSA runner keys")
+    decision_id = str(body["decision_id"])
+    expected = jwe_cek.CekRelease(key, version, decision_id, policy_digest)
+    return ReleasedDek(
+        key=key,
+        version=version,
+        decision_id=decision_id,
+        dek=jwe_cek.open_release(str(body["wrapped_key"]), private_key, expected),
+        algorithm=str(body.get("algorithm", "AES-256")),
         log_index=int(body.get("log_index", -1)),
         leaf_hash=_leaf_hash(body),
         log_origin=str(body.get("log_origin", "")),

@@ -1,13 +1,17 @@
 """Plumbing shared by the Cloud KMS KEK and the Secret Manager store.
 
 * ``grpc_transport``: plaintext + anonymous credentials to a loopback endpoint (the local test
-  servers), TLS + Application Default Credentials to anything else. The channel and the client
-  are created on the event loop that will use them (once, at start-up; the constructors look
-  for mTLS config files); credential discovery runs on a worker thread.
+  servers), TLS + Application Default Credentials to anything else. Given credentials (Workload
+  Identity Federation, ``federation.py``), a loopback endpoint is spoken to over gRPC's local
+  channel credentials (a secure channel type for a peer on this host: gRPC sends call
+  credentials, the bearer token, only over a secure channel), anything else over TLS. The
+  channel and the client are created on the event loop that will use them (once, at start-up;
+  the constructors look for mTLS config files); credential discovery runs on a worker thread.
 * ``close_client``: closes the channel (at shutdown).
 * ``call``: one RPC with a bounded retry (transient errors only, until the deadline), every
   failure turned into the caller's ``UpstreamError``; NOT_FOUND / ALREADY_EXISTS pass through
-  for the caller to interpret.
+  for the caller to interpret. With federated credentials the token exchange runs first, so an
+  STS refusal is reported as one (not as a failed RPC retried until the deadline).
 * ``crc32c``: the checksum both APIs use for end-to-end integrity.
 """
 
@@ -24,6 +28,7 @@ from google.api_core import exceptions as api_exceptions
 from google.api_core import retry_async
 from google.auth import credentials as auth_credentials
 
+from broker.cloud.federation import FederatedCredentials
 from broker.config import is_loopback, split_listen
 from broker.core.errors import UpstreamError
 
@@ -45,6 +50,11 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 async def grpc_transport(transport_class: Any, endpoint: str, credentials: Any = None) -> Any:
     """A gRPC asyncio transport of ``transport_class`` for ``endpoint``."""
     if is_loopback_endpoint(endpoint):
+        if credentials is not None:
+            local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+            return transport_class(
+                host=endpoint, credentials=credentials, ssl_channel_credentials=local
+            )
         anonymous = auth_credentials.AnonymousCredentials()  # type: ignore[no-untyped-call]
         return transport_class(channel=grpc.aio.insecure_channel(endpoint), credentials=anonymous)
     if credentials is None:
@@ -78,20 +88,28 @@ async def call(
     *,
     deadline_seconds: float,
     unavailable: Callable[[str], UpstreamError],
+    federated: FederatedCredentials | None = None,
 ) -> Any:
-    """Run one RPC of ``client``.
+    """Run one RPC of ``client`` (after the token exchange, with ``federated`` credentials).
 
     Raises:
         UpstreamError: from ``unavailable`` for every failure but NOT_FOUND / ALREADY_EXISTS.
     """
     if client is None:
         raise unavailable("client not open")
+    if federated is not None:
+        await federated.ensure_fresh(unavailable)
     try:
         return await getattr(client, method)(
             request=request, timeout=deadline_seconds, retry=bounded_retry(deadline_seconds)
         )
     except (api_exceptions.NotFound, api_exceptions.AlreadyExists):
         raise
+    except (api_exceptions.PermissionDenied, api_exceptions.Unauthenticated) as exc:
+        status = exc.grpc_status_code.name if exc.grpc_status_code else type(exc).__name__
+        raise unavailable(
+            f"{method} refused ({status}): these credentials are not granted the resource"
+        ) from exc
     except (
         api_exceptions.GoogleAPICallError,
         api_exceptions.RetryError,

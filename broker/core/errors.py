@@ -94,6 +94,7 @@ class ErrorCode(StrEnum):
     POLICY_UNAVAILABLE = "policy_unavailable"
     KEK_UNAVAILABLE = "kek_unavailable"
     KEY_STORE_UNAVAILABLE = "key_store_unavailable"
+    KEY_RECORD_INVALID = "key_record_invalid"  # a stored record its wrapped key contradicts
     AUDIT_LOG_UNAVAILABLE = "audit_log_unavailable"
     RIM_SOURCE_UNAVAILABLE = "rim_source_unavailable"  # the RIM directory cannot be read
     NOT_READY = "not_ready"
@@ -109,6 +110,10 @@ class ErrorCode(StrEnum):
     LOG_PEER_UNAVAILABLE = "log_peer_unavailable"
     # an admin policy downgrade that does not name its target version (to_version): 400
     DOWNGRADE_TARGET_REQUIRED = "downgrade_target_required"
+    # an owner's key import (POST /v1/admin/keys/import): the DEK is not 32 bytes of canonical
+    # unpadded base64url (400); key material over plain HTTP off a loopback dev broker (400)
+    KEY_MATERIAL_INVALID = "key_material_invalid"
+    TLS_REQUIRED = "tls_required"
 
 
 class BrokerError(Exception):

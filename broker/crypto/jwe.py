@@ -88,6 +88,24 @@ def decrypt(token: str, private_key: RunnerPrivateKey) -> DecryptedJwe:
     Raises:
         JweError: when the message is malformed, uses another algorithm, or fails to decrypt.
     """
+    header, (encrypted_key, iv, ciphertext, tag) = split_compact(token)
+    if header.get("enc") != ENC or "crit" in header:
+        raise JweError("unsupported JWE header")
+    cek = _recover_cek(header, encrypted_key, private_key)
+    protected = token.split(".", 1)[0].encode("ascii")
+    try:
+        plaintext = AESGCM(cek).decrypt(iv, ciphertext + tag, protected)
+    except (InvalidTag, ValueError) as exc:
+        raise JweError("JWE content does not authenticate") from exc
+    return DecryptedJwe(protected_header=header, plaintext=plaintext)
+
+
+def split_compact(token: str) -> tuple[Mapping[str, Any], tuple[bytes, bytes, bytes, bytes]]:
+    """A compact JWE's protected header (a JSON object) and its four other parts, decoded.
+
+    Raises:
+        JweError: not five parts, not base64url, or a header that is not a JSON object.
+    """
     parts = token.split(".")
     if len(parts) != 5:
         raise JweError("not a compact JWE (five parts)")
@@ -96,14 +114,9 @@ def decrypt(token: str, private_key: RunnerPrivateKey) -> DecryptedJwe:
         encrypted_key, iv, ciphertext, tag = (b64url_decode(p) for p in parts[1:])
     except (ValueError, UnicodeDecodeError) as exc:
         raise JweError("JWE parts are not base64url") from exc
-    if not isinstance(header, dict) or header.get("enc") != ENC or "crit" in header:
-        raise JweError("unsupported JWE header")
-    cek = _recover_cek(header, encrypted_key, private_key)
-    try:
-        plaintext = AESGCM(cek).decrypt(iv, ciphertext + tag, parts[0].encode("ascii"))
-    except (InvalidTag, ValueError) as exc:
-        raise JweError("JWE content does not authenticate") from exc
-    return DecryptedJwe(protected_header=header, plaintext=plaintext)
+    if not isinstance(header, dict):
+        raise JweError("JWE header is not an object")
+    return header, (encrypted_key, iv, ciphertext, tag)
 
 
 def _recover_cek(header: Mapping[str, Any], encrypted_key: bytes, key: RunnerPrivateKey) -> bytes:

@@ -49,7 +49,7 @@ class WeightsFormatError(ValueError):
     """The file is not a valid BRKW1 file for this key, or it was modified."""
 
 
-def file_key(dek: bytes, salt: bytes, kid: str) -> AESGCM:
+def file_key(dek: bytes | bytearray, salt: bytes, kid: str) -> AESGCM:
     hkdf = HKDF(hashes.SHA256(), 32, salt, b"broker-weights/v1\0" + kid.encode())
     return AESGCM(hkdf.derive(dek))
 

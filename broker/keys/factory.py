@@ -132,6 +132,7 @@ async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProv
         kms = CloudKmsKek(
             parse_cloudkms_uri(uri),
             endpoint=settings.kms_endpoint,
+            credentials_file=settings.kms_credentials,
             timeout_seconds=settings.upstream_timeout_seconds,
         )
         await kms.open()
@@ -150,3 +151,20 @@ def _local_kek(path: Path, *, may_create: bool) -> LocalKek:
         create_kek_file(path)
         log.warning("created a new development KEK at %s", path)
     return LocalKek(path)
+
+
+@asynccontextmanager
+async def open_kek_ring(settings: KeySettings) -> AsyncIterator[KekRing]:
+    """The configured KEK (primary) and ``kek_previous``, without the key store (the sealed
+    broker's own keys, ``api/sealed_keys.py``); closed on exit.
+
+    Raises:
+        ConfigError, UpstreamError: as ``open_key_service``.
+    """
+    async with AsyncExitStack() as stack:
+        providers: list[KekProvider] = []
+        for uri in dict.fromkeys([settings.kek, *settings.kek_previous]):
+            provider = await _open(uri, settings, may_create=False)
+            stack.push_async_callback(provider.close)
+            providers.append(provider)
+        yield KekRing(providers[0], providers[1:])

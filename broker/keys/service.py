@@ -1,8 +1,10 @@
 """Key lifecycle and key material access: the only code that sees plaintext DEKs.
 
-Plaintext exists only in process memory: briefly while wrapping it to a runner key, and in the
-bounded DEK cache (``dek_cache_seconds``, ``dek_cache_max``) so a release does not pay a KMS/HSM
-round trip each time. A release reads key metadata (state, wrapped DEK) from a second small cache
+A DEK whose KEK keeps it in its HSM (``x-hsm-rewrap``, ``keys/custody.py``) is never plaintext
+here: the token makes it, wraps it and releases it. For every other DEK, plaintext exists only in
+process memory: briefly while wrapping it to a runner key, and in the bounded DEK cache
+(``dek_cache_seconds``, ``dek_cache_max``) so a release does not pay a KMS/HSM round trip each
+time. A release reads key metadata (state, wrapped DEK) from a second small cache
 (``metadata_cache_seconds``, default 1 s) instead of the store, so it makes no store round trip
 and no thread hop. Lifecycle changes made through this process (create, rotate, disable, enable,
 destroy, rewrap) invalidate both caches at once; a change made by another process or replica
@@ -18,6 +20,7 @@ at any moment). Every change is appended to the decision log when one is attache
 
 from __future__ import annotations
 
+import hmac
 import os
 import re
 import time
@@ -30,8 +33,23 @@ from typing import Any, Generic, TypeVar
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import mlkem, x25519
 
-from broker.core.errors import Conflict, ErrorCode, InputError, KeyUnavailable, NotFound
+from broker.core.errors import (
+    Conflict,
+    ErrorCode,
+    InputError,
+    KeyUnavailable,
+    NotFound,
+    UpstreamError,
+)
 from broker.core.protocol import Algorithm
+from broker.crypto.jwk import RunnerKey
+from broker.keys.custody import (
+    DekCustody,
+    check_release_wrap,
+    custody_of,
+    refuse_plaintext,
+    rewrap_to,
+)
 from broker.keys.kek.base import KekProvider, dek_aad
 from broker.keys.kek.ring import KekRing
 from broker.keys.store.base import KeyStore, KeyVersionRecord, Purpose, VersionState
@@ -197,16 +215,44 @@ class KeyService:
     ) -> KeyVersionRecord:
         """A new version with fresh material; earlier versions stay as they are."""
         latest = await self._require_latest(name)
-        try:
-            record = await self._new_version(
-                name, latest.version + 1, latest.purpose, now=now, algorithm=latest.algorithm
-            )
-        except Conflict as exc:  # another rotation took this version number first
-            raise Conflict(
-                f"key {name!r} was rotated concurrently; retry", code=ErrorCode.CONFLICT
-            ) from exc
+        record = await self._next_version(name, latest, latest.purpose, now=now)
         self._invalidate(name)
         await self._log("rotate", record, now, who)
+        return record
+
+    async def import_version(
+        self,
+        name: str,
+        purpose: Purpose,
+        material: bytes,
+        *,
+        now: datetime,
+        who: str = SYSTEM_ACTOR,
+    ) -> KeyVersionRecord:
+        """A new version of ``name`` from a DEK its owner made (``POST /v1/admin/keys/import``,
+        ``broker weights encrypt --url``): version 1 of a new key, else the next version, as
+        ``rotate`` numbers it. Wrapped by the primary KEK (or imported into the HSM keeping
+        DEKs), logged as a ``key_admin`` ``import`` record without the material.
+
+        Raises:
+            InputError: ``key_material_invalid`` unless 32 bytes; ``bad_request`` for a query
+                key, or a purpose other than the existing key's.
+            Conflict: ``conflict`` when another change took the version number first.
+            UpstreamError: when the KEK or the store cannot answer.
+        """
+        validate_key_name(name)
+        if len(material) != DEK_BYTES:
+            raise InputError(
+                "the key material must be 32 bytes (AES-256)", code=ErrorCode.KEY_MATERIAL_INVALID
+            )
+        if purpose is Purpose.QUERY:
+            raise InputError("query keys are made by the broker; import model-weights or generic")
+        latest = await self._store.latest_version(name, enabled_only=False)
+        if latest is not None and latest.purpose is not purpose:
+            raise InputError(f"key {name!r} is a {latest.purpose.value} key, not {purpose.value}")
+        record = await self._next_version(name, latest, purpose, now=now, material=material)
+        self._invalidate(name)
+        await self._log("import", record, now, who)
         return record
 
     async def set_enabled(
@@ -272,6 +318,23 @@ class KeyService:
             raise KeyUnavailable(f"key {name!r} version {record.version} is {record.state.value}")
         return record
 
+    async def query_public(self, record: KeyVersionRecord) -> bytes:
+        """A query key's public half as its private half gives it: the stored one is only
+        checked against it (whoever can write the store, e.g. the operator of a sealed broker,
+        must not get their own public key signed by the broker's attested statement key).
+
+        Raises:
+            UpstreamError: ``key_record_invalid`` when the stored half differs; as ``unwrap``.
+        """
+        public = query_public_of(record.algorithm, await self.unwrap(record))
+        if not hmac.compare_digest(public, record.public_key):
+            raise UpstreamError(
+                f"the stored public half of query key {record.name!r} version {record.version} "
+                "is not its private half's (the key store was edited); nothing signed",
+                code=ErrorCode.KEY_RECORD_INVALID,
+            )
+        return public
+
     async def unwrap(self, record: KeyVersionRecord) -> bytes:
         """The plaintext material of a resolved version (cached within bounds).
 
@@ -281,13 +344,30 @@ class KeyService:
         """
         if record.state is VersionState.DESTROYED or not record.wrapped_dek:
             raise KeyUnavailable(f"key {record.name!r} version {record.version} is destroyed")
+        kek = self._keks.for_ref(record.kek_ref)
+        if custody_of(kek, record.purpose) is not None:
+            raise refuse_plaintext(record)
         cached = self._cache.get(dek_cache_key(record))
         if cached is not None:
             return cached
-        kek = self._keks.for_ref(record.kek_ref)
         material = await kek.unwrap(record.wrapped_dek, dek_aad(record.name, record.version))
         self._cache.put(dek_cache_key(record), material)
         return material
+
+    def check_release(
+        self, record: KeyVersionRecord, mode: str, runner_key: RunnerKey
+    ) -> DekCustody | None:
+        """Refuse, before the policy runs, a wrap this version cannot be released with; return
+        the HSM keeping its DEK, if one does (release it with ``custody.release_from_custody``,
+        never ``unwrap``).
+
+        Raises:
+            InputError: ``runner_key_invalid``.
+            UpstreamError: ``kek_unavailable`` when its KEK is not configured.
+        """
+        custody = custody_of(self._keks.for_ref(record.kek_ref), record.purpose)
+        check_release_wrap(record, mode, runner_key, custody)
+        return custody
 
     async def owner_material(
         self,
@@ -346,10 +426,8 @@ class KeyService:
             if record.kek_ref == target.reference:
                 current += 1
                 continue
-            aad = dek_aad(record.name, record.version)
-            material = await self._keks.for_ref(record.kek_ref).unwrap(record.wrapped_dek, aad)
             updated = record.evolve(
-                wrapped_dek=await target.wrap(material, aad),
+                wrapped_dek=await rewrap_to(record, self._keks.for_ref(record.kek_ref), target),
                 kek_ref=target.reference,
                 updated_at=now,
             )
@@ -390,14 +468,22 @@ class KeyService:
         material: bytes | None = None,
         algorithm: Algorithm | None = None,
     ) -> KeyVersionRecord:
-        algorithm, secret, public = new_material(purpose, material, algorithm)
         kek = self._keks.primary
+        aad = dek_aad(name, version)
+        custody = custody_of(kek, purpose)
+        if custody is None:
+            algorithm, secret, public = new_material(purpose, material, algorithm)
+            wrapped = await kek.wrap(secret, aad)
+        else:  # made (or imported) in the HSM; it stays there
+            algorithm, public = aes_algorithm(purpose, algorithm), b""
+            making = custody.generate(aad) if material is None else custody.import_(material, aad)
+            wrapped = await making
         record = KeyVersionRecord(
             name=name,
             version=version,
             purpose=purpose,
             state=VersionState.ENABLED,
-            wrapped_dek=await kek.wrap(secret, dek_aad(name, version)),
+            wrapped_dek=wrapped,
             kek_ref=kek.reference,
             created_at=now,
             updated_at=now,
@@ -406,6 +492,30 @@ class KeyService:
         )
         await self._store.add_version(record)
         return record
+
+    async def _next_version(
+        self,
+        name: str,
+        latest: KeyVersionRecord | None,
+        purpose: Purpose,
+        *,
+        now: datetime,
+        material: bytes | None = None,
+    ) -> KeyVersionRecord:
+        """The version after ``latest`` (version 1 when there is none), as ``latest`` was made.
+
+        Raises:
+            Conflict: ``conflict`` when another change took that version number first.
+        """
+        version, algorithm = (1, None) if latest is None else (latest.version + 1, latest.algorithm)
+        try:
+            return await self._new_version(
+                name, version, purpose, now=now, material=material, algorithm=algorithm
+            )
+        except Conflict as exc:  # another rotation (or import) took this version number first
+            raise Conflict(
+                f"key {name!r} was rotated concurrently; retry", code=ErrorCode.CONFLICT
+            ) from exc
 
     async def _require(self, name: str, version: int) -> KeyVersionRecord:
         record = await self._store.get_version(name, version)
@@ -468,9 +578,7 @@ def new_material(
         InputError: for an algorithm that does not fit the purpose.
     """
     if purpose is not Purpose.QUERY:
-        if algorithm not in (None, Algorithm.AES_256):
-            raise InputError(f"{purpose.value} keys are AES-256")
-        return Algorithm.AES_256, material or os.urandom(DEK_BYTES), b""
+        return aes_algorithm(purpose, algorithm), material or os.urandom(DEK_BYTES), b""
     chosen = algorithm or Algorithm.HPKE_MLKEM768_X25519
     classic = x25519.X25519PrivateKey.generate()
     classic_public = classic.public_key().public_bytes(
@@ -483,3 +591,35 @@ def new_material(
     post_quantum = mlkem.MLKEM768PrivateKey.generate()
     secret = post_quantum.private_bytes_raw() + classic.private_bytes_raw()
     return chosen, secret, post_quantum.public_key().public_bytes_raw() + classic_public
+
+
+def query_public_of(algorithm: Algorithm, secret: bytes) -> bytes:
+    """The raw public half of a query key's stored secret (``new_material``'s layout).
+
+    Raises:
+        UpstreamError: ``key_record_invalid`` for a secret of the wrong length.
+    """
+    lengths = {Algorithm.HPKE_X25519: 32, Algorithm.HPKE_MLKEM768_X25519: 64 + 32}
+    if lengths.get(algorithm) != len(secret):
+        raise UpstreamError(
+            "a query key's secret does not fit its algorithm", code=ErrorCode.KEY_RECORD_INVALID
+        )
+    classic = x25519.X25519PrivateKey.from_private_bytes(secret[-32:]).public_key()
+    classic_public = classic.public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    if algorithm is Algorithm.HPKE_X25519:
+        return classic_public
+    post_quantum = mlkem.MLKEM768PrivateKey.from_seed_bytes(secret[:64])
+    return post_quantum.public_key().public_bytes_raw() + classic_public
+
+
+def aes_algorithm(purpose: Purpose, algorithm: Algorithm | None) -> Algorithm:
+    """Model-weights and generic keys are AES-256.
+
+    Raises:
+        InputError: for another algorithm.
+    """
+    if algorithm not in (None, Algorithm.AES_256):
+        raise InputError(f"{purpose.value} keys are AES-256")
+    return Algorithm.AES_256

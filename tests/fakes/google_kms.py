@@ -6,12 +6,21 @@ service behaves: CRC32C fields are checked when present (INVALID_ARGUMENT on mis
 echoed as ``verified_*`` flags; unknown keys are NOT_FOUND; disabled versions are
 FAILED_PRECONDITION; ciphertexts name the version that made them, so rotation keeps old
 ciphertexts decryptable. Knobs let tests break it on purpose (outage, corrupted responses).
+
+With ``iam`` set (``KmsIam``) it also authenticates and authorizes as Cloud KMS does: it serves
+gRPC local credentials (a client sends its bearer token only over a secure channel), requires
+``authorization: Bearer …`` call metadata (UNAUTHENTICATED without one, or for a token its
+issuer does not know), resolves the token to the caller's IAM identities (a federated
+principal's ``principal://…/subject/…`` and ``principalSet://…`` members, from the loopback STS,
+``google_sts.py``) and allows a method only if a role bound on the CryptoKey grants its permission
+to one of them (PERMISSION_DENIED otherwise, in Google's words).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +42,45 @@ def crc(data: bytes) -> int:
     return int(google_crc32c.value(data))
 
 
+# The predefined Cloud KMS roles the broker's keys use, and the permissions they hold
+# (cloud.google.com/kms/docs/reference/permissions-and-roles).
+ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
+    "roles/cloudkms.cryptoKeyEncrypterDecrypter": frozenset({"useToEncrypt", "useToDecrypt"}),
+    "roles/cloudkms.cryptoKeyEncrypter": frozenset({"useToEncrypt"}),
+    "roles/cloudkms.cryptoKeyDecrypter": frozenset({"useToDecrypt"}),
+    "roles/cloudkms.signerVerifier": frozenset({"useToSign", "useToVerify", "viewPublicKey"}),
+    "roles/cloudkms.signer": frozenset({"useToSign"}),
+    "roles/cloudkms.publicKeyViewer": frozenset({"viewPublicKey"}),
+}
+METHOD_PERMISSION = {
+    "Encrypt": "useToEncrypt",
+    "Decrypt": "useToDecrypt",
+    "AsymmetricSign": "useToSign",
+    "GetPublicKey": "viewPublicKey",
+}
+
+
+@dataclass
+class KmsIam:
+    """Who may use which key: ``identities_of`` resolves a bearer token to the caller's IAM
+    identities (``None``: an unknown token); ``bindings``: CryptoKey name → role → members."""
+
+    identities_of: Callable[[str], frozenset[str] | None]
+    bindings: dict[str, dict[str, set[str]]] = field(default_factory=dict)
+    denied: list[str] = field(default_factory=list)  # "METHOD CODE" of each refusal
+
+    def grant(self, key: str, role: str, member: str) -> None:
+        assert role in ROLE_PERMISSIONS, role
+        self.bindings.setdefault(key, {}).setdefault(role, set()).add(member)
+
+    def allows(self, identities: frozenset[str], resource: str, permission: str) -> bool:
+        key = resource.split("/cryptoKeyVersions/", maxsplit=1)[0]
+        return any(
+            permission in ROLE_PERMISSIONS[role] and members & identities
+            for role, members in self.bindings.get(key, {}).items()
+        )
+
+
 @dataclass
 class FakeKey:
     versions: list[bytes] = field(default_factory=list)  # AES-256 keys; index + 1 = version
@@ -49,6 +97,7 @@ class FakeKms:
         self.corrupt_ciphertext = False
         self.skip_verification = False
         self.calls: list[str] = []
+        self.iam: KmsIam | None = None  # set before start(): authenticate and authorize
         # version name -> key: Ed25519 (checkpoints) or EC P-256 (attestation results)
         self.signing_keys: dict[str, ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey] = {}
 
@@ -81,6 +130,7 @@ class FakeKms:
                     kms_v1.AsymmetricSignResponse,
                 ),
             },
+            local_credentials=self.iam is not None,
         )
         return self.endpoint
 
@@ -91,6 +141,7 @@ class FakeKms:
         self.calls.append(method)
         if self.unavailable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is unavailable")
+        await self._authorize(context, name, method)
         key = self.keys.get(name)
         if key is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{name} not found")
@@ -169,6 +220,7 @@ class FakeKms:
         self.calls.append(method)
         if self.unavailable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is unavailable")
+        await self._authorize(context, name, method)
         key = self.signing_keys.get(name)
         if key is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{name} not found")
@@ -212,6 +264,31 @@ class FakeKms:
             verified_data_crc32c=raw.HasField("data_crc32c") and not self.skip_verification,
             name=request.name,
         )
+
+    async def _authorize(self, context: Any, name: str, method: str) -> None:
+        """As Cloud KMS: the bearer token first, then the permission on the key (before the
+        key's existence, hence Google's "(or it may not exist)")."""
+        if self.iam is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        identities = self.iam.identities_of(token) if scheme == "Bearer" and token else None
+        if identities is None:
+            self.iam.denied.append(f"{method} UNAUTHENTICATED")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "Request had invalid authentication credentials. Expected OAuth 2 access token, "
+                "login cookie or other valid authentication credential.",
+            )
+        assert identities is not None
+        permission = METHOD_PERMISSION[method]
+        if not self.iam.allows(identities, name, permission):
+            self.iam.denied.append(f"{method} PERMISSION_DENIED")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"Permission 'cloudkms.cryptoKeyVersions.{permission}' denied on resource "
+                f"'{name}' (or it may not exist).",
+            )
 
 
 async def _check(context: Any, raw: Any, field_name: str, data: bytes) -> None:

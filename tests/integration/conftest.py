@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -133,23 +134,26 @@ class RunningBroker:
 
 
 def serve_workers(
-    config: Path, environ: dict[str, str], client_tls: ssl.SSLContext
+    config: Path, environ: dict[str, str], client_tls: ssl.SSLContext, *, log: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """``broker serve --workers 2`` (``BROKER_SERVER_WORKERS``) on a free port, once ready."""
+    """``broker serve --workers 2`` (``BROKER_SERVER_WORKERS``) on a free port, once ready;
+    with ``log``, ``broker -v serve`` writing its output (INFO and up) to that file."""
     port = free_port()
-    command = [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)]
+    verbose = ["-v"] if log is not None else []
+    command = [sys.executable, "-m", "broker.cli", *verbose, "serve", "--config", str(config)]
     urls = public_urls(load_settings(config, environ), f"https://127.0.0.1:{port}")
-    process = subprocess.Popen(
-        command,
-        env={
-            **os.environ,
-            **environ,
-            "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
-            "BROKER_SERVER_PUBLIC_URLS": ",".join(urls),
-        },
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with log.open("ab") if log is not None else contextlib.nullcontext() as output:
+        process = subprocess.Popen(
+            command,
+            env={
+                **os.environ,
+                **environ,
+                "BROKER_SERVER_LISTEN": f"127.0.0.1:{port}",
+                "BROKER_SERVER_PUBLIC_URLS": ",".join(urls),
+            },
+            stdout=output or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if output else subprocess.DEVNULL,
+        )
     try:
         wait_ready(port, client_tls)
     except BaseException:  # never leave a broker running behind a failed start

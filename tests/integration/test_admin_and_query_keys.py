@@ -10,12 +10,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, x25519
 from jwt import PyJWK
 
 from broker.client import BrokerClientError
 from broker.crypto.hpke import HpkeError
 from broker.crypto.query import StatementError, open_query, seal_query, verify_statement
+from broker.keys.factory import open_store
 from tests.integration.conftest import RunningBroker, write_statement_key
 from tests.support.constants import KEY, QUERY_KEY
 
@@ -24,6 +25,7 @@ ADMIN_ROUTES = [
     ("GET", "/v1/admin/keys", None),
     ("POST", "/v1/admin/keys", {"name": "models/x", "purpose": "generic"}),
     ("POST", "/v1/admin/keys/rotate", {"name": KEY}),
+    ("POST", "/v1/admin/keys/import", {"name": KEY, "purpose": "model-weights", "dek": "A" * 43}),
     ("POST", "/v1/admin/keys/disable", {"name": KEY, "version": 1}),
     ("POST", "/v1/admin/keys/enable", {"name": KEY, "version": 1}),
     ("POST", "/v1/admin/keys/destroy", {"name": KEY, "version": 1}),
@@ -214,3 +216,36 @@ async def test_query_endpoints_are_404_not_5xx_when_query_keys_are_off(
         status, body = await call(broker, "GET", path, token=None)
         assert (status, body["error"]["code"]) == (404, "not_found"), path
         assert "signing_key" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("algorithm", ["HPKE-X25519", "HPKE-MLKEM768-X25519"])
+async def test_a_public_half_edited_in_the_store_is_never_signed(
+    admin_broker: RunningBroker, algorithm: str
+) -> None:
+    """Whoever can write the key store (a sealed broker's operator) swaps a query key's stored
+    public half for one of their own: the broker derives the half it signs from the wrapped
+    private half, so it answers 503 ``key_record_invalid`` and signs nothing."""
+    status, _ = await call(
+        admin_broker, "POST", "/v1/admin/keys", {"name": QUERY_KEY, "purpose": "query",
+                                                 "algorithm": algorithm},
+    )  # fmt: skip
+    assert status == 201
+    store = await open_store(admin_broker.settings.keys)  # as the operator: no KEK needed
+    try:
+        record = await store.latest_version(QUERY_KEY, enabled_only=True)
+        assert record is not None
+        edited = x25519.X25519PrivateKey.generate().public_key().public_bytes_raw()
+        public = record.public_key[: -len(edited)] + edited  # the classic half: the operator's
+        assert await store.replace(record.evolve(public_key=public), expect_kek_ref=record.kek_ref)
+    finally:
+        await store.close()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"{admin_broker.url}/v1/keys/{QUERY_KEY}/public", ssl=admin_broker.client_tls
+        ) as reply,
+    ):
+        body = await reply.json()
+        assert reply.status == 503
+    assert body["error"]["code"] == "key_record_invalid"
+    assert "statement" not in body

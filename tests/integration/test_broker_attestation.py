@@ -101,6 +101,7 @@ def sealed_environ(workdir: Path, socket_path: Path, workers: int) -> dict[str, 
     return {
         "BROKER_SERVER_WORKERS": str(workers),
         "BROKER_SEALED_LAUNCHER_SOCKET": str(socket_path),
+        "BROKER_SEALED_MAKE_KEYS": "false",  # the operator's keys (test_sealed_keys: made ones)
         "BROKER_KEYS_SIGNING_KEY": str(statement),
         "BROKER_ATTEST_ENABLED": "true",
         "BROKER_ATTEST_SIGNING_KEY": str(result),
@@ -238,7 +239,11 @@ def test_token_renewed_then_expired_token_not_served(sealed_broker: Sealed) -> N
 def test_unreachable_launcher_refuses_start(tmp_path: Path, socket_dir: Path) -> None:
     config = write_config(tmp_path / "broker", dev_issuer())
     asyncio.run(create_test_keys(load_settings(config, {})))
-    environ = {**os.environ, "BROKER_SEALED_LAUNCHER_SOCKET": str(socket_dir / "none.sock")}
+    environ = {
+        **os.environ,
+        "BROKER_SEALED_LAUNCHER_SOCKET": str(socket_dir / "none.sock"),
+        "BROKER_SEALED_MAKE_KEYS": "false",
+    }
     started = subprocess.run(
         [sys.executable, "-m", "broker.cli", "serve", "--config", str(config)],
         cwd=ROOT,

@@ -115,6 +115,13 @@ def test_token_not_from_confidential_space_software_refused() -> None:
     refused(answer(ISSUER.sign(claims), KEYS), "software")
 
 
+def test_confidential_space_image_without_stable_support_refused() -> None:
+    token = mint(ISSUER, KEYS, now=NOW)
+    claims = jwt.decode(token, options={"verify_signature": False})
+    claims["submods"]["confidential_space"]["support_attributes"] = ["LATEST", "USABLE"]
+    assert "STABLE" in refused(answer(ISSUER.sign(claims), KEYS), "software")
+
+
 def test_eat_nonce_missing_one_key_hash_refused() -> None:
     token = mint(ISSUER, KEYS, now=NOW, nonces=[key_hash(KEYS["tls"])])
     assert "statement" in refused(answer(token, KEYS), "nonce")

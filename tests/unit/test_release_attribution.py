@@ -70,6 +70,9 @@ class KeysReloadingDuringUnwrap:
             algorithm=Algorithm.AES_256,
         )
 
+    def check_release(self, record: KeyVersionRecord, mode: str, runner_key: object) -> None:
+        """The DEK is not held by an HSM: released through ``unwrap``."""
+
     async def unwrap(self, record: KeyVersionRecord) -> bytes:
         await asyncio.sleep(0)  # the KEK round trip, during which a reload goes live
         self.policy.digest = SUCCESSOR

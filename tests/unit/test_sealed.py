@@ -52,7 +52,9 @@ def test_sealed_is_off_by_default(tmp_path: Path) -> None:
 
 
 def test_sealed_socket_relative_to_config_and_audience_defaults(tmp_path: Path) -> None:
-    settings = load(tmp_path, BASE + '[sealed]\nlauncher_socket = "run/teeserver.sock"\n')
+    settings = load(
+        tmp_path, BASE + '[sealed]\nlauncher_socket = "run/teeserver.sock"\nmake_keys = false\n'
+    )
     assert settings.sealed.launcher_socket == (tmp_path / "run" / "teeserver.sock").resolve()
     assert settings.sealed.token_audience == "https://broker.example"
 

@@ -10,14 +10,19 @@ key, and the returned ciphertext/plaintext must match its CRC32C
 (cloud.google.com/kms/docs/data-integrity-guidelines). A mismatch, a gRPC error or a timeout is
 ``kek_unavailable``: nothing is released.
 
-Credentials are Application Default Credentials. ``[keys] kms_endpoint`` names another API
-endpoint; a loopback endpoint (a local test server) is spoken to in plaintext with anonymous
-credentials, anything else over TLS.
+Credentials: with ``[keys] kms_credentials`` (required for a sealed broker), Workload Identity
+Federation: the broker's own Confidential Space attestation token exchanged at the STS
+(``cloud/federation.py``), so the key serves only the attested image; otherwise Application
+Default Credentials. ``[keys] kms_endpoint`` names another API endpoint; a loopback endpoint (a
+local test server) is spoken to in plaintext with anonymous credentials, or over gRPC local
+credentials with federated ones; anything else over TLS. A refusal (the STS's or KMS's IAM) is
+``kek_unavailable`` with a message that names Workload Identity Federation.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from google.api_core.client_options import ClientOptions
@@ -26,6 +31,7 @@ from google.cloud.kms_v1.services.key_management_service.transports import (
     KeyManagementServiceGrpcAsyncIOTransport,
 )
 
+from broker.cloud.federation import FederatedCredentials, open_federated
 from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 
@@ -55,6 +61,12 @@ def _unavailable(message: str) -> UpstreamError:
     return UpstreamError(f"Cloud KMS: {message}", code=ErrorCode.KEK_UNAVAILABLE)
 
 
+def _federated_unavailable(message: str) -> UpstreamError:
+    return UpstreamError(
+        f"Cloud KMS (Workload Identity Federation): {message}", code=ErrorCode.KEK_UNAVAILABLE
+    )
+
+
 class CloudKmsKek:
     """``KekProvider`` over a Cloud KMS symmetric key."""
 
@@ -64,12 +76,17 @@ class CloudKmsKek:
         *,
         endpoint: str = DEFAULT_ENDPOINT,
         credentials: Any = None,
+        credentials_file: Path | None = None,
         timeout_seconds: float = RPC_TIMEOUT_SECONDS,
     ) -> None:
+        """``credentials_file``: a Workload Identity Federation configuration (``[keys]
+        kms_credentials``), loaded at ``open``."""
         self._name = key_name
         self._endpoint = endpoint
         self._timeout = timeout_seconds
         self._credentials = credentials
+        self._credentials_file = credentials_file
+        self._federated: FederatedCredentials | None = None
         self._client: kms_v1.KeyManagementServiceAsyncClient | None = None
 
     @property
@@ -85,9 +102,16 @@ class CloudKmsKek:
 
         The channel is made on the event loop that will use it; credential discovery and the
         client constructor (which look for files) run on a worker thread.
+
+        Raises:
+            ConfigError: ``keys.kms_credentials`` is not a configuration the broker accepts.
         """
+        self._federated = await open_federated(self._credentials_file, self._timeout)
+        credentials = self._credentials
+        if self._federated is not None:
+            credentials = self._federated.credentials
         transport = await grpc_transport(
-            KeyManagementServiceGrpcAsyncIOTransport, self._endpoint, self._credentials
+            KeyManagementServiceGrpcAsyncIOTransport, self._endpoint, credentials
         )
         options = ClientOptions(api_endpoint=self._endpoint)
         self._client = kms_v1.KeyManagementServiceAsyncClient(
@@ -133,5 +157,10 @@ class CloudKmsKek:
 
     async def _call(self, method: str, request: Any) -> Any:
         return await call(
-            self._client, method, request, deadline_seconds=self._timeout, unavailable=_unavailable
+            self._client,
+            method,
+            request,
+            deadline_seconds=self._timeout,
+            unavailable=_unavailable if self._federated is None else _federated_unavailable,
+            federated=self._federated,
         )

@@ -10,6 +10,10 @@ PIN stays out of the config file) open the session. Wrapping is CKM_AES_GCM with
 the token's RNG and the DEK's associated data; the wrapped form is
 ``0x02 || iv(12) || ciphertext || tag``.
 
+``x-hsm-rewrap=true`` (a vendor query attribute, RFC 7512 §2.3) keeps DEKs inside the token
+instead: made, stored and released there, never in this process in plaintext
+(``pkcs11_rewrap.py``; the KEK is then a derive-only key made for it).
+
 One session per token per process. PKCS#11 login state belongs to the application, not to a
 session: a second ``C_Login`` on the same token fails with ``CKR_USER_ALREADY_LOGGED_IN``. So
 every key on a token — the current KEK, ``kek_previous`` entries on the same token during a
@@ -32,9 +36,15 @@ from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import pkcs11
-from pkcs11 import GCMParams, KeyType, Mechanism, ObjectClass
+from pkcs11 import GCMParams, KeyType, Mechanism, MechanismFlag, ObjectClass
 
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
+from broker.keys.kek.pkcs11_rewrap import (
+    Pkcs11DekCustody,
+    TokenSteps,
+    check_custody_kek,
+    probe_token,
+)
 
 T = TypeVar("T")
 FORMAT_V2 = b"\x02"
@@ -49,6 +59,7 @@ class Pkcs11Uri:
     key_id: bytes | None
     module_path: Path
     pin: str = field(repr=False)  # never in a log line or an error message
+    hsm_rewrap: bool = False  # x-hsm-rewrap=true: DEKs stay in the token (pkcs11_rewrap.py)
 
     @property
     def reference(self) -> str:
@@ -90,7 +101,12 @@ def parse_pkcs11_uri(uri: str, *, read_pin: Callable[[Path], str] | None = None)
         key_id = bytes.fromhex(attributes["id"]) if attributes.get("id") else None
     except ValueError as exc:
         raise ConfigError("keys.kek", "pkcs11 id= must be hex") from exc
-    return Pkcs11Uri(attributes["token"], attributes["object"], key_id, Path(module), pin)
+    rewrap = options.get("x-hsm-rewrap", "false")
+    if rewrap not in ("true", "false"):
+        raise ConfigError("keys.kek", "pkcs11 x-hsm-rewrap= must be true or false")
+    return Pkcs11Uri(
+        attributes["token"], attributes["object"], key_id, Path(module), pin, rewrap == "true"
+    )
 
 
 def _pairs(text: str, separator: str) -> dict[str, str]:
@@ -194,12 +210,19 @@ def key_fingerprint(token_serial: str, key: Any) -> str:
 
 
 class Pkcs11Kek:
-    """``KekProvider`` over an AES key on a PKCS#11 token."""
+    """``KekProvider`` over an AES key on a PKCS#11 token (with ``dek_custody`` in
+    ``x-hsm-rewrap`` mode)."""
 
     def __init__(self, uri: Pkcs11Uri) -> None:
         self._uri = uri
         self._shared: TokenSession | None = None
         self._key: Any = None
+        self._steps: TokenSteps | None = None  # x-hsm-rewrap: what the token does for DEKs
+
+    @property
+    def dek_custody(self) -> Pkcs11DekCustody | None:
+        """The token keeping DEKs (``keys/custody.py``), in ``x-hsm-rewrap`` mode only."""
+        return None if self._steps is None else Pkcs11DekCustody(self._steps, self._run)
 
     @property
     def reference(self) -> str:
@@ -233,13 +256,28 @@ class Pkcs11Kek:
                 "the PKCS#11 KEK must be sensitive and non-extractable",
                 code=ErrorCode.KEK_UNAVAILABLE,
             )
+        if self._uri.hsm_rewrap:
+            check_custody_kek(self._uri.reference, key)
+            token = "\0".join(self._shared.key)  # module path, token label
+            self._steps = probe_token(self._shared.session, key, token)
+        elif not (key[pkcs11.Attribute.ENCRYPT] and key[pkcs11.Attribute.DECRYPT]):
+            raise ConfigError(
+                "keys.kek",
+                f"{self._uri.reference} cannot encrypt: a KEK made for x-hsm-rewrap needs "
+                "x-hsm-rewrap=true on its URI",
+            )
         self._key = key
 
     async def close(self) -> None:
-        shared, self._shared, self._key = self._shared, None, None
+        shared, self._shared, self._key, self._steps = self._shared, None, None, None
         await leave_session(shared)
 
     async def wrap(self, dek: bytes, aad: bytes) -> bytes:
+        """Seal ``dek`` (in ``x-hsm-rewrap`` mode: a secret that is not a DEK in custody)."""
+        steps = self._steps
+        if steps is not None:
+            return await self._run(lambda: steps.seal_secret_sync(dek, aad))
+
         def encrypt() -> bytes:
             assert self._shared is not None  # noqa: S101 - opened
             iv = bytes(self._shared.session.generate_random(IV_BITS))
@@ -251,6 +289,10 @@ class Pkcs11Kek:
         return await self._run(encrypt)
 
     async def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
+        """Open what ``wrap`` sealed. A DEK in custody never opens here (``pkcs11_rewrap.py``)."""
+        steps = self._steps
+        if steps is not None:
+            return await self._run(lambda: steps.open_secret_sync(wrapped, aad))
         if not wrapped.startswith(FORMAT_V2) or len(wrapped) < 1 + IV_BYTES + 16:
             raise UpstreamError("wrapped DEK is not a PKCS#11 wrap", code=ErrorCode.KEK_UNAVAILABLE)
         iv, body = wrapped[1 : 1 + IV_BYTES], wrapped[1 + IV_BYTES :]
@@ -280,7 +322,8 @@ class Pkcs11Kek:
 
 
 def create_pkcs11_kek(uri: Pkcs11Uri) -> str:
-    """Generate the KEK on the token: AES-256, sensitive, non-extractable, persistent.
+    """Generate the KEK on the token: AES-256, sensitive, non-extractable, persistent (and
+    derive-only for ``x-hsm-rewrap=true``).
 
     A key with the same label (and id, if the URI names one) must not exist: two would make
     every later lookup ambiguous. Without ``id=`` in the URI the key gets a random 16-byte
@@ -328,6 +371,8 @@ def _create_sync(shared: TokenSession, uri: Pkcs11Uri) -> str:
         label=uri.object,
         id=uri.key_id or secrets.token_bytes(16),
         store=True,
+        # x-hsm-rewrap: a key that only derives the per-version wrapping keys (pkcs11_rewrap.py)
+        capabilities=MechanismFlag.DERIVE if uri.hsm_rewrap else None,
         template={pkcs11.Attribute.SENSITIVE: True, pkcs11.Attribute.EXTRACTABLE: False},
     )
     return key_fingerprint(shared.token_serial, key)

@@ -137,6 +137,7 @@ ADMIN_ROUTES = [
     ("GET", "/v1/admin/keys"),
     ("POST", "/v1/admin/keys"),
     ("POST", "/v1/admin/keys/rotate"),
+    ("POST", "/v1/admin/keys/import"),
     ("POST", "/v1/admin/keys/disable"),
     ("POST", "/v1/admin/keys/enable"),
     ("POST", "/v1/admin/keys/destroy"),
