@@ -37,6 +37,7 @@ from broker.api.services import (
     CHECKPOINTS,
     CLOCK,
     DECISIONS,
+    KERNEL,
     KEYS,
     NONCES,
     POLICIES,
@@ -50,7 +51,6 @@ from broker.api.services import (
     NoCheckpoints,
     StatementKey,
 )
-from broker.attest import AttestService, LocalResultSigner, ResultSigner, result_keys
 from broker.attest_redecide import Redecider
 from broker.attestation.jwks import JwksError
 from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
@@ -63,7 +63,6 @@ from broker.attestation.nvidia.sources import (
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
 from broker.attestation_stores import open_attestation_store
-from broker.attested_release import AttestedReleaseService
 from broker.audit.identity import adopt_signing_key, claim_origin
 from broker.audit.log import DecisionLog
 from broker.audit.mask import load_or_create_mask_key
@@ -75,7 +74,15 @@ from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
+from broker.core.refs import CloudKmsRef, Pkcs11Ref, SignerRef
 from broker.crypto.keyfiles import p256_private_key_file
+from broker.decisions.attest import AttestPlan
+from broker.decisions.attested_release import AttestedReleasePlan
+from broker.decisions.kernel import Kernel
+from broker.decisions.policy import PolicyGate
+from broker.decisions.release import ReleasePlan
+from broker.decisions.results import AttestationResults
+from broker.decisions.signers import LocalResultSigner, ResultSigner, result_keys
 from broker.keys.factory import open_key_service
 from broker.keys.service import KeyService
 from broker.nonce_stores import open_nonce_store
@@ -84,7 +91,6 @@ from broker.policy.engine import PolicyEngine
 from broker.policy.freshness import logged_floor
 from broker.policy.manager import SYSTEM_WHO, PolicyManager
 from broker.policy.workers import WorkerGroup
-from broker.release import ReleaseService
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +127,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         sealed = await _self_attestation(app, settings, clock)  # first: it fails closed
         session = await stack.enter_async_context(aiohttp.ClientSession())
         nonces = open_nonce_store(
-            settings.nonces.store,
+            settings.nonces.store_ref,
             ttl=timedelta(seconds=settings.server.nonce_ttl_seconds),
             capacity=settings.server.max_outstanding_nonces,
             timeout=settings.nonces.timeout_seconds,
@@ -152,36 +158,24 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             logged=logged_floor(audit.last_policy_change),  # the floor survives state.json
         )
         stack.push_async_callback(policies.close)
-        verifier, mask_key = await _verifier_and_mask_key(settings, session, metrics)
+        verifier, gate = await _verifier_and_gate(settings, session, metrics, engine)
         attestations = await _attestations(
-            settings,
-            stack,
-            nonces=nonces,
-            verifier=verifier,
-            policy=engine,
-            audit=audit,
-            mask_key=mask_key,
-            keys=keys,
-            metrics=metrics,
+            settings, stack, nonces=nonces, verifier=verifier, policy=gate, audit=audit, keys=keys
         )
         await _redecided(attestations.service, policies, clock, stack)
-        release = ReleaseService(
+        release = ReleasePlan(
             nonces=nonces,
             verifier=verifier,
             keys=keys,
-            policy=engine,
-            audit=audit,
-            metrics=metrics,
-            mask=settings.audit.mask,
-            mask_key=mask_key,
+            policy=gate,
             seen=None if attestations.service is None else attestations.service.seen,
         )
         statements = StatementKey(await _statement_signer(settings))
         publisher = await _checkpoints(settings, audit, session, stack, now=clock())
         facts = {
-            "keys": _store_kind(settings.keys.store),
+            "keys": settings.keys.store_ref.kind,  # never credentials in it
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
-            "nonces": _store_kind(settings.nonces.store),
+            "nonces": settings.nonces.store_ref.kind,
             "checkpoints": "signed" if publisher else "off (no signing_key)",
             "attestations": "on" if attestations.service else "off",
             "self_attestation": "on" if sealed else "off (not in a TEE)",
@@ -191,6 +185,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         app[KEYS] = keys
         app[POLICIES] = policies
         app[POLICY] = engine
+        app[KERNEL] = Kernel(audit, metrics)  # runs every decision plan
         app[RELEASE] = release
         app[STATEMENTS] = statements
         app[ATTESTATIONS] = attestations
@@ -251,7 +246,7 @@ async def _decision_log(settings: Settings, stack: AsyncExitStack) -> DecisionLo
 
 
 async def _redecided(
-    service: AttestService | None, policies: PolicyManager, clock: Clock, stack: AsyncExitStack
+    service: AttestationResults | None, policies: PolicyManager, clock: Clock, stack: AsyncExitStack
 ) -> None:
     """Attestation results re-decided now (start-up: the policy may be another than the one
     they were decided under), after each policy change, and again until a failed run succeeds
@@ -395,23 +390,23 @@ def _background(
     return background
 
 
-async def _result_signer(settings: Settings, key: str, stack: AsyncExitStack) -> ResultSigner:
+async def _result_signer(settings: Settings, key: SignerRef, stack: AsyncExitStack) -> ResultSigner:
     """``[attest] signing_key``: a Cloud KMS key version, a PKCS#11 key pair, or a PEM file
     (development)."""
-    if key.startswith("pkcs11:"):
+    if isinstance(key, Pkcs11Ref):
         # python-pkcs11 loads only where an HSM result key is configured.
         from broker.attest_pkcs11 import Pkcs11ResultSigner, parse_result_key  # noqa: PLC0415
 
-        hsm = Pkcs11ResultSigner(await asyncio.to_thread(parse_result_key, key))
+        hsm = Pkcs11ResultSigner(await asyncio.to_thread(parse_result_key, key.uri))
         await hsm.open()
         stack.push_async_callback(hsm.close)
         return hsm
-    if key.startswith("cloudkms:"):
+    if isinstance(key, CloudKmsRef):
         # The KMS client loads only where a KMS result key is configured (start-up time).
         from broker.attest_kms import KmsResultSigner  # noqa: PLC0415
 
         signer = KmsResultSigner(
-            key,
+            key.uri,
             endpoint=settings.keys.kms_endpoint,
             timeout_seconds=settings.keys.upstream_timeout_seconds,
             credentials_file=settings.keys.kms_credentials,
@@ -419,16 +414,17 @@ async def _result_signer(settings: Settings, key: str, stack: AsyncExitStack) ->
         await signer.open()
         stack.push_async_callback(signer.close)
         return signer
-    return await asyncio.to_thread(LocalResultSigner.from_pem, Path(key))
+    return await asyncio.to_thread(LocalResultSigner.from_pem, key.path)
 
 
-async def _verifier_and_mask_key(
-    settings: Settings, session: aiohttp.ClientSession, metrics: Metrics
-) -> tuple[EvidenceVerifier, bytes]:
-    """The evidence verifier and the key that masks record fields: releases and attestations
-    share both."""
+async def _verifier_and_gate(
+    settings: Settings, session: aiohttp.ClientSession, metrics: Metrics, engine: PolicyEngine
+) -> tuple[EvidenceVerifier, PolicyGate]:
+    """The evidence verifier, and the policy as every plan asks it (with the key that masks
+    record fields): releases and attestations share both."""
     mask_key = await asyncio.to_thread(load_or_create_mask_key, _mask_key_path(settings))
-    return await _evidence_verifier(settings, session, metrics), mask_key
+    gate = PolicyGate(engine, mask=settings.audit.mask, mask_key=mask_key)
+    return await _evidence_verifier(settings, session, metrics), gate
 
 
 async def _attestations(
@@ -437,55 +433,47 @@ async def _attestations(
     *,
     nonces: NonceStore,
     verifier: EvidenceVerifier,
-    policy: PolicyEngine,
+    policy: PolicyGate,
     audit: DecisionLog,
-    mask_key: bytes,
     keys: KeyService,
-    metrics: Metrics,
 ) -> Attestations:
     """``POST /v1/attest`` with its result-signing key, and releases on results, when
     ``[attest] enabled``."""
-    path = settings.attest.signing_key
+    ref = settings.attest.signing_ref
     if not settings.attest.enabled:
         return Attestations(None)
-    if path is None:
+    if ref is None:
         raise ConfigError("attest.signing_key", "attest needs a result-signing key")
-    signer = await _result_signer(settings, path, stack)
-    store = open_attestation_store(settings.nonces.store, timeout=settings.nonces.timeout_seconds)
+    signer = await _result_signer(settings, ref, stack)
+    store = open_attestation_store(
+        settings.nonces.store_ref, timeout=settings.nonces.timeout_seconds
+    )
     stack.push_async_callback(store.close)
     verifying = await asyncio.to_thread(
         result_keys, signer, [Path(k) for k in settings.attest.previous_keys]
     )
-    releases = AttestedReleaseService(
+    results = AttestationResults(store=store, audit=audit, policy=policy.engine)
+    attest = AttestPlan(
+        settings=settings.attest,
+        issuer=settings.server.audience,
+        nonces=nonces,
+        verifier=verifier,
+        policy=policy,
+        signer=signer,
+        store=store,
+        seen=results.seen,
+    )
+    releases = AttestedReleasePlan(
         issuer=settings.server.audience,
         result_keys=lambda: verifying.verifying,
         store=store,
         nonces=nonces,
         keys=keys,
         policy=policy,
-        audit=audit,
-        metrics=metrics,
-        mask_key=mask_key,
-        mask=settings.audit.mask,
         require_nonce=settings.attest.dpop_nonce,
         public_urls=settings.server.public_base_urls,
     )
-    return Attestations(
-        AttestService(
-            settings=settings.attest,
-            issuer=settings.server.audience,
-            nonces=nonces,
-            verifier=verifier,
-            policy=policy,
-            audit=audit,
-            signer=signer,
-            store=store,
-            mask_key=mask_key,
-            mask=settings.audit.mask,
-        ),
-        releases,
-        verifying,
-    )
+    return Attestations(results, attest, releases, verifying)
 
 
 async def _statement_signer(settings: Settings) -> ec.EllipticCurvePrivateKey | None:
@@ -522,11 +510,6 @@ def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
         raise ConfigError("server.tls_cert", "TLS needs tls_cert and tls_key")
     context.load_cert_chain(server.tls_cert, server.tls_key)
     return context
-
-
-def _store_kind(uri: str) -> str:
-    """What ``/readyz`` shows of a store URI: its scheme, never credentials in it."""
-    return uri.split(":", 1)[0]
 
 
 def _mask_key_path(settings: Settings) -> Path:

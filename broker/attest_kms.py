@@ -17,11 +17,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, decode_dss_signature
 from google.cloud import kms_v1
 
-from broker.attest import result_jwks
 from broker.cloud.google_api import crc32c
 from broker.cloud.kms_key import KmsKeyVersion
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.crypto.jwk import public_jwk, thumbprint
+from broker.decisions.signers import result_jwks
 
 
 def _unavailable(message: str) -> UpstreamError:

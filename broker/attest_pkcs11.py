@@ -24,9 +24,9 @@ from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, encode_ds
 from pkcs11 import KeyType, Mechanism, ObjectClass
 from pkcs11.util.ec import encode_ec_public_key
 
-from broker.attest import result_jwks
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.crypto.jwk import public_jwk, thumbprint
+from broker.decisions.signers import result_jwks
 from broker.keys.kek.pkcs11 import (
     Pkcs11Uri,
     TokenSession,

@@ -26,6 +26,8 @@ from broker.attestation.stored import (
     Change,
     unavailable,
 )
+from broker.core.errors import ConfigError
+from broker.core.refs import MemoryRef, PostgresRef, RedisRef, SqliteRef, StoreRef
 from broker.store_clients import SqliteThread
 
 
@@ -138,17 +140,19 @@ _SQLITE_SCHEMA = (
 )
 
 
-def open_attestation_store(uri: str, *, timeout: float) -> AttestationStore:
-    """The store ``[nonces] store`` names (validated by the config loader)."""
-    if uri == "memory":
+def open_attestation_store(store: StoreRef, *, timeout: float) -> AttestationStore:
+    """The store ``[nonces] store`` names (``NonceSettings.store_ref``)."""
+    if isinstance(store, MemoryRef):
         return MemoryAttestations()
-    if uri.startswith("sqlite:///"):
-        return SqliteAttestations(Path(uri.removeprefix("sqlite://")), timeout=timeout)
+    if isinstance(store, SqliteRef):
+        return SqliteAttestations(store.path, timeout=timeout)
     # The Redis and PostgreSQL clients load only where such a store is configured.
-    if uri.startswith(("redis://", "rediss://")):
+    if isinstance(store, RedisRef):
         from broker.attestation_stores_shared import RedisAttestations  # noqa: PLC0415
 
-        return RedisAttestations(uri, timeout=timeout)
-    from broker.attestation_stores_shared import PostgresAttestations  # noqa: PLC0415
+        return RedisAttestations(store.uri, timeout=timeout)
+    if isinstance(store, PostgresRef):
+        from broker.attestation_stores_shared import PostgresAttestations  # noqa: PLC0415
 
-    return PostgresAttestations(uri, timeout=timeout)
+        return PostgresAttestations(store.uri, timeout=timeout)
+    raise ConfigError("nonces.store", f"{store.kind} cannot hold attestation results")

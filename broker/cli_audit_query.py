@@ -1,23 +1,33 @@
 """``broker audit query`` and ``broker audit export``: reading a log's records (every segment)
 and selecting them — per key for releases on attestation results, an attestation's whole story
-with ``--attestation`` — as JSON lines, a table, or OCSF events for a SIEM. The readers are
-shared with ``cli_audit.py`` (verify, prove)."""
+with ``--attestation`` — as JSON lines, a table, or OCSF events for a SIEM. Every record is read
+through its envelope (``audit/envelope.py``), filtered on its typed members. The file readers are
+shared with ``cli_audit.py`` (verify, prove) and ``broker policy replay``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from broker.audit.envelope import (
+    ATTESTATION_TYPES,
+    Envelope,
+    KeyDecision,
+    RecordError,
+    RecordType,
+    parse_record,
+)
+from broker.audit.envelope import instant as record_instant
 from broker.audit.ocsf import ocsf_events
 from broker.audit.outcomes import RESULTS
 from broker.audit.records import LogCorrupt
 from broker.audit.segments import log_files
 from broker.core.errors import ConfigError, FileFormatError
-from broker.core.jsonsafe import loads_bounded
 
 
 def add_parsers(audit: Any) -> None:
@@ -87,12 +97,12 @@ def read_file(path: Path, what: str) -> bytes:
 
 
 def _is_record(line: bytes) -> bool:
-    """A line as the broker writes records: a JSON object with ``seq`` and ``hash``."""
+    """A line as the broker writes records: a JSON object with a leaf index and a hash."""
     try:
-        record = loads_bounded(line)
-    except ValueError:
+        record = parse_record(line)
+    except RecordError:
         return False
-    return isinstance(record, dict) and "seq" in record and "hash" in record
+    return record.index is not None and record.hash is not None
 
 
 def record_lines(data: bytes) -> list[bytes]:
@@ -101,8 +111,8 @@ def record_lines(data: bytes) -> list[bytes]:
     return data.split(b"\n")[:-1] if data else []
 
 
-def _records(paths: list[Path]) -> Iterator[dict[str, Any]]:
-    """Every record of the logs (and their segments), in order.
+def records(paths: list[Path]) -> Iterator[Envelope]:
+    """Every record of the logs (and their segments), in order, as envelopes.
 
     Raises:
         ConfigError: a file that is not a log; LogCorrupt (with its path): a damaged line.
@@ -115,11 +125,9 @@ def _records(paths: list[Path]) -> Iterator[dict[str, Any]]:
             raise LogCorrupt(exc.line, f"{exc.problem}; {fix}", path=path) from exc
         for number, line in enumerate(lines, start=1):
             try:
-                record = loads_bounded(line)
-            except ValueError as exc:
-                raise LogCorrupt(number, "not a JSON record", path=path) from exc
-            if isinstance(record, dict):
-                yield record
+                yield parse_record(line)
+            except RecordError as exc:
+                raise LogCorrupt(number, str(exc), path=path) from exc
 
 
 def instant(text: str) -> datetime:
@@ -134,111 +142,135 @@ def instant(text: str) -> datetime:
         raise argparse.ArgumentTypeError(f"not an RFC 3339 time: {text!r}") from exc
     if parsed.tzinfo is None:
         raise argparse.ArgumentTypeError(f"{text!r} has no zone (add Z or +HH:MM)")
-    return parsed
+    utc = record_instant(text)  # as records' times are read: in UTC
+    if utc is None:  # 0001-01-01T00:00:00+01:00: before year 1 in UTC
+        raise argparse.ArgumentTypeError(f"not an RFC 3339 time: {text!r}")
+    return utc
 
 
-def _within(record: dict[str, Any], since: datetime | None, until: datetime | None) -> bool:
+def within(envelope: Envelope, since: datetime | None, until: datetime | None) -> bool:
+    """Whether the record's time lies in ``[since, until]``; a record without a readable time
+    is in no interval (but in the whole log)."""
     if since is None and until is None:
         return True
-    try:
-        when = instant(str(record.get("time", "")))
-    except argparse.ArgumentTypeError:
-        return False  # a record without a readable time is in no interval
+    when = envelope.at
+    if when is None:
+        return False
     return not ((since is not None and when < since) or (until is not None and when > until))
 
 
-def _matches(record: dict[str, Any], args: argparse.Namespace) -> bool:
-    identity = record.get("identity") or {}
-    if args.result is not None and args.result not in (
-        record.get("result"),
-        record.get("release_result"),  # a key's row of a partial release: the request's
-    ):
-        return False
-    checks = [
-        (args.key, record.get("key")),
-        (args.code, record.get("code")),
-        (args.image, identity.get("image_digest")),
-        (args.project, identity.get("project_id")),
-        (args.decision, record.get("decision_id")),
-        (args.replica, record.get("replica")),
-        (args.who, record.get("who")),
-    ]
-    if any(wanted is not None and wanted != found for wanted, found in checks):
-        return False
-    return _within(record, args.since, args.until)
+@dataclass(frozen=True)
+class Row:
+    """One row of ``audit query``: a record, and the key the row is about (a release's key, one
+    key of a release on a result; None for a record that names none per key)."""
 
+    record: Envelope
+    key: KeyDecision | None
 
-ATTESTATION_TYPES = ("attestation", "attested_release", "attestation_revoked")
+    @property
+    def result(self) -> str | None:
+        return self.record.result if self.key is None else self.key.result
 
-
-def per_key(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A record as query rows: a release on an attestation result is one row per key asked
-    (its version, result, code, reasons, policy digest), each naming the attestation; every
-    other record is one row."""
-    if record.get("type") != "attested_release":
-        yield record
-        return
-    attestation = record.get("attestation") or {}
-    common = {
-        k: record.get(k) for k in ("type", "index", "seq", "time", "decision_id", "replica")
-    } | {
-        "attestation": attestation.get("jti"),
-        "attestation_log_index": attestation.get("log_index"),
-        "dpop_jti": record.get("dpop_jti"),
-        "identity": record.get("identity"),
-        "release_result": record.get("result"),  # the request's: partial when some keys were
-    }
-    keys = record.get("keys") or []
-    if not keys:  # refused before any key was decided
-        yield common | {k: record.get(k) for k in ("result", "code", "message")} | {"key": None}
-    for key in keys:
-        yield common | {
-            k: key.get(k)
-            for k in ("key", "version", "result", "code", "reasons", "policy_digest", "input")
+    def as_json(self) -> dict[str, Any]:
+        """A release on a result: the request's members and this key's; every other record as
+        written. Without the (masked) policy input either way."""
+        record = self.record
+        if record.kind is not RecordType.ATTESTED_RELEASE or self.key is None:
+            return {k: v for k, v in record.body.items() if k != "input"}
+        attestation = record.attestation
+        key = self.key
+        own = (
+            {"reasons": list(key.reasons), "policy_digest": key.policy_digest}
+            if key.decided
+            else {"message": key.message}  # refused before it was decided: the request's
+        )
+        return {
+            **{k: record.body.get(k) for k in ("type", "index", "seq", "time", "decision_id")},
+            "replica": record.replica,
+            "attestation": None if attestation is None else attestation.jti,
+            "attestation_log_index": None if attestation is None else attestation.log_index,
+            "dpop_jti": record.body.get("dpop_jti"),
+            "identity": record.body.get("identity"),
+            "release_result": record.result,  # the request's: partial when some keys were
+            "key": key.key,
+            "version": key.version,
+            "result": key.result,
+            "code": key.code,
+            **own,
         }
 
 
-def _attestation_of(record: dict[str, Any]) -> Any:
-    if record.get("type") == "attested_release":
-        return (record.get("attestation") or {}).get("jti")
-    return record.get("jti") if record.get("type") in ATTESTATION_TYPES else None
+def rows(envelope: Envelope) -> Iterator[Row]:
+    """A record as query rows: a release is one row per key it decided or was asked (a release
+    on an attestation result refused before any key named: one row, without a key); every other
+    record is one row."""
+    decisions = envelope.decisions if envelope.kind is RecordType.ATTESTED_RELEASE else ()
+    for key in decisions or (envelope.keys[0] if envelope.keys else None,):
+        yield Row(envelope, key)
+
+
+def _matches(row: Row, args: argparse.Namespace) -> bool:
+    record, key = row.record, row.key
+    if args.result is not None and args.result not in (row.result, record.result):
+        return False  # a key's row of a partial release: its own result, or the request's
+    checks = [
+        (args.key, record.key if key is None else key.key),
+        (args.code, record.code if key is None else key.code),
+        (args.image, record.identity.get("image_digest")),
+        (args.project, record.identity.get("project_id")),
+        (args.decision, record.decision_id),
+        (args.replica, record.replica),
+        (args.who, record.who),
+    ]
+    if any(wanted is not None and wanted != found for wanted, found in checks):
+        return False
+    return within(record, args.since, args.until)
+
+
+def _attestation_of(record: Envelope) -> str | None:
+    """The attestation result whose story the record is part of (ATTESTATION_TYPES)."""
+    return None if record.attestation is None else record.attestation.jti
 
 
 def _query(args: argparse.Namespace) -> int:
     # Releases (per key on attestation results too); with --who, the changes someone made (key
     # and policy records); with --attestation, that result's whole story.
-    wanted: set[str] | None = {"release", "attested_release"} if args.who is None else None
+    wanted: frozenset[RecordType] | None = (
+        frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE}) if args.who is None else None
+    )
     if args.attestation is not None:
-        wanted = set(ATTESTATION_TYPES)
-    rows = [
+        wanted = ATTESTATION_TYPES
+    selected = [
         row
-        for r in _records(args.logs)
-        if (wanted is None or r.get("type") in wanted)
-        and (args.attestation is None or _attestation_of(r) == args.attestation)
-        for row in per_key(r)
+        for record in records(args.logs)
+        if (wanted is None or record.kind in wanted)
+        and (args.attestation is None or _attestation_of(record) == args.attestation)
+        for row in rows(record)
         if _matches(row, args)
     ]
     if args.table:
         print(f"{'index':>7}  {'time':32}  {'type':19}  {'result':6}  {'code':24}  key")
-        for r in rows:
+        for row in selected:
+            record, key = row.record, row.key
+            code = record.code if key is None else key.code
+            name = record.key if key is None else key.key
             print(
-                f"{r.get('index', r.get('seq')):>7}  {r.get('time')!s:32}  "
-                f"{r.get('type')!s:19}  {r.get('result') or '-'!s:6}  "
-                f"{r.get('code') or '-'!s:24}  {r.get('key') or '-'}"
+                f"{record.index!s:>7}  {record.time!s:32}  {record.type or '-':19}  "
+                f"{row.result or '-':6}  {code or '-':24}  {name or '-'}"
             )
     else:
-        for r in rows:
-            print(json.dumps({k: v for k, v in r.items() if k != "input"}))
+        for row in selected:
+            print(json.dumps(row.as_json()))
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    for record in _records([args.log]):
-        if not _within(record, args.since, args.until):
+    for record in records([args.log]):
+        if not within(record, args.since, args.until):
             continue
         if args.format == "ocsf":  # one event per key for a release on a result
             for event in ocsf_events(record):
                 print(json.dumps(event))
         else:
-            print(json.dumps(record))
+            print(json.dumps(dict(record.body)))
     return 0

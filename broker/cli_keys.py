@@ -25,6 +25,7 @@ from broker.cli_admin_remote import add_remote_arguments, ask_admin, refuse_remo
 from broker.config import load_settings
 from broker.core.errors import FileFormatError
 from broker.core.protocol import Algorithm
+from broker.core.refs import PostgresRef
 from broker.keys import admin
 from broker.keys.factory import open_key_service
 from broker.keys.kek.pkcs11 import create_pkcs11_kek, parse_pkcs11_uri
@@ -146,13 +147,13 @@ def _migrate(args: argparse.Namespace) -> int:
     if args.source is not None or args.to is not None:
         return _print(transfer.migrate_stores(args))
     settings = load_settings(args.config)
-    store = settings.keys.store
-    if not store.startswith(("postgresql://", "postgres://")):
-        return _print({"store": store.split(":", 1)[0], "migrated": False, "reason": "not needed"})
+    store = settings.keys.store_ref
+    if not isinstance(store, PostgresRef):
+        return _print({"store": store.kind, "migrated": False, "reason": "not needed"})
     from broker.keys.store.postgres import migrate  # noqa: PLC0415
 
     before, after = asyncio.run(
-        migrate(store, timeout_seconds=settings.keys.upstream_timeout_seconds)
+        migrate(store.uri, timeout_seconds=settings.keys.upstream_timeout_seconds)
     )
     return _print({"store": "postgresql", "schema_version_before": before, "schema_version": after})
 

@@ -18,17 +18,17 @@ from urllib.parse import urlsplit
 
 from broker.audit.log import DecisionLog
 from broker.audit.records import LogCorrupt, iter_records
-from broker.config import Settings, load_settings
+from broker.config import Settings, key_store_ref, load_settings
 from broker.config_tables import resolve_sqlite_uri
 from broker.core.errors import ConfigError, FileFormatError, InputError
 from broker.core.jsonsafe import loads_bounded
+from broker.core.refs import PostgresRef
 from broker.keys.admin import cli_actor
 from broker.keys.factory import open_store
 from broker.keys.store.base import KeyStore, KeyVersionRecord
 from broker.keys.transfer import backup_document, copy_versions, read_backup
 
 MAX_BACKUP_BYTES = 1024 * 1024 * 1024
-STORE_FORMS = "sqlite:///PATH, postgresql://USER@HOST/DB or secretmanager:projects/P"
 NOT_A_BACKUP = "name a file `broker keys backup -o FILE` wrote"
 
 
@@ -78,12 +78,7 @@ def store_argument(option: str, uri: str | None, settings: Settings) -> str:
     """
     if uri is None:
         return settings.keys.store
-    parts = urlsplit(uri)
-    if not (
-        uri.startswith(("sqlite:///", "secretmanager:projects/"))
-        or (parts.scheme in {"postgresql", "postgres"} and parts.hostname)
-    ):
-        raise ConfigError(option, f"expected {STORE_FORMS}")
+    key_store_ref(uri, option)
     return resolve_sqlite_uri(option, uri, Path.cwd())
 
 
@@ -101,7 +96,7 @@ def migrate_stores(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(
             "--to", "the source and the target are the same store: name the other with --from/--to"
         )
-    if to.startswith(("postgresql://", "postgres://")):
+    if isinstance(key_store_ref(to, "--to"), PostgresRef):
         from broker.keys.store.postgres import migrate  # noqa: PLC0415
 
         asyncio.run(migrate(to, timeout_seconds=settings.keys.upstream_timeout_seconds))

@@ -19,7 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from broker.cli_audit_query import per_key
+from broker.audit.envelope import DECISION_TYPES, Envelope, RecordError, instant, parse_record
+from broker.cli_audit_query import with_segments
 from broker.core.errors import ConfigError, FileFormatError
 from broker.core.jsonsafe import loads_bounded
 from broker.policy.build import (
@@ -361,64 +362,63 @@ def _replay(args: argparse.Namespace) -> int:
         "reasons_changed": 0,
         "skipped": 0,
     }
-    for record in _decisions(_records(args.log)):
+    for record in _records(args.log):
         # both policies: an attestation's input says so itself (request.kind, written by the
-        # broker), and the engine reads data.broker.attest for it; attestations name no key
-        kind = record.get("type")
-        if kind not in ("release", "attestation", "attested_release") or (
-            args.key and record.get("key") != args.key
-        ):
+        # broker), and the engine reads data.broker.attest for it; attestations name no key.
+        # A release on a result decided each key on its own input: one decision per key.
+        if record.kind not in DECISION_TYPES:
             continue
-        if since is not None and _time(str(record.get("time"))) < since:
+        if since is not None and (record.at is None or record.at < since):
             continue
-        if not isinstance(record.get("input"), dict) or record.get("result") not in (
-            "allow",
-            "deny",
-        ):
-            summary["skipped"] += 1  # decided before the policy ran (attestation), or no input
-            continue
-        summary["decisions"] += 1
-        new = Decision.from_result(instance.evaluate(record["input"]), compiled.digest)
-        old_allow = record["result"] == "allow"
-        old_reasons = sorted(record.get("reasons") or [])
-        if new.allowed == old_allow and list(new.reasons) == old_reasons:
-            summary["unchanged"] += 1
-            continue
-        if new.allowed != old_allow:
-            summary["allow_to_deny" if old_allow else "deny_to_allow"] += 1
-        else:
-            summary["reasons_changed"] += 1
-        changed = {k: record.get(k) for k in ("type", "decision_id", "time", "key")}
-        changed["old"] = {"allow": old_allow, "reasons": old_reasons}
-        changed["new"] = {"allow": new.allowed, "reasons": list(new.reasons)}
-        print(json.dumps(changed))
+        for decision in record.decisions:
+            if args.key and decision.key != args.key:
+                continue
+            if decision.input is None or decision.result not in ("allow", "deny"):
+                summary["skipped"] += 1  # decided before the policy ran, or no input
+                continue
+            summary["decisions"] += 1
+            new = Decision.from_result(instance.evaluate(decision.input), compiled.digest)
+            old_allow = decision.result == "allow"
+            old_reasons = sorted(decision.reasons)
+            if new.allowed == old_allow and list(new.reasons) == old_reasons:
+                summary["unchanged"] += 1
+                continue
+            if new.allowed != old_allow:
+                summary["allow_to_deny" if old_allow else "deny_to_allow"] += 1
+            else:
+                summary["reasons_changed"] += 1
+            changed: dict[str, Any] = {
+                "type": record.type,
+                "decision_id": record.decision_id,
+                "time": record.time,
+                "key": decision.key,
+            }
+            changed["old"] = {"allow": old_allow, "reasons": old_reasons}
+            changed["new"] = {"allow": new.allowed, "reasons": list(new.reasons)}
+            print(json.dumps(changed))
     print(json.dumps({"summary": summary, "policy_digest": compiled.digest}))
     return 0
 
 
-def _decisions(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Policy decisions: a release on an attestation result decided each key on its own input
-    (``per_key``: one decision per key); every other record is itself."""
-    for record in records:
-        yield from per_key(record)
-
-
-def _records(logs: list[Path]) -> Iterator[dict[str, Any]]:
+def _records(logs: list[Path]) -> Iterator[Envelope]:
+    """The records of the logs (each with its closed segments, as ``audit query`` reads them),
+    as envelopes; unlike ``audit query`` any JSON-lines file of records is read (a hand-made
+    log of decisions to try a policy on)."""
     for log in logs:
-        for number, line in enumerate(_read(log, "--log").splitlines(), start=1):
-            try:
-                record = loads_bounded(line)
-            except ValueError as exc:
-                raise ConfigError("--log", f"{log}:{number} is not a JSON record") from exc
-            if isinstance(record, dict):
-                yield record
+        for path in with_segments([log]) or [log]:
+            for number, line in enumerate(_read(path, "--log").splitlines(), start=1):
+                try:
+                    yield parse_record(line)
+                except RecordError as exc:
+                    raise ConfigError("--log", f"{path}:{number}: {exc}") from exc
 
 
 def _time(text: str) -> datetime:
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError as exc:
-        raise ConfigError("--since", f"not an RFC 3339 time: {text!r}") from exc
+    """``--since``: an RFC 3339 time with a zone, read as records' times are (an instant)."""
+    parsed = instant(text)
+    if parsed is None:
+        raise ConfigError("--since", f"not an RFC 3339 time with a zone (Z or +HH:MM): {text!r}")
+    return parsed
 
 
 def _build(args: argparse.Namespace) -> int:

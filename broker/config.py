@@ -18,6 +18,7 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,10 +29,29 @@ from broker.config_tables import (
     convert_value,
     resolve_local_kek,
     resolve_path,
+    resolve_sqlite_store,
     resolve_sqlite_uri,
 )
 from broker.core.errors import ConfigError, FileFormatError
 from broker.core.hostnames import in_domain, is_loopback_host
+from broker.core.refs import (
+    BundleRef,
+    CloudKmsRef,
+    GcsBundleRef,
+    KekRef,
+    LocalFileRef,
+    MemoryRef,
+    PostgresRef,
+    RedisRef,
+    SecretManagerRef,
+    SignerRef,
+    SqliteRef,
+    StoreRef,
+    bundle_ref,
+    kek_ref,
+    signer_ref,
+    store_ref,
+)
 
 ISSUER_KINDS = frozenset({"gca", "ita", "nras"})
 # Signature algorithms each kind of issuer uses when the entry does not list its own.
@@ -44,9 +64,8 @@ REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 def nonce_store_setting(store: str) -> str:
     """A resolved ``[nonces] store`` as it must be written to be read back unchanged (a resolved
     SQLite path is absolute: ``sqlite:///`` followed by ``/…``)."""
-    if store.startswith("sqlite://"):
-        return "sqlite:///" + store.removeprefix("sqlite://")
-    return store
+    ref = store_ref(store, "nonces.store")
+    return f"sqlite:///{ref.path}" if isinstance(ref, SqliteRef) else store
 
 
 def default_replica_id() -> str:
@@ -164,6 +183,11 @@ class PolicySettings:
     reload_seconds: int = 5  # poll dir/bundle for changes; 0 = only SIGHUP / admin reload
     eval_timeout_ms: int = 500  # engine = "opa": no answer in time is 503 policy_unavailable
 
+    @cached_property
+    def bundle_ref(self) -> BundleRef | None:
+        """``bundle_url`` parsed (core/refs.py), once."""
+        return None if self.bundle_url is None else bundle_ref(self.bundle_url)
+
 
 @dataclass(frozen=True)
 class KeySettings:
@@ -185,6 +209,20 @@ class KeySettings:
     # destroy, rotate) takes effect here within this bound. 0: read the store on every release.
     metadata_cache_seconds: float = 1.0
     signing_key: Path | None = None  # EC P-256 PEM that signs query-key statements
+
+    @cached_property
+    def store_ref(self) -> StoreRef:
+        """``store`` parsed (core/refs.py), once. Raises: ConfigError."""
+        return store_ref(self.store, "keys.store")
+
+    @cached_property
+    def kek_refs(self) -> tuple[KekRef, ...]:
+        """``kek`` then each ``kek_previous``, parsed once. Raises: ConfigError naming it."""
+        names = ["keys.kek", *(f"keys.kek_previous[{i}]" for i in range(len(self.kek_previous)))]
+        return tuple(
+            kek_ref(uri, name)
+            for uri, name in zip((self.kek, *self.kek_previous), names, strict=True)
+        )
 
 
 @dataclass(frozen=True)
@@ -216,6 +254,15 @@ class AuditSettings:
     # signs a hand-over naming the new key and records the rotation (docs/audit.md)
     previous_signing_key: str | None = None
 
+    @cached_property
+    def signing_ref(self) -> SignerRef | None:
+        """``signing_key`` parsed (core/refs.py), once."""
+        return None if self.signing_key is None else signer_ref(self.signing_key)
+
+    @cached_property
+    def previous_signing_ref(self) -> SignerRef | None:
+        return None if self.previous_signing_key is None else signer_ref(self.previous_signing_key)
+
 
 NONCE_STORE_FORMS = (
     "expected memory, sqlite:///PATH, redis://HOST:PORT/DB or postgresql://USER@HOST/DB"
@@ -240,6 +287,11 @@ class NonceSettings:
     # 32 random bytes keying the challenges' MAC (created 0600 if absent). Default: beside the
     # log (the workers of a host share it); replicas behind one load balancer need one file.
     challenge_key: Path | None = None
+
+    @cached_property
+    def store_ref(self) -> StoreRef:
+        """``store`` parsed (core/refs.py), once. Raises: ConfigError."""
+        return store_ref(self.store, "nonces.store")
 
 
 @dataclass(frozen=True)
@@ -283,6 +335,11 @@ class AttestSettings:
     # so results they signed keep working until they expire (remove after ttl_seconds)
     previous_keys: tuple[str, ...] = ()
     dpop_nonce: bool = True  # a release's DPoP proof must carry this broker's DPoP-Nonce
+
+    @cached_property
+    def signing_ref(self) -> SignerRef | None:
+        """``signing_key`` parsed (core/refs.py), once."""
+        return None if self.signing_key is None else signer_ref(self.signing_key)
 
 
 @dataclass(frozen=True)
@@ -433,10 +490,10 @@ def settings_from_mapping(
     audit = replace(audit, origin=replica_origin(audit.origin, server.replica_id))
     if audit.mask_key is None:
         audit = replace(audit, mask_key=audit.log.parent / "mask.key")
-    if audit.signing_key and not audit.signing_key.startswith("cloudkms:"):  # a file: resolve it
-        audit = replace(audit, signing_key=str(resolve_path(base_dir, audit.signing_key)))
-    previous = audit.previous_signing_key
-    if previous and not previous.startswith("cloudkms:"):
+    if isinstance(audit.signing_ref, LocalFileRef):  # a file: relative to the config
+        audit = replace(audit, signing_key=str(resolve_path(base_dir, audit.signing_ref.uri)))
+    if isinstance(audit.previous_signing_ref, LocalFileRef):
+        previous = audit.previous_signing_ref.uri
         audit = replace(audit, previous_signing_key=str(resolve_path(base_dir, previous)))
     nvidia = config_table(NvidiaSettings, "nvidia", raw, env, base_dir)
     nonces = config_table(NonceSettings, "nonces", raw, env, base_dir)
@@ -445,17 +502,15 @@ def settings_from_mapping(
     if not nonces.store:
         shared = f"sqlite:///{audit.log.parent / 'nonces.db'}"
         nonces = replace(nonces, store="memory" if server.workers == 1 else shared)
-    if nonces.store.startswith("sqlite:///"):  # a relative path is relative to the config
-        path = resolve_path(base_dir, nonces.store.removeprefix("sqlite:///"))
-        nonces = replace(nonces, store=f"sqlite://{path}")
+    nonces = replace(nonces, store=resolve_sqlite_store(nonces.store, base_dir))
     admin_raw = dict(raw.get("admin", {})) if isinstance(raw.get("admin", {}), dict) else {}
     token_tables = admin_raw.pop("tokens", [])
     admin = config_table(AdminSettings, "admin", {"admin": admin_raw}, env, base_dir)
     admin = AdminSettings(token_sha256=admin.token_sha256, tokens=_admin_tokens(token_tables))
     issuers = _issuers(raw.get("issuers", []), base_dir)
     attest = config_table(AttestSettings, "attest", raw, env, base_dir)
-    if attest.signing_key and not attest.signing_key.startswith(("cloudkms:", "pkcs11:")):
-        attest = replace(attest, signing_key=str(resolve_path(base_dir, attest.signing_key)))
+    if isinstance(attest.signing_ref, LocalFileRef):
+        attest = replace(attest, signing_key=str(resolve_path(base_dir, attest.signing_ref.uri)))
     attest = replace(
         attest, previous_keys=tuple(str(resolve_path(base_dir, k)) for k in attest.previous_keys)
     )
@@ -582,8 +637,8 @@ def _validate_sealed(settings: Settings) -> None:
             "server.tls_cert": settings.server.tls_cert,
             "server.tls_key": settings.server.tls_key,
             "keys.signing_key": settings.keys.signing_key,
-            "audit.signing_key": _local_key(settings.audit.signing_key),
-            "attest.signing_key": _local_key(settings.attest.signing_key),
+            "audit.signing_key": _local_key(settings.audit.signing_ref),
+            "attest.signing_key": _local_key(settings.attest.signing_ref),
         }
         for key, value in operator_files.items():
             if value is not None:
@@ -600,9 +655,9 @@ def makes_keys(settings: Settings) -> bool:
     return settings.sealed.launcher_socket is not None and settings.sealed.make_keys
 
 
-def _local_key(key: str | None) -> str | None:
+def _local_key(ref: SignerRef | None) -> str | None:
     """A key setting that names a file (not a KMS or HSM key), else ``None``."""
-    return None if key is None or key.startswith(("cloudkms:", "pkcs11:")) else key
+    return ref.uri if isinstance(ref, LocalFileRef) else None
 
 
 def _validate_kms_access(settings: Settings) -> None:
@@ -617,13 +672,12 @@ def _validate_kms_access(settings: Settings) -> None:
     if keys.kms_credentials is not None and not keys.kms_credentials.is_file():
         raise ConfigError("keys.kms_credentials", f"no such file: {keys.kms_credentials}")
     uses_kms = any(
-        (uri or "").startswith("cloudkms:")
-        for uri in (
-            keys.kek,
-            *keys.kek_previous,
-            settings.audit.signing_key,
-            settings.audit.previous_signing_key,
-            settings.attest.signing_key,
+        isinstance(ref, CloudKmsRef)
+        for ref in (
+            *keys.kek_refs,
+            settings.audit.signing_ref,
+            settings.audit.previous_signing_ref,
+            settings.attest.signing_ref,
         )
     )
     if settings.sealed.launcher_socket is None or not uses_kms:
@@ -655,7 +709,8 @@ def _validate_policy(policy: PolicySettings) -> None:
     if policy.bundle_url is not None:
         if policy.bundle is not None:
             raise ConfigError("policy.bundle_url", "set bundle_url or bundle, not both")
-        gcs = policy.bundle_url.startswith("gs://") and "/" in policy.bundle_url[5:]
+        ref = policy.bundle_ref
+        gcs = isinstance(ref, GcsBundleRef) and bool(ref.bucket) and bool(ref.name)
         if not (gcs or _url_allowed(policy.bundle_url)):
             raise ConfigError(
                 "policy.bundle_url", "https://… (http:// only on loopback) or gs://BUCKET/OBJECT"
@@ -714,7 +769,7 @@ def _validate_replica_origin(settings: Settings) -> None:
         ConfigError: ``audit.origin`` when two replicas would sign under one origin.
     """
     audit = settings.audit
-    shared = settings.nonces.store.startswith(("redis://", "rediss://", "postgresql://"))
+    shared = isinstance(settings.nonces.store_ref, RedisRef | PostgresRef)
     if (shared or audit.peer_url) and origin_prefix(
         audit.origin, settings.server.replica_id
     ) is None:
@@ -741,33 +796,41 @@ def _validate_attest(attest: AttestSettings, *, made_by_broker: bool = False) ->
 
 
 def _validate_nonces(nonces: NonceSettings) -> None:
-    store = nonces.store
-    parts = urlsplit(store)
-    if not (
-        store == "memory"
-        or (store.startswith("sqlite:///") and len(store) > len("sqlite:///"))
-        or (parts.scheme in {"redis", "rediss"} and parts.hostname)
-        or (parts.scheme in {"postgresql", "postgres"} and parts.hostname)
-    ):
+    try:
+        ref = nonces.store_ref
+    except ConfigError as exc:
+        raise ConfigError("nonces.store", NONCE_STORE_FORMS) from exc
+    hostless = isinstance(ref, RedisRef | PostgresRef) and not urlsplit(ref.uri).hostname
+    if hostless or not isinstance(ref, MemoryRef | SqliteRef | RedisRef | PostgresRef):
         raise ConfigError("nonces.store", NONCE_STORE_FORMS)
     if not nonces.timeout_seconds > 0:
         raise ConfigError("nonces.timeout_seconds", "must be positive")
 
 
-def _validate_keys(keys: KeySettings) -> None:
-    parts = urlsplit(keys.store)
+KEY_STORE_FORMS = "expected sqlite:///PATH, postgresql://USER@HOST/DB or secretmanager:projects/P"
+
+
+def key_store_ref(uri: str, setting: str) -> StoreRef:
+    """``uri`` as a key store (``[keys] store``, ``keys migrate --from/--to``).
+
+    Raises:
+        ConfigError: naming ``setting`` for a store that cannot hold keys.
+    """
+    try:
+        ref = store_ref(uri, setting)
+    except ConfigError as exc:
+        raise ConfigError(setting, KEY_STORE_FORMS) from exc
     if not (
-        keys.store.startswith(("sqlite:///", "secretmanager:projects/"))
-        or (parts.scheme in {"postgresql", "postgres"} and parts.hostname)
+        isinstance(ref, SqliteRef | SecretManagerRef)
+        or (isinstance(ref, PostgresRef) and urlsplit(ref.uri).hostname)
     ):
-        raise ConfigError(
-            "keys.store",
-            "expected sqlite:///PATH, postgresql://USER@HOST/DB or secretmanager:projects/P",
-        )
-    for index, uri in enumerate((keys.kek, *keys.kek_previous)):
-        key = "keys.kek" if index == 0 else f"keys.kek_previous[{index - 1}]"
-        if uri.split(":", 1)[0] not in {"local", "pkcs11", "cloudkms"} or ":" not in uri:
-            raise ConfigError(key, "expected local:PATH, pkcs11:… or cloudkms:projects/…")
+        raise ConfigError(setting, KEY_STORE_FORMS)
+    return ref
+
+
+def _validate_keys(keys: KeySettings) -> None:
+    key_store_ref(keys.store, "keys.store")
+    keys.kek_refs  # noqa: B018 - parsed here, once: a malformed one names its setting
     if keys.upstream_timeout_seconds <= 0:
         raise ConfigError("keys.upstream_timeout_seconds", "must be positive")
     if keys.dek_cache_seconds < 0 or keys.dek_cache_max < 0 or keys.metadata_cache_seconds < 0:

@@ -127,3 +127,11 @@ def resolve_local_kek(uri: str, base_dir: Path) -> str:
     if not uri.startswith("local:") or len(uri) == len("local:"):
         return uri
     return f"local:{resolve_path(base_dir, uri.removeprefix('local:'))}"
+
+
+def resolve_sqlite_store(uri: str, base_dir: Path) -> str:
+    """A ``sqlite:///PATH`` nonce store with a relative PATH made absolute against ``base_dir``
+    (the config file's directory), written ``sqlite://`` + the absolute path; others unchanged."""
+    if not uri.startswith("sqlite:///"):
+        return uri
+    return f"sqlite://{resolve_path(base_dir, uri.removeprefix('sqlite:///'))}"

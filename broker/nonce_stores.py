@@ -22,6 +22,7 @@ from pathlib import Path
 
 from broker.config import NONCE_STORE_FORMS
 from broker.core.errors import ConfigError
+from broker.core.refs import MemoryRef, PostgresRef, RedisRef, SqliteRef, StoreRef
 from broker.nonces import (
     MemorySpentNonces,
     NonceStore,
@@ -37,16 +38,16 @@ log = logging.getLogger(__name__)
 
 
 def open_nonce_store(
-    uri: str, *, ttl: timedelta, capacity: int, timeout: float, key_path: Path
+    store: StoreRef, *, ttl: timedelta, capacity: int, timeout: float, key_path: Path
 ) -> NonceStore:
     """Challenges MAC'd with the key in ``key_path``; spent nonces and spent DPoP ``jti``s where
     ``[nonces] store`` names (validated by the config loader), each namespace bounded by
     ``capacity`` on its own."""
     return StatelessNonceStore(
-        open_spent_store(uri, capacity=capacity, timeout=timeout, namespace=CHALLENGES),
+        open_spent_store(store, capacity=capacity, timeout=timeout, namespace=CHALLENGES),
         key_path=key_path,
         ttl=ttl,
-        jtis=open_spent_store(uri, capacity=capacity, timeout=timeout, namespace=DPOP_JTIS),
+        jtis=open_spent_store(store, capacity=capacity, timeout=timeout, namespace=DPOP_JTIS),
     )
 
 
@@ -58,26 +59,24 @@ SQLITE_TABLES = {CHALLENGES: "spent_nonces", DPOP_JTIS: "spent_dpop_jtis"}
 
 
 def open_spent_store(
-    uri: str, *, capacity: int, timeout: float, namespace: str = CHALLENGES
+    store: StoreRef, *, capacity: int, timeout: float, namespace: str = CHALLENGES
 ) -> SpentNonces:
-    if uri == "memory":
+    """The store ``[nonces] store`` names (``NonceSettings.store_ref``)."""
+    if isinstance(store, MemoryRef):
         return MemorySpentNonces(capacity=capacity)
-    if uri.startswith("sqlite:///"):
+    if isinstance(store, SqliteRef):
         return SqliteSpentNonces(
-            Path(uri.removeprefix("sqlite://")),
-            capacity=capacity,
-            timeout=timeout,
-            table=SQLITE_TABLES[namespace],
+            store.path, capacity=capacity, timeout=timeout, table=SQLITE_TABLES[namespace]
         )
     # The Redis and PostgreSQL clients load only where such a store is configured.
-    if uri.startswith(("redis://", "rediss://")):
+    if isinstance(store, RedisRef):
         from broker.nonce_stores_shared import RedisSpentNonces  # noqa: PLC0415
 
-        return RedisSpentNonces(uri, timeout=timeout, namespace=namespace)
-    if uri.startswith(("postgresql://", "postgres://")):
+        return RedisSpentNonces(store.uri, timeout=timeout, namespace=namespace)
+    if isinstance(store, PostgresRef):
         from broker.nonce_stores_shared import PostgresSpentNonces  # noqa: PLC0415
 
-        return PostgresSpentNonces(uri, timeout=timeout, namespace=namespace)
+        return PostgresSpentNonces(store.uri, timeout=timeout, namespace=namespace)
     raise ConfigError("nonces.store", NONCE_STORE_FORMS)
 
 

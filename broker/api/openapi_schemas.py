@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from broker.attestation.stored import MAX_REASON_CHARS
-from broker.attested_request import MAX_KEYS
 from broker.core.errors import ErrorCode
 from broker.core.fields import MAX_VERSION
 from broker.core.protocol import Algorithm
 from broker.crypto.wrap import WRAP_MODES
+from broker.decisions.attested_request import MAX_KEYS
 from broker.keys.service import KEY_NAME, MAX_KEY_NAME
 from broker.keys.store.base import Purpose, VersionState
 from broker.nonces import MAX_NONCE_CHARS

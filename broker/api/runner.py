@@ -12,14 +12,14 @@ from aiohttp import web
 from broker.api.admin import check_admin
 from broker.api.body import read_json_object
 from broker.api.middleware import REQUEST_ID, STARTED
-from broker.api.services import ATTESTATIONS, CLOCK, NONCES, RELEASE, SETTINGS
-from broker.attest import ATTEST_FIELDS
+from broker.api.services import ATTESTATIONS, CLOCK, KERNEL, NONCES, RELEASE, SETTINGS
 from broker.attestation.ear import MEDIA_TYPE
 from broker.attestation.stored import AttestationEntry
-from broker.attested_release import AttestedRelease, ReleasedOnResult
-from broker.attested_request import ATTESTED_FIELDS, ATTESTED_OPTIONAL, Presented
 from broker.core.errors import BrokerError, ErrorCode, Unauthorized
-from broker.release import RELEASE_FIELDS, RELEASE_OPTIONAL
+from broker.decisions.attest import ATTEST_FIELDS
+from broker.decisions.attested_release import AttestedRelease, ReleasedOnResult
+from broker.decisions.attested_request import ATTESTED_FIELDS, ATTESTED_OPTIONAL, Presented
+from broker.decisions.release import RELEASE_FIELDS, RELEASE_OPTIONAL
 
 
 async def challenge(request: web.Request) -> web.Response:
@@ -39,8 +39,9 @@ async def challenge(request: web.Request) -> web.Response:
 async def release(request: web.Request) -> web.Response:
     """Verify evidence, decide, log, and return the DEK wrapped to the runner key.
 
-    Only the body's syntax is checked here; its fields are checked by the release service,
-    inside the logged path, so that every parsed release request leaves a decision record.
+    Only the body's syntax is checked here; its fields are checked by the release plan, inside
+    the logged path (the decision kernel), so that every parsed release request leaves a
+    decision record.
     With ``Authorization: DPoP <EAR>`` the keys are released on an attestation result instead
     (``attested_release``); a request with any other ``Authorization`` is a full-evidence
     release as it always was.
@@ -50,9 +51,10 @@ async def release(request: web.Request) -> web.Response:
         return await _release_on_result(request)
     body = await read_json_object(request, required=RELEASE_FIELDS, optional=RELEASE_OPTIONAL)
     read = time.perf_counter()
+    plan = request.app[RELEASE]
     with _naming_the_log(request):
-        released = await request.app[RELEASE].release(
-            body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
+        released = await request.app[KERNEL].run(
+            plan, body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
         )
     headers = {}
     if request.app[SETTINGS].server.server_timing:  # W3C Server-Timing, in milliseconds
@@ -95,7 +97,7 @@ async def _release_on_result(request: web.Request) -> web.Response:
     """``Authorization: DPoP <EAR>`` + ``DPoP`` proof + ``{"keys": […]}``. Every answer, refusals
     included, carries a fresh ``DPoP-Nonce`` for the next proof; a refused result or proof says
     so in ``WWW-Authenticate`` (RFC 9449 §7.1, RFC 6750 §3)."""
-    service = request.app[ATTESTATIONS].require_releases()
+    plan = request.app[ATTESTATIONS].require_releases()
     clock = request.app[CLOCK]
     try:
         body = await read_json_object(request, required=ATTESTED_FIELDS, optional=ATTESTED_OPTIONAL)
@@ -106,21 +108,18 @@ async def _release_on_result(request: web.Request) -> web.Response:
             host=",".join(hosts) if hosts else None,  # two Host fields: refused (a comma)
         )
         with _naming_the_log(request):
-            released = await service.release(
-                body,
-                presented=presented,
-                now=clock(),
-                request_id=request[REQUEST_ID],
+            released = await request.app[KERNEL].run(
+                plan, (body, presented), now=clock(), request_id=request[REQUEST_ID]
             )
     except BrokerError as exc:
-        exc.headers["DPoP-Nonce"] = service.server_nonce(clock())
+        exc.headers["DPoP-Nonce"] = plan.server_nonce(clock())
         challenge = _CHALLENGES.get(exc.code)
         if challenge is not None:
             exc.headers["WWW-Authenticate"] = f'DPoP algs="ES256", error="{challenge}"'
         raise
     return web.json_response(
         _describe_release(released) | {"log_origin": request.app[SETTINGS].audit.origin},
-        headers={"DPoP-Nonce": service.server_nonce(clock()), "Cache-Control": "no-store"},
+        headers={"DPoP-Nonce": plan.server_nonce(clock()), "Cache-Control": "no-store"},
     )
 
 
@@ -166,11 +165,11 @@ def _describe_release(released: AttestedRelease) -> dict[str, object]:
 async def attest(request: web.Request) -> web.Response:
     """Verify evidence once and answer an attestation result (EAR) bound to the runner's keys:
     ``201``, the signed EAR as ``application/eat+jwt``, ``Location`` naming it."""
-    service = request.app[ATTESTATIONS].require()
+    plan = request.app[ATTESTATIONS].require_attest()
     body = await read_json_object(request, required=ATTEST_FIELDS)
     with _naming_the_log(request):
-        attested = await service.attest(
-            body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
+        attested = await request.app[KERNEL].run(
+            plan, body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
         )
     return web.Response(
         status=201,

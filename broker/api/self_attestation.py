@@ -34,6 +34,7 @@ from broker.client.tokens import ConfidentialSpaceTokenSource, TokenSourceError
 from broker.config import Settings
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import ConfigError
+from broker.core.refs import LocalFileRef
 from broker.crypto.keyfiles import private_key_file
 
 log = logging.getLogger(__name__)
@@ -86,15 +87,11 @@ def collect_keys(settings: Settings) -> BoundKeys:
     spki = {"tls": spki_der(certificate.public_key())}
     if settings.keys.signing_key is not None:
         spki["statement"] = _public_der(settings.keys.signing_key, "keys.signing_key")
-    if _local(settings.audit.signing_key):
-        spki["checkpoint"] = _public_der(Path(str(settings.audit.signing_key)), "audit.signing_key")
-    if settings.attest.enabled and _local(settings.attest.signing_key):
-        spki["result"] = _public_der(Path(str(settings.attest.signing_key)), "attest.signing_key")
+    if isinstance(settings.audit.signing_ref, LocalFileRef):
+        spki["checkpoint"] = _public_der(settings.audit.signing_ref.path, "audit.signing_key")
+    if settings.attest.enabled and isinstance(settings.attest.signing_ref, LocalFileRef):
+        spki["result"] = _public_der(settings.attest.signing_ref.path, "attest.signing_key")
     return BoundKeys(spki)
-
-
-def _local(key: str | None) -> bool:
-    return key is not None and not key.startswith(("cloudkms:", "pkcs11:"))
 
 
 def _public_der(path: Path, setting: str) -> bytes:

@@ -16,16 +16,19 @@ from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.api.readiness import Readiness
-from broker.attest import AttestService, ResultKeys
-from broker.attested_release import AttestedReleaseService
 from broker.audit.log import DecisionLog
 from broker.config import Settings
 from broker.core.errors import ErrorCode, NotFound
+from broker.decisions.attest import AttestPlan
+from broker.decisions.attested_release import AttestedReleasePlan
+from broker.decisions.kernel import Kernel
+from broker.decisions.release import ReleasePlan
+from broker.decisions.results import AttestationResults
+from broker.decisions.signers import ResultKeys
 from broker.keys.service import KeyService
 from broker.nonces import NonceStore
 from broker.policy.engine import PolicyEngine
 from broker.policy.manager import PolicyManager
-from broker.release import ReleaseService
 
 Clock = Callable[[], datetime]
 
@@ -71,17 +74,23 @@ class StatementKey:
 class Attestations:
     """``POST /v1/attest`` when ``[attest] enabled``; otherwise its routes answer 404."""
 
-    service: AttestService | None
-    releases: AttestedReleaseService | None = None  # ``POST /v1/release`` on a result
+    service: AttestationResults | None  # issued results: status, revocation, re-decision
+    attest: AttestPlan | None = None  # ``POST /v1/attest``
+    releases: AttestedReleasePlan | None = None  # ``POST /v1/release`` on a result
     result_keys: ResultKeys | None = None  # published at /.well-known/jwks.json
 
-    def require(self) -> AttestService:
+    def require(self) -> AttestationResults:
         """Raises ``NotFound``: attestation results are off here (not a failing dependency)."""
         if self.service is None:
             raise _off()
         return self.service
 
-    def require_releases(self) -> AttestedReleaseService:
+    def require_attest(self) -> AttestPlan:
+        if self.attest is None:
+            raise _off()
+        return self.attest
+
+    def require_releases(self) -> AttestedReleasePlan:
         if self.releases is None:
             raise _off()
         return self.releases
@@ -101,7 +110,8 @@ DECISIONS: web.AppKey[DecisionLog] = web.AppKey("decisions", DecisionLog)
 KEYS: web.AppKey[KeyService] = web.AppKey("keys", KeyService)
 POLICIES: web.AppKey[PolicyManager] = web.AppKey("policies", PolicyManager)
 POLICY: web.AppKey[PolicyEngine] = web.AppKey("policy")
-RELEASE: web.AppKey[ReleaseService] = web.AppKey("release", ReleaseService)
+KERNEL: web.AppKey[Kernel] = web.AppKey("kernel", Kernel)  # runs every decision plan
+RELEASE: web.AppKey[ReleasePlan] = web.AppKey("release", ReleasePlan)
 CHECKPOINTS: web.AppKey[Checkpoints] = web.AppKey("checkpoints")
 STATEMENTS: web.AppKey[StatementKey] = web.AppKey("statements", StatementKey)
 READINESS: web.AppKey[Readiness] = web.AppKey("readiness", Readiness)

@@ -7,16 +7,21 @@ status and reasons), each naming the attestation (``actor.session.uid``) and the
 attested (``actor.user``); a request refused before any key was decided is one event per key
 it asked for, with the request's code.
 
-Pure: a record (a dict read from the log) in, a list of events out; nothing is fetched.
+Every mapping reads the record through its envelope (``envelope.py``): a release, on evidence or
+on a result, is one event per key of ``Envelope.decisions`` — the keys decided, then the keys asked
+and never decided (refused before, or cut short by a bug), each with its name.
+
+Pure: a record (its envelope, or the dict read from the log) in, a list of events out; nothing is
+fetched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from datetime import datetime
 from typing import Any
 
-from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL, outcome
+from broker.audit.envelope import Envelope, KeyDecision, RecordType, parse_record
+from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL
 
 CLASS_UID = 6003  # API Activity (Application Activity category)
 CATEGORY_UID = 6
@@ -47,15 +52,18 @@ KEY_ACTIVITIES = {
 Event = dict[str, Any]
 
 
-def ocsf_events(record: Mapping[str, Any]) -> list[Event]:
-    """The OCSF events of one record (one, or one per key for a release on a result)."""
-    kind = str(record.get("type", "release"))
-    mapping = MAPPINGS.get(kind, _other)
-    return mapping(record)
+def ocsf_events(record: Envelope | Mapping[str, Any]) -> list[Event]:
+    """The OCSF events of one record (one, or one per key for a release on a result).
+
+    Raises:
+        RecordError: ``record`` is not a record (not an object).
+    """
+    envelope = record if isinstance(record, Envelope) else parse_record(record)
+    return MAPPINGS.get(envelope.kind, _other)(envelope)
 
 
 def _event(
-    record: Mapping[str, Any],
+    envelope: Envelope,
     *,
     activity: int,
     result: str | None,
@@ -67,56 +75,50 @@ def _event(
     unmapped: Mapping[str, Any] | None = None,
 ) -> Event:
     """The fields every event has, from the record's envelope (time, index, replica, hash)."""
-    status_id = STATUS.get(str(result), 0) if result is not None else 1
-    decision = record.get("decision_id") or record.get("jti")
+    status_id = STATUS.get(result, 0) if result is not None else 1
+    decision = envelope.uid
     return {
         "class_uid": CLASS_UID,
         "category_uid": CATEGORY_UID,
         "activity_id": activity,
         "type_uid": CLASS_UID * 100 + activity,
-        "time": _epoch_ms(record.get("time")),
-        "severity_id": SEVERITY.get(str(result), 1) if result is not None else 1,
+        "time": 0 if envelope.at is None else int(envelope.at.timestamp() * 1000),
+        "severity_id": SEVERITY.get(result, 1) if result is not None else 1,
         "status_id": status_id,
         "status": STATUS_NAMES[status_id],
         "status_code": code,
         "message": message,
         "api": {
-            "operation": str(record.get("type", "release")),
-            "request": {"uid": record.get("request_id")},
+            "operation": envelope.type or envelope.kind.value,
+            "request": {"uid": envelope.request_id},
         },
         "actor": actor,
-        "resources": resources,
+        # a resource the record does not name is left unnamed, never named null
+        "resources": [
+            {k: v for k, v in r.items() if v is not None or k != "name"} for r in resources
+        ],
         "metadata": {
             "product": PRODUCT,
             "version": OCSF_VERSION,
             "uid": None if decision is None else f"{decision}{uid_suffix}",
             "correlation_uid": decision,
-            "sequence": record.get("index", record.get("seq")),
-            "log_name": record.get("replica"),
+            "sequence": envelope.index,
+            "log_name": envelope.replica,
         },
         "unmapped": {
-            "result": record.get("result"),
-            "policy_digest": record.get("policy_digest"),
-            "hash": record.get("hash"),
+            "result": envelope.result,
+            "policy_digest": envelope.policy_digest,
+            "hash": envelope.hash,
             **(unmapped or {}),
         },
     }
 
 
-def _epoch_ms(when: Any) -> int:
-    try:
-        return int(datetime.fromisoformat(str(when)).timestamp() * 1000)
-    except (ValueError, OverflowError):
-        return 0
+def _message(reasons: tuple[str, ...], other: str | None) -> str | None:
+    return "; ".join(reasons) or other or None
 
 
-def _message(reasons: Any, *others: Any) -> str | None:
-    text = "; ".join(str(r) for r in reasons) if isinstance(reasons, list) else ""
-    return text or next((str(o) for o in others if o), None)
-
-
-def _runner(identity: Any, session: Any = None) -> dict[str, Any]:
-    identity = identity if isinstance(identity, Mapping) else {}
+def _runner(identity: Mapping[str, Any], session: str | None = None) -> dict[str, Any]:
     actor: dict[str, Any] = {
         "user": {"uid": identity.get("sub"), "name": identity.get("image_digest")},
     }
@@ -128,12 +130,12 @@ def _runner(identity: Any, session: Any = None) -> dict[str, Any]:
     return actor
 
 
-def _who(record: Mapping[str, Any]) -> dict[str, Any]:
-    who = record.get("who")  # changes say who made them (admin token id, user@host, broker)
+def _who(envelope: Envelope) -> dict[str, Any]:
+    who = envelope.who  # changes say who made them (admin token id, user@host, broker)
     return {"user": {"uid": who, "name": who}}
 
 
-def _keys(name: Any, version: Any, kid: Any = None) -> list[dict[str, Any]]:
+def _keys(name: str | None, version: int | None, kid: str | None = None) -> list[dict[str, Any]]:
     """The key a record names as a resource; none when it names none (a request refused
     before its key could be read)."""
     if name is None:
@@ -148,208 +150,186 @@ def _keys(name: Any, version: Any, kid: Any = None) -> list[dict[str, Any]]:
     ]
 
 
-def _release(record: Mapping[str, Any]) -> list[Event]:
-    result = outcome(record)
+def _release(envelope: Envelope) -> list[Event]:
+    """A release, on evidence (one key) or on an attestation result (one event per key: those
+    decided with their own result, then those asked and not decided with the request's); a
+    request that named no key is one event without resources."""
+    attestation = envelope.attestation
+    session = None if attestation is None else attestation.jti
+    common: dict[str, Any] = {}
+    if attestation is not None:  # a release on a result: which result, which proof
+        common = {
+            "attestation_log_index": attestation.log_index,
+            "dpop_jti": envelope.body.get("dpop_jti"),
+            "pop_key_thumbprint": envelope.body.get("pop_key_thumbprint"),
+        }
+    numbered = envelope.kind is RecordType.ATTESTED_RELEASE and bool(envelope.keys)
     return [
-        _event(
-            record,
-            activity=READ,
-            result=result,
-            resources=_keys(record.get("key"), record.get("version"), record.get("kid")),
-            actor=_runner(record.get("identity")),
-            code=record.get("code"),
-            message=_message(record.get("reasons"), record.get("message")),
-            unmapped={"input_digest": record.get("input_digest")},
+        _key_event(
+            envelope,
+            key,
+            uid_suffix=f"#{n}" if numbered else "",
+            session=session,
+            common=common,
         )
+        for n, key in enumerate(envelope.decisions)
     ]
 
 
-def _attested_release(record: Mapping[str, Any]) -> list[Event]:
-    """One event per key: decided keys with their own result, else the keys asked with the
-    request's; a request that named no key is one event without resources."""
-    attestation = record.get("attestation")
-    attestation = attestation if isinstance(attestation, Mapping) else {}
-    actor = _runner(record.get("identity"), attestation.get("jti"))
-    common = {
-        "attestation_log_index": attestation.get("log_index"),
-        "dpop_jti": record.get("dpop_jti"),
-        "pop_key_thumbprint": record.get("pop_key_thumbprint"),
-    }
-    keys = [k for k in record.get("keys") or [] if isinstance(k, Mapping)]
-    if not keys:
-        asked = [a for a in record.get("asked") or [] if isinstance(a, Mapping)]
-        return [
-            _event(
-                record,
-                activity=READ,
-                result=record.get("result"),
-                resources=_keys(a.get("key"), a.get("version")),
-                actor=actor,
-                code=record.get("code"),
-                message=record.get("message"),
-                uid_suffix=f"#{n}",
-                unmapped=common,
-            )
-            for n, a in enumerate(asked)
-        ] or [
-            _event(
-                record,
-                activity=READ,
-                result=record.get("result"),
-                resources=[],
-                actor=actor,
-                code=record.get("code"),
-                message=record.get("message"),
-                unmapped=common,
-            )
-        ]
-    return [
-        _event(
-            record,
-            activity=READ,
-            result=key.get("result"),
-            resources=_keys(key.get("key"), key.get("version"), key.get("kid")),
-            actor=actor,
-            code=key.get("code"),
-            message=_message(key.get("reasons"), key.get("message")),
-            uid_suffix=f"#{n}",
-            unmapped={
-                **common,
-                "policy_digest": key.get("policy_digest"),
-                "input_digest": key.get("input_digest"),
-            },
-        )
-        for n, key in enumerate(keys)
-    ]
+def _key_event(
+    envelope: Envelope,
+    key: KeyDecision,
+    *,
+    uid_suffix: str,
+    session: str | None,
+    common: Mapping[str, Any],
+) -> Event:
+    return _event(
+        envelope,
+        activity=READ,
+        result=key.result,
+        resources=_keys(key.key, key.version, key.kid),
+        actor=_runner(envelope.identity, session),
+        code=key.code,
+        message=_message(key.reasons, key.message),
+        uid_suffix=uid_suffix,
+        unmapped={**common, "policy_digest": key.policy_digest, "input_digest": key.input_digest},
+    )
 
 
-def _attestation(record: Mapping[str, Any]) -> list[Event]:
+def _attestation(envelope: Envelope) -> list[Event]:
+    jti = None if envelope.attestation is None else envelope.attestation.jti
     return [
         _event(
-            record,
+            envelope,
             activity=CREATE,
-            result=record.get("result"),
-            resources=[{"type": "attestation", "uid": record.get("jti")}],
-            actor=_runner(record.get("identity"), record.get("jti")),
-            code=record.get("code"),
-            message=_message(record.get("reasons"), record.get("message")),
-            unmapped={"expires_at": record.get("expires_at")},
+            result=envelope.result,
+            resources=[{"type": "attestation", "uid": jti}],
+            actor=_runner(envelope.identity, jti),
+            code=envelope.code,
+            message=_message(envelope.reasons, envelope.message),
+            unmapped={"expires_at": envelope.body.get("expires_at")},
         )
     ]
 
 
-def _attestation_revoked(record: Mapping[str, Any]) -> list[Event]:
+def _attestation_revoked(envelope: Envelope) -> list[Event]:
+    jti = None if envelope.attestation is None else envelope.attestation.jti
     return [
         _event(
-            record,
+            envelope,
             activity=UPDATE,
             result=None,
-            resources=[{"type": "attestation", "uid": record.get("jti")}],
-            actor=_who(record),
-            message=record.get("reason"),
+            resources=[{"type": "attestation", "uid": jti}],
+            actor=_who(envelope),
+            message=envelope.body.get("reason"),
         )
         | {"severity_id": 2}
     ]
 
 
-def _policy_change(record: Mapping[str, Any]) -> list[Event]:
+def _policy_change(envelope: Envelope) -> list[Event]:
+    body = envelope.body
     return [
         _event(
-            record,
+            envelope,
             activity=UPDATE,
             result=None,
             resources=[
-                {"type": "policy", "uid": record.get("new_digest"), "name": record.get("source")}
+                {"type": "policy", "uid": body.get("new_digest"), "name": body.get("source")}
             ],
-            actor=_who(record),
-            message=f"policy {record.get('old_digest')} -> {record.get('new_digest')} "
-            f"({record.get('trigger')})",
-            unmapped={"old_digest": record.get("old_digest"), "revision": record.get("revision")},
+            actor=_who(envelope),
+            message=f"policy {body.get('old_digest')} -> {body.get('new_digest')} "
+            f"({body.get('trigger')})",
+            unmapped={"old_digest": body.get("old_digest"), "revision": body.get("revision")},
         )
     ]
 
 
-def _policy_reload_failed(record: Mapping[str, Any]) -> list[Event]:
+def _policy_reload_failed(envelope: Envelope) -> list[Event]:
+    body = envelope.body
     return [
         _event(
-            record,
+            envelope,
             activity=UPDATE,
             result=DENY,
             resources=[
-                {"type": "policy", "uid": record.get("active_digest"), "name": record.get("source")}
+                {"type": "policy", "uid": body.get("active_digest"), "name": body.get("source")}
             ],
-            actor=_who(record),
+            actor=_who(envelope),
             code="policy_invalid",
-            message=record.get("problem"),
-            unmapped={"trigger": record.get("trigger")},
+            message=body.get("problem"),
+            unmapped={"trigger": body.get("trigger")},
         )
     ]
 
 
-def _key_admin(record: Mapping[str, Any]) -> list[Event]:
-    action = str(record.get("action"))
+def _key_admin(envelope: Envelope) -> list[Event]:
+    action = str(envelope.body.get("action"))
     return [
         _event(
-            record,
+            envelope,
             activity=KEY_ACTIVITIES.get(action, OTHER),
             result=None,
-            resources=_keys(record.get("key"), record.get("version")),
-            actor=_who(record),
+            resources=_keys(envelope.key, envelope.body.get("version")),
+            actor=_who(envelope),
             message=action,
-            unmapped={"action": action, "state": record.get("state")},
+            unmapped={"action": action, "state": envelope.body.get("state")},
         )
     ]
 
 
-def _log_repair(record: Mapping[str, Any]) -> list[Event]:
+def _log_repair(envelope: Envelope) -> list[Event]:
+    """The repair writer names no replica (the log is then unnamed)."""
     return [
         _event(
-            record,
+            envelope,
             activity=UPDATE,
             result=None,
-            resources=[{"type": "log", "name": record.get("replica")}],
+            resources=[{"type": "log", "name": envelope.replica}],
             actor={"user": {"uid": "broker", "name": "broker"}},
-            message=f"removed a torn final record ({record.get('removed_bytes')} bytes)",
-            unmapped={"removed_sha256": record.get("removed_sha256")},
+            message=f"removed a torn final record ({envelope.body.get('removed_bytes')} bytes)",
+            unmapped={"removed_sha256": envelope.body.get("removed_sha256")},
         )
         | {"severity_id": 3}
     ]
 
 
-def _log_key_rotation(record: Mapping[str, Any]) -> list[Event]:
+def _log_key_rotation(envelope: Envelope) -> list[Event]:
     """The checkpoint-signing key handed over (both keys signed the hand-over note)."""
+    body = envelope.body
     return [
         _event(
-            record,
+            envelope,
             activity=UPDATE,
             result=None,
-            resources=[{"type": "log", "name": record.get("origin")}],
+            resources=[{"type": "log", "name": body.get("origin")}],
             actor={"user": {"uid": "broker", "name": "broker"}},
-            message=f"checkpoint key {record.get('old_key')} -> {record.get('new_key')}",
+            message=f"checkpoint key {body.get('old_key')} -> {body.get('new_key')}",
             unmapped={
-                "old_key": record.get("old_key"),
-                "new_key": record.get("new_key"),
-                "tree_size": record.get("tree_size"),
+                "old_key": body.get("old_key"),
+                "new_key": body.get("new_key"),
+                "tree_size": body.get("tree_size"),
             },
         )
         | {"severity_id": 2}
     ]
 
 
-def _other(record: Mapping[str, Any]) -> list[Event]:
+def _other(envelope: Envelope) -> list[Event]:
     """A type this version does not know (a newer broker's log): its envelope, Unknown."""
-    event = _event(record, activity=OTHER, result=None, resources=[], actor=_who(record), code=None)
+    event = _event(envelope, activity=OTHER, result=None, resources=[], actor=_who(envelope))
     return [event | {"status_id": 0, "status": STATUS_NAMES[0]}]
 
 
-MAPPINGS: dict[str, Callable[[Mapping[str, Any]], list[Event]]] = {
-    "release": _release,
-    "attested_release": _attested_release,
-    "attestation": _attestation,
-    "attestation_revoked": _attestation_revoked,
-    "policy_change": _policy_change,
-    "policy_reload_failed": _policy_reload_failed,
-    "key_admin": _key_admin,
-    "log_repair": _log_repair,
-    "log_key_rotation": _log_key_rotation,
+MAPPINGS: dict[str, Callable[[Envelope], list[Event]]] = {
+    RecordType.RELEASE: _release,
+    RecordType.ATTESTED_RELEASE: _release,
+    RecordType.ATTESTATION: _attestation,
+    RecordType.ATTESTATION_REVOKED: _attestation_revoked,
+    RecordType.POLICY_CHANGE: _policy_change,
+    RecordType.POLICY_RELOAD_FAILED: _policy_reload_failed,
+    RecordType.KEY_ADMIN: _key_admin,
+    RecordType.LOG_REPAIR: _log_repair,
+    RecordType.LOG_KEY_ROTATION: _log_key_rotation,
 }

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from pathlib import Path
 
 from broker.config import Settings
+from broker.core.errors import ConfigError
+from broker.core.refs import CloudKmsRef, Pkcs11Ref
 from broker.crypto.checkpoint import CheckpointSigner, NoteSigner
-
-KMS_PREFIX = "cloudkms:"  # a Cloud KMS key version (kms_signer.py); anything else: a PEM path
 
 
 async def open_checkpoint_signer(
@@ -22,23 +21,25 @@ async def open_checkpoint_signer(
         ConfigError: an unreadable or wrong key; UpstreamError: the KMS does not answer.
     """
     audit = settings.audit
-    key = audit.previous_signing_key if previous else audit.signing_key
-    if key is None:
+    ref = audit.previous_signing_ref if previous else audit.signing_ref
+    if ref is None:
         return None
-    if key.startswith(KMS_PREFIX):
+    if isinstance(ref, CloudKmsRef):
         # The KMS client loads only where a KMS signer is configured (start-up time).
         from broker.audit.kms_signer import KmsNoteSigner  # noqa: PLC0415
 
         signer = KmsNoteSigner(
             audit.origin,
-            key,
+            ref.uri,
             endpoint=settings.keys.kms_endpoint,
             timeout_seconds=settings.keys.upstream_timeout_seconds,
             credentials_file=settings.keys.kms_credentials,
         )
         await signer.open()
         return signer
-    return await asyncio.to_thread(NoteSigner.from_pem, audit.origin, Path(key))
+    if isinstance(ref, Pkcs11Ref):
+        raise ConfigError("audit.signing_key", "checkpoints are signed by a PEM file or Cloud KMS")
+    return await asyncio.to_thread(NoteSigner.from_pem, audit.origin, ref.path)
 
 
 async def close_checkpoint_signer(signer: CheckpointSigner | None) -> None:

@@ -16,7 +16,6 @@ never delayed, and ``broker audit export`` recovers anything missed.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 from collections.abc import Mapping
@@ -26,7 +25,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL, outcome
+from broker.audit.envelope import Envelope, RecordError, RecordType, parse_record
+from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL
 from broker.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,8 @@ BATCH_RECORDS = 200
 SYSLOG_FACILITY_AUTH = 4
 ERR, WARNING, NOTICE, INFO = 3, 4, 5, 6  # RFC 5424 severities
 SEVERITIES = {ALLOW: INFO, PARTIAL: NOTICE, DENY: WARNING, ERROR: ERR}
-ATTENTION = frozenset({"policy_reload_failed", "log_repair"})  # records without a result
+# records without a result that an operator must look at
+ATTENTION = frozenset({RecordType.POLICY_RELOAD_FAILED, RecordType.LOG_REPAIR})
 
 
 class AuditSink:
@@ -92,22 +93,27 @@ class AuditSink:
             self._socket.close()
 
 
-def syslog_severity(record: Mapping[str, Any]) -> int:
-    """RFC 5424 severity of a record: decisions by their outcome (per key, ``outcomes.py``),
-    changes notice, what an operator must look at warning."""
-    result = outcome(record)
+def syslog_severity(record: Envelope | Mapping[str, Any]) -> int:
+    """RFC 5424 severity of a record (its envelope): decisions by their outcome (per key,
+    ``Envelope.outcome``), changes notice, what an operator must look at warning.
+
+    Raises:
+        RecordError: ``record`` is not a record (not an object).
+    """
+    envelope = record if isinstance(record, Envelope) else parse_record(record)
+    result = envelope.outcome
     if result is not None:
         return SEVERITIES.get(result, WARNING)
-    return WARNING if record.get("type") in ATTENTION else NOTICE
+    return WARNING if envelope.kind in ATTENTION else NOTICE
 
 
 def syslog_message(line: bytes) -> bytes:
-    """RFC 5424: ``<PRI>1 TIMESTAMP HOST APP - MSGID - MSG``."""
+    """RFC 5424: ``<PRI>1 TIMESTAMP HOST APP - MSGID - MSG``; a line that is not a record (never
+    written by the log) is sent as it is, a warning."""
     try:
-        record = json.loads(line)
-    except ValueError:
-        record = None
-    severity = syslog_severity(record) if isinstance(record, dict) else WARNING
+        severity = syslog_severity(parse_record(line))
+    except RecordError:
+        severity = WARNING
     priority = SYSLOG_FACILITY_AUTH * 8 + severity
     stamp = datetime.now(UTC).isoformat().replace("+00:00", "Z")
     header = f"<{priority}>1 {stamp} {socket.gethostname()} sealed-broker - decision - "

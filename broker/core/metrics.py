@@ -52,6 +52,19 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.attest_decisions = Counter(
+            "broker_attest_decisions",
+            "Attestation decisions (POST /v1/attest) by outcome (allow, deny, error) and code",
+            ["outcome", "code"],
+            registry=self.registry,
+        )
+        self.attest_latency = Histogram(
+            "broker_attest_seconds",
+            "Time from a parsed attestation request to its logged decision",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
         self.policy = Gauge(
             "broker_policy_info",

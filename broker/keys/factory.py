@@ -11,6 +11,15 @@ from pathlib import Path
 
 from broker.config import KeySettings
 from broker.core.errors import ConfigError
+from broker.core.refs import (
+    CloudKmsRef,
+    LocalFileRef,
+    Pkcs11Ref,
+    PostgresRef,
+    SecretManagerRef,
+    SqliteRef,
+    kek_ref,
+)
 from broker.keys.kek.base import KekProvider
 from broker.keys.kek.local import LocalKek, create_kek_file
 from broker.keys.kek.ring import KekRing
@@ -21,17 +30,6 @@ from broker.keys.store.sqlite import SqliteKeyStore, sqlite_path
 log = logging.getLogger(__name__)
 
 
-def local_kek_path(uri: str) -> Path:
-    """The path of a ``local:PATH`` KEK URI.
-
-    Raises:
-        ConfigError: ``keys.kek`` for another form.
-    """
-    if not uri.startswith("local:") or len(uri) == len("local:"):
-        raise ConfigError("keys.kek", "expected local:PATH")
-    return Path(uri.removeprefix("local:"))
-
-
 async def open_store(settings: KeySettings) -> KeyStore:
     """Open the DEK store a ``[keys] store`` URI names.
 
@@ -39,23 +37,26 @@ async def open_store(settings: KeySettings) -> KeyStore:
         ConfigError: for an unsupported URI.
         UpstreamError: ``key_store_unavailable`` when it cannot be opened.
     """
-    if settings.store.startswith("secretmanager:"):
+    ref = settings.store_ref
+    if isinstance(ref, SecretManagerRef):
         from broker.keys.store.secretmanager import SecretManagerKeyStore, parse_project  # noqa: PLC0415
 
         manager = SecretManagerKeyStore(
-            parse_project(settings.store),
+            parse_project(ref.uri),
             endpoint=settings.secretmanager_endpoint,
             timeout_seconds=settings.upstream_timeout_seconds,
         )
         await manager.open()
         return manager
-    if settings.store.startswith(("postgresql://", "postgres://")):
+    if isinstance(ref, PostgresRef):
         from broker.keys.store.postgres import PostgresKeyStore  # noqa: PLC0415
 
-        shared = PostgresKeyStore(settings.store, timeout=settings.upstream_timeout_seconds)
+        shared = PostgresKeyStore(ref.uri, timeout=settings.upstream_timeout_seconds)
         await shared.open()
         return shared
-    store = SqliteKeyStore(sqlite_path(settings.store))
+    if not isinstance(ref, SqliteRef):
+        raise ConfigError("keys.store", f"{ref.kind} is not a key store")
+    store = SqliteKeyStore(sqlite_path(ref.uri))
     await store.open()
     return store
 
@@ -116,17 +117,17 @@ async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProv
         ConfigError: for a malformed URI or a missing local file.
         UpstreamError: ``kek_unavailable`` when an HSM or KMS cannot be reached at start-up.
     """
-    kind = uri.split(":", 1)[0]
-    if kind == "local":
-        return await asyncio.to_thread(_local_kek, local_kek_path(uri), may_create=may_create)
+    ref = kek_ref(uri, "keys.kek")
+    if isinstance(ref, LocalFileRef):
+        return await asyncio.to_thread(_local_kek, ref.path, may_create=may_create)
     # An HSM or KMS client loads only where one is configured (each costs start-up time).
-    if kind == "pkcs11":
+    if isinstance(ref, Pkcs11Ref):
         from broker.keys.kek.pkcs11 import Pkcs11Kek, parse_pkcs11_uri  # noqa: PLC0415
 
         hsm = Pkcs11Kek(await asyncio.to_thread(parse_pkcs11_uri, uri))
         await hsm.open()
         return hsm
-    if kind == "cloudkms":
+    if isinstance(ref, CloudKmsRef):
         from broker.keys.kek.cloudkms import CloudKmsKek, parse_cloudkms_uri  # noqa: PLC0415
 
         kms = CloudKmsKek(

@@ -161,11 +161,11 @@ class BundleLoader:
         binary = str(settings.opa_binary) if settings.opa_binary else None
         opa = await asyncio.to_thread(find_opa, binary)
         source = None
-        if settings.bundle_url is not None:
+        if settings.bundle_ref is not None:
             if session is None:
                 raise ConfigError("policy.bundle_url", "needs an HTTP session")
             tls = await asyncio.to_thread(_tls, settings)  # reads the CA file
-            source = open_bundle_source(settings.bundle_url, session, tls=tls)
+            source = open_bundle_source(settings.bundle_ref, session, tls=tls)
         store = FreshnessStore(state_dir) if state_dir is not None else None
         loader = cls(settings, metrics, clock, smoke, opa, store, source)
         loader.known = logged or FreshnessState()

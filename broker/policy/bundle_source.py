@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from broker.core.errors import ErrorCode, UpstreamError
+from broker.core.refs import BundleRef, GcsBundleRef
 from broker.policy.opa_bundle import MAX_BUNDLE_BYTES
 
 FETCH_TIMEOUT_SECONDS = 30.0
@@ -41,13 +42,14 @@ class BundleSource(Protocol):
 
 
 def open_bundle_source(
-    url: str, session: aiohttp.ClientSession, *, tls: ssl.SSLContext | None = None
+    ref: BundleRef, session: aiohttp.ClientSession, *, tls: ssl.SSLContext | None = None
 ) -> BundleSource:
-    """The source for ``url``; ``tls`` verifies an HTTPS server with a private CA
-    (``[policy] bundle_ca``), else the system's trust store."""
-    if url.startswith("gs://"):
-        return GcsBundleSource(url)
-    return HttpBundleSource(url, session, tls=tls)
+    """The source ``[policy] bundle_url`` names (``PolicySettings.bundle_ref``); ``tls``
+    verifies an HTTPS server with a private CA (``[policy] bundle_ca``), else the system's
+    trust store."""
+    if isinstance(ref, GcsBundleRef):
+        return GcsBundleSource(ref)
+    return HttpBundleSource(ref.uri, session, tls=tls)
 
 
 def _unavailable(name: str, problem: str) -> UpstreamError:
@@ -107,12 +109,11 @@ class GcsBundleSource:
     """``gs://BUCKET/OBJECT`` through google-cloud-storage; a change is a new generation.
     ``STORAGE_EMULATOR_HOST`` (the library's own convention) points it at an emulator."""
 
-    def __init__(self, url: str) -> None:
-        bucket, _, name = url.removeprefix("gs://").partition("/")
-        if not bucket or not name:
+    def __init__(self, ref: GcsBundleRef) -> None:
+        if not ref.bucket or not ref.name:
             raise ValueError("bundle_url gs:// needs gs://BUCKET/OBJECT")
-        self.name = url
-        self._bucket, self._object = bucket, name
+        self.name = ref.uri
+        self._bucket, self._object = ref.bucket, ref.name
         self._client: Any = None
         self._generation: int | None = None
 

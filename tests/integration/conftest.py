@@ -114,14 +114,14 @@ class RunningBroker:
     client_tls: ssl.SSLContext
     workdir: Path
     first_record: int = 0  # records() starts here: a shared broker shows each test its own
+    clock: Callable[[], datetime] | None = None  # the broker's clock, when a test fixed it
 
     def client(self) -> BrokerClient:
         return BrokerClient(self.url, ssl_context=self.client_tls)
 
     def token_source(self, digest: str = ALLOWED, **workload: Any) -> DevTokenSource:
-        return DevTokenSource(
-            self.issuer, Workload(image_digest=digest, **workload), lambda: datetime.now(UTC)
-        )
+        clock = self.clock or (lambda: datetime.now(UTC))
+        return DevTokenSource(self.issuer, Workload(image_digest=digest, **workload), clock)
 
     def records(self) -> list[dict[str, Any]]:
         lines = self.settings.audit.log.read_text().splitlines()
@@ -255,9 +255,13 @@ async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callabl
         gpu_keys: dict[str, object] | None = None,
         workdir_setup: Callable[[Path], None] | None = None,
         reuse: tuple[Path, DevIssuer] | None = None,
+        clock: Callable[[], datetime] | None = None,
+        handler_cancellation: bool = False,
         **server: object,
     ) -> RunningBroker:
-        """Start a broker; ``reuse`` serves an existing config (and its issuer) as it is."""
+        """Start a broker; ``reuse`` serves an existing config (and its issuer) as it is.
+        In this process only: ``clock`` fixes the broker's clock (and its token sources');
+        ``handler_cancellation`` cancels a handler whose client hung up (aiohttp's option)."""
         started = len(runners) + len(processes)
         if reuse is None:
             workdir = tmp_path / f"broker{started}"
@@ -291,7 +295,8 @@ async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callabl
             listening.bind(("127.0.0.1", 0))
             port = listening.getsockname()[1]
             served = with_public_url(settings, f"https://127.0.0.1:{port}")
-            runner = BrokerRunner(create_app(served), served.server)
+            app = create_app(served) if clock is None else create_app(served, clock=clock)
+            runner = BrokerRunner(app, served.server, handler_cancellation=handler_cancellation)
             await runner.setup()
             runners.append(runner)
             site = web.SockSite(runner, listening, ssl_context=server_ssl_context(settings))
@@ -302,6 +307,7 @@ async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callabl
             issuer=issuer,
             client_tls=client_tls,
             workdir=workdir,
+            clock=clock,
         )
 
     yield start

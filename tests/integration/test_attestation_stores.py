@@ -25,6 +25,7 @@ from broker.attestation.stored import (
 )
 from broker.attestation_stores import open_attestation_store
 from broker.core.errors import ErrorCode, UpstreamError
+from broker.core.refs import store_ref
 
 NOW = datetime.now(UTC)
 
@@ -81,7 +82,7 @@ async def stores(uri: str) -> AsyncIterator[Callable[[], AttestationStore]]:
     opened: list[AttestationStore] = []
 
     def open_one() -> AttestationStore:
-        store = open_attestation_store(uri, timeout=5)
+        store = open_attestation_store(store_ref(uri, "nonces.store"), timeout=5)
         opened.append(store)
         return store
 
@@ -123,8 +124,8 @@ async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore])
 
 
 async def test_a_revocation_is_seen_by_every_client(shared_uri: str) -> None:
-    first = open_attestation_store(shared_uri, timeout=5)
-    second = open_attestation_store(shared_uri, timeout=5)
+    first = open_attestation_store(store_ref(shared_uri, "nonces.store"), timeout=5)
+    second = open_attestation_store(store_ref(shared_uri, "nonces.store"), timeout=5)
     shared = entry()
     await first.put(shared)
     assert (await second.get(shared.jti, NOW)) == shared
@@ -156,7 +157,7 @@ async def test_concurrent_revocations_keep_one_reason(
 
 async def test_a_store_that_does_not_answer_is_503(tmp_path: Path) -> None:
     for uri in ("redis://127.0.0.1:9/0", "postgresql://broker@127.0.0.1:9/none"):
-        store = open_attestation_store(uri, timeout=1)
+        store = open_attestation_store(store_ref(uri, "nonces.store"), timeout=1)
         try:
             with pytest.raises(UpstreamError) as caught:
                 await store.get("x", NOW)
@@ -164,7 +165,9 @@ async def test_a_store_that_does_not_answer_is_503(tmp_path: Path) -> None:
         finally:
             await store.close()
     (tmp_path / "dir.db").mkdir()  # a directory where the SQLite file should be
-    store = open_attestation_store(f"sqlite://{tmp_path / 'dir.db'}", timeout=1)
+    store = open_attestation_store(
+        store_ref(f"sqlite://{tmp_path / 'dir.db'}", "nonces.store"), timeout=1
+    )
     with pytest.raises(UpstreamError):
         await store.put(entry())
     await store.close()

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from broker import release
 from broker.client import BrokerClientError
+from broker.decisions import release
 from tests.integration.conftest import RunningBroker
 from tests.support.constants import KEY
 
@@ -22,7 +22,7 @@ async def test_a_bug_while_deciding_is_recorded_and_nothing_is_released(
 
     monkeypatch.setattr(release, "build_input", broken_normaliser)
     before = len(broker.records())
-    with caplog.at_level(logging.ERROR, logger="broker.release"):
+    with caplog.at_level(logging.ERROR, logger="broker.decisions.kernel"):
         async with broker.client() as client:
             with pytest.raises(BrokerClientError) as caught:
                 await client.release(KEY, broker.token_source())
@@ -43,7 +43,7 @@ async def test_a_bug_building_the_record_still_logs_one_and_releases_nothing(
     def broken_record(*_: Any, **__: Any) -> dict[str, Any]:
         raise RuntimeError("injected bug in the record builder")
 
-    monkeypatch.setattr(release.ReleaseService, "_record", broken_record)
+    monkeypatch.setattr(release.ReleasePlan, "body", broken_record)
     before = len(broker.records())
     async with broker.client() as client:
         with pytest.raises(BrokerClientError) as caught:

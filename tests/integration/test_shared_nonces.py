@@ -21,6 +21,7 @@ import pytest
 
 from broker.config import load_settings
 from broker.core.errors import AttestationError, ConfigError, ErrorCode, UpstreamError
+from broker.core.refs import store_ref
 from broker.nonce_stores import open_nonce_store
 from broker.nonces import NonceStore
 from tests.integration.conftest import RunningBroker, write_config
@@ -52,7 +53,9 @@ KEY_FILE = Path(tempfile.mkdtemp(prefix="broker-nonce-key-")) / "challenge.key" 
 async def open_store(uri: str, ttl: timedelta = TTL, capacity: int = 1000) -> NonceStore:
     """As a process opens it: challenges MAC'd with the shared key, spent nonces in ``uri``."""
     # sized for a loaded CI machine (a store that does not answer is tested with its own)
-    store = open_nonce_store(uri, ttl=ttl, capacity=capacity, timeout=10.0, key_path=KEY_FILE)
+    store = open_nonce_store(
+        store_ref(uri, "nonces.store"), ttl=ttl, capacity=capacity, timeout=10.0, key_path=KEY_FILE
+    )
     await store.open()
     return store
 

@@ -9,6 +9,9 @@ writer, configuration), ``entry`` (app, api, CLI, the release service, demo, sup
 Rules: an import never runs up a layer; a domain package imports no other domain package (only
 ``core`` and ``crypto``); the runner SDK (``broker.client``) imports only ``core``, ``crypto`` and
 itself; and the graph of packages has no cycle. Every import counts, lazy ones included.
+
+The map (``LAYER_OF``) and the rules' values live in ``tests/support/layers.py``, one copy for
+this check and for the table in docs/architecture.md, which a test here keeps equal to them.
 """
 
 from __future__ import annotations
@@ -19,98 +22,25 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2] / "broker"
-CORE, CRYPTO, DOMAIN, ADAPTER, ENTRY = range(5)
-NAMES = ("core", "crypto", "domain", "adapters", "entry")
-
-# Longest prefix wins. A module not matched here fails the test (every module has a layer).
-LAYER_OF: dict[str, int] = {
-    "broker": ENTRY,  # the package itself (version string)
-    "broker.core": CORE,
-    "broker.crypto": CRYPTO,
-    "broker.attestation": DOMAIN,
-    "broker.attestation.jwks_sources": ADAPTER,
-    "broker.attestation.nvidia.sources": ADAPTER,
-    "broker.attestation.service": ADAPTER,
-    "broker.policy": DOMAIN,
-    "broker.policy.manager": ADAPTER,
-    "broker.policy.bundle_source": ADAPTER,
-    "broker.policy.bundle_loader": ADAPTER,
-    "broker.policy.opa_server": ADAPTER,
-    "broker.policy.workers": ADAPTER,
-    "broker.policy.testing": ADAPTER,
-    "broker.audit": DOMAIN,
-    "broker.audit.log": ADAPTER,
-    "broker.audit.identity": ADAPTER,
-    "broker.audit.segments": ADAPTER,
-    "broker.audit.kms_signer": ADAPTER,
-    "broker.audit.publisher": ADAPTER,
-    "broker.audit.sink": ADAPTER,
-    "broker.audit.signers": ADAPTER,
-    "broker.audit.witness": ADAPTER,
-    "broker.keys": DOMAIN,
-    "broker.keys.store": ADAPTER,
-    "broker.keys.store.base": DOMAIN,
-    "broker.keys.kek": ADAPTER,
-    "broker.keys.kek.base": DOMAIN,
-    "broker.keys.kek.ring": DOMAIN,
-    "broker.keys.factory": ADAPTER,
-    "broker.keys.transfer": ADAPTER,
-    "broker.nonces": DOMAIN,
-    "broker.nonce_stores": ADAPTER,
-    "broker.attestation_stores": ADAPTER,
-    "broker.attestation_stores_shared": ADAPTER,
-    "broker.store_clients": ADAPTER,
-    "broker.store_clients_shared": ADAPTER,
-    "broker.nonce_stores_shared": ADAPTER,
-    "broker.cloud": ADAPTER,
-    "broker.config": ADAPTER,
-    "broker.config_tables": ADAPTER,
-    "broker.client": ENTRY,
-    "broker.dev": ENTRY,
-    "broker.api": ENTRY,
-    "broker.app": ENTRY,
-    "broker.release": ENTRY,
-    "broker.attest": ENTRY,
-    "broker.attested_release": ENTRY,
-    "broker.attest_kms": ENTRY,
-    "broker.attest_pkcs11": ENTRY,
-    "broker.offline": ENTRY,
-    "broker.demo": ENTRY,
-    "broker.supervisor": ENTRY,
-    "broker.cli": ENTRY,
-    "broker.cli_audit": ENTRY,
-    "broker.cli_audit_query": ENTRY,
-    "broker.cli_audit_monitor": ENTRY,
-    "broker.cli_dev": ENTRY,
-    "broker.cli_docs": ENTRY,
-    "broker.cli_status": ENTRY,
-    "broker.cli_keys": ENTRY,
-    "broker.cli_keys_transfer": ENTRY,
-    "broker.cli_policy": ENTRY,
-    "broker.cli_weights": ENTRY,
-}
-SDK = "broker.client"
-# I/O libraries only adapters and entry points use: the lower layers are pure.
-NETWORK = (
-    "aiohttp",
-    "grpc",
-    "google",
-    "redis",
-    "asyncpg",
-    "urllib.request",
-    "http.client",
-    "socket",
+from tests.support import layers
+from tests.support.layers import (
+    DOC,
+    DOMAIN,
+    LAYER_OF,
+    MAY_IMPORT,
+    NAMES,
+    NETWORK,
+    PURE_UP_TO,
+    SDK,
+    SDK_MAY_IMPORT,
+    all_modules,
+    generated_block,
+    layer_of,
+    package_of,
+    render,
 )
 
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def all_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+# The map of modules to layers, LAYER_OF, is in tests/support/layers.py: add a new package there.
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
@@ -137,19 +67,6 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return {module for module in found if module in known and module != name}
 
 
-def layer_of(name: str) -> int:
-    prefixes = [p for p in LAYER_OF if name == p or name.startswith(p + ".")]
-    if not prefixes:
-        raise KeyError(name)
-    return LAYER_OF[max(prefixes, key=len)]
-
-
-def package_of(name: str) -> str:
-    """The unit of the cycle check: ``broker.x`` for a module in a package, else the module."""
-    parts = name.split(".")
-    return ".".join(parts[:2])
-
-
 def graph() -> dict[str, set[str]]:
     modules = all_modules()
     known = set(modules)
@@ -158,6 +75,7 @@ def graph() -> dict[str, set[str]]:
 
 def violations(edges: dict[str, set[str]]) -> list[str]:
     found = []
+    sdk_may = " and ".join(NAMES[i] for i in SDK_MAY_IMPORT)
     for source, targets in sorted(edges.items()):
         src_layer = layer_of(source)
         for target in sorted(targets):
@@ -167,12 +85,15 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
                 found.append(
                     f"{source} ({NAMES[src_layer]}) imports up: {target} ({NAMES[dst_layer]})"
                 )
-            elif src_layer == DOMAIN and dst_layer == DOMAIN and not same_package:
-                found.append(f"{source} (domain) imports another domain package: {target}")
+            elif dst_layer not in MAY_IMPORT[src_layer] and not same_package:
+                found.append(
+                    f"{source} ({NAMES[src_layer]}) imports another {NAMES[dst_layer]} "
+                    f"package: {target}"
+                )
             elif source.startswith(SDK) and not (
-                target.startswith(SDK) or dst_layer in {CORE, CRYPTO}
+                target.startswith(SDK) or dst_layer in SDK_MAY_IMPORT
             ):
-                found.append(f"{source} (runner SDK) imports {target}: only core and crypto")
+                found.append(f"{source} (runner SDK) imports {target}: only {sdk_may}")
     return found
 
 
@@ -210,6 +131,13 @@ def test_every_module_has_a_layer() -> None:
     assert unassigned == []
 
 
+def test_every_line_of_the_map_names_a_module() -> None:
+    """A line left behind by a move would document a module that is not there."""
+    modules = all_modules()
+    stale = [p for p in LAYER_OF if not any(m == p or m.startswith(p + ".") for m in modules)]
+    assert stale == [], "remove these from LAYER_OF in tests/support/layers.py"
+
+
 def test_no_import_runs_up_the_layers() -> None:
     assert violations(graph()) == []
 
@@ -217,7 +145,7 @@ def test_no_import_runs_up_the_layers() -> None:
 def network_imports() -> list[str]:
     found = []
     for name, path in all_modules().items():
-        if layer_of(name) > DOMAIN:
+        if layer_of(name) > PURE_UP_TO:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -253,3 +181,28 @@ def test_the_checks_catch_what_they_claim() -> None:
     assert not package_cycles({"broker.a.x": {"broker.b.y"}, "broker.b.y": {"broker.c.z"}})
     with pytest.raises(KeyError):
         layer_of("elsewhere.module")
+
+
+def test_the_architecture_doc_shows_the_map() -> None:
+    """docs/architecture.md's layer table is the map, as it is now."""
+    shown = generated_block(DOC.read_text(encoding="utf-8"))
+    assert shown == render(), (
+        "docs/architecture.md's layer table differs from tests/support/layers.py: "
+        "regenerate it with `python -m tests.support.layers --write`"
+    )
+
+
+def test_a_new_package_shows_up_in_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a line of its own a new package is listed under the catch-all (entry); with one,
+    in its layer's row. Either way the table changes, so the doc test asks for a regeneration."""
+    modules = {**all_modules(), "broker.newkind": Path("broker/newkind/__init__.py")}
+    modules["broker.newkind.plan"] = Path("broker/newkind/plan.py")
+    assert "`newkind/`" not in render()
+    entry_row = render(modules).splitlines()[3]
+    assert entry_row.startswith("| **entry**")
+    assert "`newkind/`" in entry_row
+    monkeypatch.setitem(layers.LAYER_OF, "broker.newkind", DOMAIN)
+    domain_row = render(modules).splitlines()[5]
+    assert domain_row.startswith("| **domain**")
+    assert "`newkind/`" in domain_row
+    assert "`newkind/`" not in render(modules).splitlines()[3]

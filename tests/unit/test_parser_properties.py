@@ -25,7 +25,7 @@ from broker.core.errors import AttestationError, BrokerError, InputError
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
 from broker.crypto.jwk import parse_runner_key
-from broker.release import parse_release_request
+from broker.decisions.release import parse_release_request
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 HOPPER_REPORT = bytes.fromhex((REAL / "nvidia" / "hopperAttestationReport.txt").read_text().strip())

@@ -1,7 +1,8 @@
 """A decision record names the policy that decided, not the one live when the record is written.
 
-The release service is real (its own ``DecisionLog`` on disk); the upstreams around it are small
-stand-ins whose one job is to let the test swap the policy while the key unwrap is awaited.
+The release plan and the decision kernel are real (with a ``DecisionLog`` on disk); the
+upstreams around them are small stand-ins whose one job is to let the test swap the policy while
+the key unwrap is awaited.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from broker.audit.records import iter_records
 from broker.core.metrics import Metrics
 from broker.core.protocol import Algorithm
 from broker.crypto.jwk import public_jwk
+from broker.decisions.kernel import Kernel
+from broker.decisions.policy import PolicyGate
+from broker.decisions.release import ReleasePlan
 from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
 from broker.nonces import VerifiedChallenge
 from broker.policy.engine import Decision
-from broker.release import ReleaseService
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 DECIDING, SUCCESSOR = "sha256:" + "a" * 64, "sha256:" + "b" * 64
@@ -83,18 +86,15 @@ async def test_reload_during_unwrap_does_not_reattribute_the_decision(tmp_path: 
     policy = SwappingPolicy()
     audit = DecisionLog(tmp_path / "decisions.log")
     await audit.open()
-    service = ReleaseService(
+    plan = ReleasePlan(
         nonces=Nonces(),  # type: ignore[arg-type]
         verifier=Verifier(),  # type: ignore[arg-type]
         keys=KeysReloadingDuringUnwrap(policy),  # type: ignore[arg-type]
-        policy=policy,
-        audit=audit,
-        metrics=Metrics(),
-        mask_key=bytes(32),
+        policy=PolicyGate(policy, mask=(), mask_key=bytes(32)),
     )
     runner_key = public_jwk(ec.generate_private_key(ec.SECP256R1()).public_key())
     body = {"key": "models/llama", "nonce": "n" * 43, "evidence": {}, "runner_key": runner_key}
-    released = await service.release(body, now=NOW, request_id="r1")
+    released = await Kernel(audit, Metrics()).run(plan, body, now=NOW, request_id="r1")
     await audit.close()
     assert policy.digest == SUCCESSOR  # the swap happened before the record was written
     records = [r for _, r in iter_records((tmp_path / "decisions.log").read_bytes())]

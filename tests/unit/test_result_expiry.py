@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from broker.attest import earliest_expiry
 from broker.attestation.gpu_pipeline import collateral_until
 from broker.attestation.pipeline import VerifiedEvidence
+from broker.decisions.attest import earliest_expiry
 from tests.vectors.gpu import RimAuthority, SimulatedGpu
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)

@@ -1,0 +1,404 @@
+"""``POST /v1/release`` on an attestation result: ``Authorization: DPoP <EAR>`` with a ``DPoP``
+proof (RFC 9449) and a list of keys; no evidence is verified again (issue 19). The plan the
+kernel runs (``kernel.py``: shielded, total, one record durable before the answer).
+
+Order, for every request whose body parsed:
+
+0. the ``Host`` header is a host[:port] (``host_invalid`` otherwise; it is used for nothing
+   else); the body's shape (``keys``: 1..``MAX_KEYS`` names, optionally with versions; ``wrap``)
+   (``attested_request.py``);
+1. the EAR: this broker's result key, ``iss``/``aud``, times (``ear.verify_ear``);
+2. the DPoP proof: its key is the EAR's ``cnf.jwk`` (checked before anything else of it), then
+   ``htm``, ``htu`` (one of ``[server] public_urls`` + this route, never the request's ``Host``),
+   ``iat``, ``ath`` of this EAR, the server's ``DPoP-Nonce`` (when required)
+   (``dpop.verify_dpop_proof``);
+3. the stored attestation: known, unexpired, not revoked (the shared store: every worker and
+   replica sees a revocation at once), and the one the result was signed for;
+4. the proof's ``jti`` spent in the shared store (a replayed proof: ``dpop_proof_reused``);
+5. per key: resolve the version, run the **current** release policy on the attestation's
+   stored input with this request's facts, unwrap the DEK and wrap it to the EAR's encryption
+   key with the release id, key version and policy digest in the AAD; a key's failure is that
+   key's, the others are still decided;
+6. one ``attested_release`` record (the attestation's jti and log index, the proof's jti, per
+   key: version, result, reasons, policy digest, masked input). Its top-level ``result`` is
+   ``allow`` when every key was released, ``partial`` when some were and some were not, else
+   ``deny`` (or ``error`` when a failure was the broker's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from broker.attestation.claims import RequestFacts, build_input
+from broker.attestation.ear import CLAIM, PresentedEar, verify_ear
+from broker.attestation.stored import REVOKED, AttestationEntry, AttestationStore
+from broker.audit.log import Appended
+from broker.audit.outcomes import overall
+from broker.core.encoding import canonical
+from broker.core.errors import (
+    AttestationError,
+    BrokerError,
+    ErrorCode,
+    InternalFailure,
+    PolicyDenied,
+    UpstreamError,
+)
+from broker.crypto.dpop import (
+    FUTURE_LEEWAY,
+    MAX_PROOF_AGE,
+    DpopError,
+    DpopProof,
+    verify_dpop_proof,
+)
+from broker.crypto.jwk import RunnerKey, parse_runner_key
+from broker.crypto.wrap import check_wrap_mode, key_id
+from broker.decisions.attested_request import (
+    RELEASE_PATH,
+    AttestedRequest,
+    KeyAsk,
+    Presented,
+    check_host,
+    parse_attested_request,
+    presented_token,
+)
+from broker.decisions.kernel import Case, Plan, code_of, outcome_of
+from broker.decisions.policy import Evaluation, PolicyGate
+from broker.decisions.wrapping import request_facts, wrap_for_runner
+from broker.keys.service import KeyService
+from broker.keys.store.base import KeyVersionRecord
+from broker.nonces import NonceStore
+
+log = logging.getLogger(__name__)
+RECORD_TYPE = "attested_release"
+
+
+@dataclass(frozen=True)
+class ReleasedOnResult:
+    key: str
+    version: int
+    wrapped_key: str
+    algorithm: str
+    policy_digest: str
+
+
+@dataclass(frozen=True)
+class RefusedOnResult:
+    key: str
+    version: int | None
+    error: BrokerError
+
+
+@dataclass(frozen=True)
+class AttestedRelease:
+    release_id: str
+    attestation: str  # the EAR's jti
+    wrap: str
+    keys: tuple[ReleasedOnResult | RefusedOnResult, ...]
+    log_index: int = -1
+    leaf_hash: bytes = b""
+
+
+@dataclass
+class KeyOnResult:
+    """One key asked on the result: what its part of the record says."""
+
+    ask: KeyAsk
+    record: KeyVersionRecord | None = None
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    wrapped: str | None = None
+    error: BrokerError | None = None
+
+
+@dataclass
+class AttestedFacts:
+    """What the record says, learned as the release proceeds."""
+
+    ear: PresentedEar | None = None
+    proof: DpopProof | None = None
+    entry: AttestationEntry | None = None
+    encryption_key: RunnerKey | None = None
+    keys: list[KeyOnResult] = field(default_factory=list)
+
+
+ResultKeys = Callable[[], Mapping[str, ec.EllipticCurvePublicKey]]
+Unverified = tuple[Mapping[str, Any], Presented]  # the body, and what the headers present
+AttestedCase = Case[Unverified, AttestedRequest, AttestedFacts]
+
+
+@dataclass(kw_only=True, eq=False)
+class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, AttestedRelease]):
+    """Keys released on an attestation result and its proof of possession (steps 0 to 5)."""
+
+    record_type = RECORD_TYPE
+    issuer: str  # the audience results are made for: this broker's
+    result_keys: ResultKeys
+    store: AttestationStore
+    nonces: NonceStore
+    keys: KeyService
+    policy: PolicyGate
+    public_urls: Sequence[str] = ()
+    require_nonce: bool = True
+
+    @cached_property
+    def release_urls(self) -> tuple[str, ...]:
+        """What a proof's ``htu`` must name: a ``[server] public_urls`` entry and this route
+        (none configured, none accepted)."""
+        return tuple(url.rstrip("/") + RELEASE_PATH for url in self.public_urls)
+
+    def server_nonce(self, now: datetime) -> str:
+        """The ``DPoP-Nonce`` every answer carries (the next proof's)."""
+        return self.nonces.server_nonce(now)
+
+    def facts(self) -> AttestedFacts:
+        return AttestedFacts()
+
+    def parse(self, unverified: Unverified) -> AttestedRequest:
+        body, presented = unverified
+        check_host(presented.host)
+        return parse_attested_request(body)
+
+    async def decide(self, case: AttestedCase, request: AttestedRequest) -> AttestedRelease:
+        ear = await self._admit(case, request)
+        for ask in request.keys:
+            case.facts.keys.append(await self._decide_key(case, request, ask))
+        return AttestedRelease(
+            release_id=case.decision_id,
+            attestation=ear.jti,
+            wrap=request.wrap,
+            keys=tuple(_answer(k) for k in case.facts.keys),
+        )
+
+    async def _admit(self, case: AttestedCase, request: AttestedRequest) -> PresentedEar:
+        """Steps 1 to 4: the result, its proof, its stored state; the proof spent."""
+        facts, now, presented = case.facts, case.now, case.unverified[1]
+        token = presented_token(presented.authorization)
+        facts.ear = ear = verify_ear(token, keys=self.result_keys(), audience=self.issuer, now=now)
+        facts.proof = checked = verify_dpop_proof(
+            presented.proof,
+            method="POST",
+            url=self.release_urls,
+            now=now,
+            access_token=token,
+            nonce_valid=(lambda n: self.nonces.server_nonce_valid(n, now))
+            if self.require_nonce
+            else None,
+            bound_to=ear.pop_thumbprint,
+        )
+        entry = await self.store.get(ear.jti, now)
+        if entry is None:
+            raise AttestationError(
+                "this attestation result is unknown here or expired; attest again",
+                code=ErrorCode.ATTESTATION_UNKNOWN,
+            )
+        facts.entry = entry
+        if entry.status == REVOKED:
+            raise AttestationError(
+                f"this attestation result was revoked: {entry.reason}",
+                code=ErrorCode.ATTESTATION_REVOKED,
+                reason=entry.reason,
+            )
+        facts.encryption_key = signed_content(ear, entry)
+        check_wrap_mode(request.wrap, facts.encryption_key)
+        try:  # good once, in the store every worker and replica shares
+            await self.nonces.spend_jti(
+                f"dpop:{ear.pop_thumbprint}:{checked.jti}",
+                checked.issued_at + MAX_PROOF_AGE + FUTURE_LEEWAY,
+                now,
+            )
+        except AttestationError as exc:
+            if exc.code is not ErrorCode.NONCE_REUSED:
+                raise
+            raise DpopError(
+                "this DPoP proof was already used; sign a new one per request",
+                code=ErrorCode.DPOP_PROOF_REUSED,
+            ) from exc
+        return ear
+
+    async def _decide_key(
+        self, case: AttestedCase, request: AttestedRequest, ask: KeyAsk
+    ) -> KeyOnResult:
+        """Step 5 for one key; its failure is this key's, the others are still decided."""
+        key = KeyOnResult(ask)
+        entry, encryption_key = case.facts.entry, case.facts.encryption_key
+        if entry is None or encryption_key is None:
+            raise RuntimeError("a key decided before its attestation was admitted")
+        try:
+            key.record = record = await self.keys.resolve(ask.key, ask.version)
+            custody = self.keys.check_release(record, request.wrap, encryption_key)
+            policy_input = release_input(entry, request_facts(record, encryption_key), case.now)
+            decision = await self.policy.allow(
+                key.evaluation, policy_input, decision_id=case.decision_id
+            )
+            key.wrapped = await wrap_for_runner(
+                self.keys,
+                record,
+                custody,
+                encryption_key,
+                decision_id=case.decision_id,
+                mode=request.wrap,
+                policy_digest=decision.policy_digest,
+            )
+        except BrokerError as exc:
+            key.error = exc
+        return key
+
+    async def placed(
+        self, case: AttestedCase, answer: AttestedRelease, appended: Appended
+    ) -> AttestedRelease:
+        return dataclasses.replace(answer, log_index=appended.index, leaf_hash=appended.leaf_hash)
+
+    def withdraw(self, case: AttestedCase) -> None:
+        for key in case.facts.keys:  # wrapped but never sent: the record must not say allow
+            if key.wrapped is not None:
+                key.wrapped, key.error = None, case.error
+
+    def result(self, case: AttestedCase) -> str:
+        results = [outcome_of(k.error) for k in case.facts.keys]
+        return outcome_of(case.error) if case.error is not None or not results else overall(results)
+
+    def tally(self, case: AttestedCase) -> Iterable[tuple[str, str]]:
+        counted = [(outcome_of(k.error), code_of(k.error)) for k in case.facts.keys]
+        if case.error is not None:
+            counted.append((outcome_of(case.error), code_of(case.error)))
+        return counted
+
+    def refusal(self, case: AttestedCase) -> BrokerError | None:
+        """Nothing released: the request's error, or the first key's; ``details["keys"]`` says
+        each key's code."""
+        keys = case.facts.keys
+        if case.error is None and any(k.wrapped is not None for k in keys):
+            return None
+        error = case.error or next((k.error for k in keys if k.error is not None), None)
+        error = error or InternalFailure("internal error")
+        error.details["release_id"] = case.decision_id
+        if keys:
+            error.details["keys"] = [_key_summary(k) for k in keys]
+        return error
+
+    def body(self, case: AttestedCase) -> dict[str, Any]:
+        request, facts = case.request, case.facts
+        entry, ear, proof = facts.entry, facts.ear, facts.proof
+        return {
+            "attestation": {
+                "jti": None if ear is None else ear.jti,
+                "log_index": None if entry is None else entry.log_index,
+            },
+            "dpop_jti": None if proof is None else proof.jti,
+            "pop_key_thumbprint": None if ear is None else ear.pop_thumbprint,
+            "runner_key_thumbprint": None
+            if facts.encryption_key is None
+            else facts.encryption_key.thumbprint,
+            "wrap": None if request is None else request.wrap,
+            # who asked: the attestation's identity, once its stored entry matched the signed
+            # result (OCSF's actor, `audit query --image/--project`)
+            "identity": None
+            if entry is None or facts.encryption_key is None
+            else attestation_identity(entry),
+            "asked": []
+            if request is None
+            else [{"key": a.key, "version": a.version} for a in request.keys],
+            "keys": [self._key_record(k) for k in facts.keys],
+        }
+
+    def _key_record(self, key: KeyOnResult) -> dict[str, Any]:
+        record, error = key.record, key.error
+        return {
+            "key": key.ask.key,
+            "version": key.ask.version if record is None else record.version,
+            "kid": None if record is None else key_id(record.name, record.version),
+            "result": outcome_of(error),
+            "code": error.code.value if error else None,
+            "message": error.message if error else None,
+            **self.policy.record(key.evaluation),
+        }
+
+
+def signed_content(ear: PresentedEar, entry: AttestationEntry) -> RunnerKey:
+    """The encryption key the signed result names, once the store's entry is shown to be the
+    one the result was made with: its PoP thumbprint, and the digest of its claims (the EAR's
+    ``input_digest``). The shared store is trusted for a result's status, never for what a
+    release is decided on or wrapped to.
+
+    Raises:
+        AttestationError: the result lacks its broker claim (``token_claim_invalid``).
+        UpstreamError: ``attestation_store_mismatch``: the entry is not what was signed.
+    """
+    own = ear.claims.get(CLAIM)
+    if not isinstance(own, Mapping) or not isinstance(own.get("encryption_key"), Mapping):
+        raise AttestationError(
+            "the result lacks this broker's claim", code=ErrorCode.TOKEN_CLAIM_INVALID
+        )
+    stored = "sha256:" + hashlib.sha256(canonical(entry.policy_input)).hexdigest()
+    if entry.pop_thumbprint != ear.pop_thumbprint or own.get("input_digest") != stored:
+        log.error("attestation %s: the stored entry does not match the signed result", ear.jti)
+        raise UpstreamError(
+            "the stored attestation does not match the signed result; attest again",
+            code=ErrorCode.ATTESTATION_STORE_MISMATCH,
+        )
+    return parse_runner_key(dict(own["encryption_key"]))
+
+
+def attestation_identity(entry: AttestationEntry) -> dict[str, Any]:
+    """The attestation a release came through, as records name a runner: its jti, and the
+    workload, project and instance its verified claims named."""
+    tee = entry.policy_input.get("tee")
+    tee = tee if isinstance(tee, Mapping) else {}
+    workload, platform = tee.get("workload"), tee.get("platform")
+    workload = workload if isinstance(workload, Mapping) else {}
+    platform = platform if isinstance(platform, Mapping) else {}
+    return {
+        "attestation": entry.jti,
+        "issuer": tee.get("issuer"),
+        "image_digest": workload.get("image_digest"),
+        "project_id": platform.get("project_id"),
+        "instance_id": platform.get("instance_id"),
+    }
+
+
+def release_input(entry: AttestationEntry, facts: RequestFacts, now: datetime) -> dict[str, Any]:
+    """The release policy's input for a key asked on a stored attestation: the input a
+    full-evidence release would have had (the same claims, normalised when they were verified),
+    at ``now``, with ``request.attestation`` naming the result it came through."""
+    stored = entry.policy_input
+    policy_input = build_input(
+        request=facts,
+        tee=stored.get("tee", {}),
+        raw_claims=stored.get("claims", {}),
+        gpus=stored.get("gpus", []),
+        now=now,
+    )
+    policy_input["request"]["attestation"] = {
+        "jti": entry.jti,
+        "expires_at": entry.expires_at.isoformat(),
+    }
+    return policy_input
+
+
+def _key_summary(key: KeyOnResult) -> dict[str, Any]:
+    summary: dict[str, Any] = {"key": key.ask.key, "code": code_of(key.error)}
+    if isinstance(key.error, PolicyDenied):
+        summary["reasons"] = key.error.details.get("reasons", [])
+    return summary
+
+
+def _answer(key: KeyOnResult) -> ReleasedOnResult | RefusedOnResult:
+    decision = key.evaluation.decision
+    if key.wrapped is not None and key.record is not None and decision is not None:
+        return ReleasedOnResult(
+            key=key.record.name,
+            version=key.record.version,
+            wrapped_key=key.wrapped,
+            algorithm=key.record.algorithm.value,
+            policy_digest=decision.policy_digest,
+        )
+    error = key.error or InternalFailure("internal error")
+    return RefusedOnResult(key.ask.key, None if key.record is None else key.record.version, error)

@@ -1,0 +1,129 @@
+"""Attestation results after they were issued (issue 19, issue 27): their status, an admin's
+revocation, re-deciding every active result when the attestation policy may have changed, and
+revoking the results whose evidence named a GPU or RIM signer OCSP has since revoked. Each
+revocation is one ``attestation_revoked`` record; the shared store makes it every worker's and
+replica's at once. Issuing a result is the attestation plan (``attest.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+from broker.attestation.service import VerifiedEvidence
+from broker.attestation.stored import (
+    AttestationEntry,
+    AttestationStore,
+    revoke,
+    revoked_sightings,
+    used_by,
+)
+from broker.audit.log import DecisionLog
+from broker.core.errors import BrokerError, NotFound
+from broker.policy.engine import PolicyEngine
+
+log = logging.getLogger(__name__)
+SWEEP_INTERVAL = timedelta(seconds=30)  # a revoked device's results are looked for once per this
+
+
+class AttestationResults:
+    def __init__(
+        self, *, store: AttestationStore, audit: DecisionLog, policy: PolicyEngine
+    ) -> None:
+        self.store = store
+        self._audit = audit
+        self._policy = policy
+        self._swept: dict[str, datetime] = {}  # revoked device/RIM -> when results were swept
+
+    async def status(self, jti: str, now: datetime) -> AttestationEntry:
+        """Raises: NotFound when unknown or expired; UpstreamError when the store is down."""
+        entry = await self.store.get(jti, now)
+        if entry is None:
+            raise NotFound("no such attestation (unknown or expired)")
+        return entry
+
+    async def revoke(self, jti: str, *, reason: str, who: str, now: datetime) -> AttestationEntry:
+        """Revoke in the shared store (every worker and replica refuses it from now on), then
+        log who did it and why (the first revocation's reason stays).
+
+        Raises: NotFound, UpstreamError."""
+        revocation = await revoke(self.store, jti, reason, now)
+        if revocation is None:
+            raise NotFound("no such attestation (unknown or expired)")
+        await self._log_revocation(jti, revocation.entry, now, who=who)
+        return revocation.entry
+
+    async def revalidate(self, *, who: str, now: datetime, trigger: str = "policy_change") -> int:
+        """Re-decide every unexpired active attestation with the attestation policy now in
+        force, on its stored input at ``now``; revoke (for every worker and replica, one record
+        each, naming ``trigger``) those it no longer allows. Several workers re-deciding at
+        once log each revocation once (the store says who revoked first). Run after each policy
+        change, at start-up and again until a failed run succeeds (``attest_redecide.py``).
+
+        Returns the number revoked here. Raises: UpstreamError (store or policy down)."""
+        revoked = 0
+        for entry in await self.store.active(now):
+            await asyncio.sleep(0)  # thousands of results: let requests run between decisions
+            policy_input = {**entry.policy_input, "time": now.isoformat()}
+            decision = await self._policy.evaluate(policy_input)
+            if decision.allowed:
+                continue
+            reasons = "; ".join(decision.reasons) or "the attestation policy denies it"
+            reason = f"policy {decision.policy_digest[:19]} no longer allows it: {reasons}"
+            revoked += await self._revoke_logged(
+                entry.jti,
+                reason,
+                now,
+                who=who,
+                trigger=trigger,
+                policy_digest=decision.policy_digest,
+                reasons=list(decision.reasons),
+            )
+        return revoked
+
+    async def seen(self, evidence: VerifiedEvidence, now: datetime) -> None:
+        """Evidence any request verified (a release or an attestation) showed a GPU
+        certificate or a RIM signer revoked by OCSP: revoke every active attestation whose
+        evidence named that device or RIM, one record each (``who`` = ``ocsp``). Best effort:
+        a store that does not answer is logged; the request itself is decided as it would be."""
+        # a device or RIM swept within SWEEP_INTERVAL is not swept again: a runner of a revoked
+        # GPU retrying cannot make every one of its requests scan the whole store
+        self._swept = {k: t for k, t in self._swept.items() if now - t < SWEEP_INTERVAL}
+        sightings = revoked_sightings(evidence.gpus, evidence.raw_claims) - set(self._swept)
+        if not sightings:
+            return
+        try:
+            for entry in await self.store.active(now):
+                hit = sorted(used_by(entry) & sightings)
+                if hit:
+                    reason = f"revoked by OCSP: {', '.join(hit)}"
+                    await self._revoke_logged(entry.jti, reason, now, who="ocsp", revoked=hit)
+        except BrokerError as exc:
+            log.error("revoking results that used %s failed: %s", sorted(sightings), exc.message)  # noqa: TRY400
+            return
+        self._swept.update(dict.fromkeys(sightings, now))
+
+    async def _revoke_logged(
+        self, jti: str, reason: str, now: datetime, *, who: str, **facts: Any
+    ) -> int:
+        """Revoke; log it when this call revoked it (1), not when it already was (0)."""
+        revocation = await revoke(self.store, jti, reason, now)
+        if revocation is None or not revocation.newly:
+            return 0
+        await self._log_revocation(jti, revocation.entry, now, who=who, **facts)
+        return 1
+
+    async def _log_revocation(
+        self, jti: str, entry: AttestationEntry, now: datetime, *, who: str, **facts: Any
+    ) -> None:
+        await self._audit.append_entry(
+            {
+                "type": "attestation_revoked",
+                "jti": jti,
+                "time": now.isoformat(),
+                "who": who,
+                "reason": entry.reason,
+                **facts,
+            }
+        )
