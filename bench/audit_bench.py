@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from broker.audit.records import GENESIS, record_hash
-from broker.cli_audit import verify_log
+from broker.cli.audit import verify_log
 from broker.core.encoding import canonical
 from broker.crypto.checkpoint import Checkpoint, NoteSigner
 from broker.crypto.merkle import MerkleTree

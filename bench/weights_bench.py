@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from broker.cli_weights import encrypt_file
+from broker.cli.weights import encrypt_file
 from broker.client.weights import decrypt_to
 from broker.crypto.weights import (
     DEFAULT_SEGMENT,

@@ -51,7 +51,6 @@ from broker.api.services import (
     NoCheckpoints,
     StatementKey,
 )
-from broker.attest_redecide import Redecider
 from broker.attestation.jwks import JwksError
 from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
 from broker.attestation.nvidia.sources import (
@@ -62,13 +61,11 @@ from broker.attestation.nvidia.sources import (
 )
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
-from broker.attestation_stores import open_attestation_store
 from broker.audit.identity import adopt_signing_key, claim_origin
 from broker.audit.log import DecisionLog
 from broker.audit.mask import load_or_create_mask_key
 from broker.audit.publisher import CheckpointPublisher
 from broker.audit.records import LogCorrupt
-from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.sink import AuditSink
 from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
@@ -80,17 +77,20 @@ from broker.decisions.attest import AttestPlan
 from broker.decisions.attested_release import AttestedReleasePlan
 from broker.decisions.kernel import Kernel
 from broker.decisions.policy import PolicyGate
+from broker.decisions.redecide import Redecider
 from broker.decisions.release import ReleasePlan
 from broker.decisions.results import AttestationResults
-from broker.decisions.signers import LocalResultSigner, ResultSigner, result_keys
 from broker.keys.factory import open_key_service
 from broker.keys.service import KeyService
-from broker.nonce_stores import open_nonce_store
-from broker.nonces import NonceStore
 from broker.policy.engine import PolicyEngine
 from broker.policy.freshness import logged_floor
 from broker.policy.manager import SYSTEM_WHO, PolicyManager
 from broker.policy.workers import WorkerGroup
+from broker.signers.checkpoint import close_checkpoint_signer, open_checkpoint_signer
+from broker.signers.results import LocalResultSigner, ResultSigner, result_keys
+from broker.stores.attestations import open_attestation_store
+from broker.stores.nonces import NonceStore
+from broker.stores.spent_nonces import open_nonce_store
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ async def _redecided(
 ) -> None:
     """Attestation results re-decided now (start-up: the policy may be another than the one
     they were decided under), after each policy change, and again until a failed run succeeds
-    (``attest_redecide.py``)."""
+    (``decisions/redecide.py``)."""
     if service is None:
         return
     redecider = Redecider(service.revalidate, clock)
@@ -395,7 +395,7 @@ async def _result_signer(settings: Settings, key: SignerRef, stack: AsyncExitSta
     (development)."""
     if isinstance(key, Pkcs11Ref):
         # python-pkcs11 loads only where an HSM result key is configured.
-        from broker.attest_pkcs11 import Pkcs11ResultSigner, parse_result_key  # noqa: PLC0415
+        from broker.signers.results_pkcs11 import Pkcs11ResultSigner, parse_result_key  # noqa: PLC0415
 
         hsm = Pkcs11ResultSigner(await asyncio.to_thread(parse_result_key, key.uri))
         await hsm.open()
@@ -403,7 +403,7 @@ async def _result_signer(settings: Settings, key: SignerRef, stack: AsyncExitSta
         return hsm
     if isinstance(key, CloudKmsRef):
         # The KMS client loads only where a KMS result key is configured (start-up time).
-        from broker.attest_kms import KmsResultSigner  # noqa: PLC0415
+        from broker.signers.results_kms import KmsResultSigner  # noqa: PLC0415
 
         signer = KmsResultSigner(
             key.uri,

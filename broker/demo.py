@@ -54,7 +54,6 @@ from broker.api.server import BrokerRunner
 from broker.app import create_app, server_ssl_context
 from broker.audit.log import DecisionLog
 from broker.audit.segments import verify_file
-from broker.audit.signers import open_checkpoint_signer
 from broker.client import Attestation, BrokerClient, BrokerClientError, BrokerIdentity
 from broker.client.weights import decrypt_to, open_encrypted, open_source
 from broker.config import Settings, load_settings
@@ -66,6 +65,7 @@ from broker.dev.launcher import DevLauncher, serve_dev_launcher
 from broker.dev.workspace import allow_images, write_dev_workspace, write_private_pem
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
+from broker.signers.checkpoint import open_checkpoint_signer
 
 DEMO_KEY = "models/demo-llama"
 DEMO_QUERY_KEY = "queries/demo-chat"  # a query key: its HPKE private half is released

@@ -13,7 +13,7 @@ from broker.crypto.wrap import WRAP_MODES
 from broker.decisions.attested_request import MAX_KEYS
 from broker.keys.service import KEY_NAME, MAX_KEY_NAME
 from broker.keys.store.base import Purpose, VersionState
-from broker.nonces import MAX_NONCE_CHARS
+from broker.stores.nonces import MAX_NONCE_CHARS
 
 JSON = "application/json"
 KEY_NAME_SCHEMA = {"type": "string", "pattern": KEY_NAME.pattern, "maxLength": MAX_KEY_NAME}

@@ -28,9 +28,9 @@ from typing import Literal
 from broker.audit.log import DecisionLog
 from broker.core.errors import UpstreamError
 from broker.keys.service import KeyService
-from broker.nonces import NonceStore
 from broker.policy.engine import PolicyEngine
 from broker.policy.manager import PolicyManager
+from broker.stores.nonces import NonceStore
 
 log = logging.getLogger(__name__)
 Status = Literal["ready", "degraded", "not_ready"]

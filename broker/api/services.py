@@ -24,11 +24,11 @@ from broker.decisions.attested_release import AttestedReleasePlan
 from broker.decisions.kernel import Kernel
 from broker.decisions.release import ReleasePlan
 from broker.decisions.results import AttestationResults
-from broker.decisions.signers import ResultKeys
 from broker.keys.service import KeyService
-from broker.nonces import NonceStore
 from broker.policy.engine import PolicyEngine
 from broker.policy.manager import PolicyManager
+from broker.signers.results import ResultKeys
+from broker.stores.nonces import NonceStore
 
 Clock = Callable[[], datetime]
 

@@ -1,5 +1,5 @@
 """A stored attestation (issue 19): what a release on an EAR is decided from, and its status.
-Pure data; the stores are ``broker/attestation_stores.py``."""
+Pure data; the stores are ``broker/stores/attestations.py``."""
 
 from __future__ import annotations
 

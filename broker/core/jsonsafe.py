@@ -14,6 +14,7 @@ parser-differential; RFC 8259 §4 leaves it undefined, RFC 7493 I-JSON forbids i
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 # Deepest legitimate document: NRAS results (list > object > object > list) and policy
@@ -31,7 +32,12 @@ def loads_bounded(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         # RFC 8259 §8.1: UTF-8 only. json.loads(bytes) would also guess UTF-16/32 from the
         # first bytes; decoding first refuses them (and a BOM then fails the parse).
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        value = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_members)
+        value = json.loads(
+            text,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_unique_members,
+        )
     except RecursionError as exc:
         raise ValueError("JSON is nested too deeply") from exc
     except UnicodeDecodeError as exc:
@@ -49,6 +55,15 @@ def _brackets(text: str) -> int:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    """A number too large for a float (``1e999``) would become ``inf``, which no JSON encoder
+    writes back (the record of the request could not be encoded): refused as out of range."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("a JSON number is out of range")
+    return value
 
 
 def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

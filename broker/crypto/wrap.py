@@ -10,7 +10,7 @@ Two forms, chosen by the request's ``wrap``:
   whose content is the release statement (``crypto/jwe_cek.py``). The only form an HSM that keeps
   the DEK (``x-hsm-rewrap``) can make; made in software for any other AES-256 DEK.
 
-A release on an attestation result (``attested_release.py``) also binds the digest of the
+A release on an attestation result (``decisions/attested_release.py``) also binds the digest of the
 policy that allowed it: ``policy_digest`` in the JWE header, or in the HPKE ``info``.
 
 Either way a wrapped key cannot be passed off as another key, version or release.

@@ -10,7 +10,7 @@
 * ``attested_request.py``, ``attested_release.py`` — the release on an attestation result
   (``POST /v1/release`` with ``Authorization: DPoP``);
 * ``results.py`` — issued attestation results: status, revocation, re-decision;
-* ``signers.py`` — what signs attestation results, and the keys that verify them.
+* ``redecide.py`` — re-deciding issued results when the policy changes.
 
 A new decision path adds a plan (a ``kernel.Plan``), never a copy of the kernel's steps.
 """

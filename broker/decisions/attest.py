@@ -34,14 +34,14 @@ from broker.attestation.stored import AttestationEntry, AttestationStore, note_l
 from broker.audit.log import Appended
 from broker.config import AttestSettings
 from broker.core.binding import attestation_thumbprint
-from broker.core.errors import BrokerError, ErrorCode, InputError
+from broker.core.errors import ErrorCode, InputError
 from broker.core.fields import string_field
 from broker.crypto.jwk import RunnerKey, parse_runner_key
 from broker.decisions.kernel import Case, Family, Plan
 from broker.decisions.policy import Evaluation, PolicyGate
 from broker.decisions.release import Seen
-from broker.decisions.signers import ResultSigner
-from broker.nonces import MAX_NONCE_CHARS, NonceStore
+from broker.signers.results import ResultSigner
+from broker.stores.nonces import MAX_NONCE_CHARS, NonceStore
 
 log = logging.getLogger(__name__)
 RECORD_TYPE = "attestation"
@@ -176,8 +176,10 @@ class AttestPlan(Plan[Body, AttestRequest, AttestFacts, Attested]):
     async def placed(self, case: AttestCase, answer: Attested, appended: Appended) -> Attested:
         try:  # releases name it; the record is durable and names the jti either way
             await note_log_index(self.store, answer.jti, appended.index, case.now)
-        except BrokerError:
-            log.warning("attestation %s: its log index could not be stored", answer.jti)
+        except Exception:  # a store outage or a bug: the allow is durable, the answer leaves
+            log.warning(
+                "attestation %s: its log index could not be stored", answer.jti, exc_info=True
+            )
         return dataclasses.replace(answer, log_index=appended.index)
 
     def body(self, case: AttestCase) -> dict[str, Any]:

@@ -75,7 +75,7 @@ from broker.decisions.policy import Evaluation, PolicyGate
 from broker.decisions.wrapping import request_facts, wrap_for_runner
 from broker.keys.service import KeyService
 from broker.keys.store.base import KeyVersionRecord
-from broker.nonces import NonceStore
+from broker.stores.nonces import NonceStore
 
 log = logging.getLogger(__name__)
 RECORD_TYPE = "attested_release"

@@ -39,7 +39,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from prometheus_client import Counter, Histogram
 
+from broker.audit.envelope import record_head
 from broker.audit.log import Appended, DecisionLog
+from broker.core.encoding import canonical
 from broker.core.errors import BrokerError, InternalFailure
 from broker.core.metrics import Metrics
 
@@ -193,7 +195,11 @@ class Kernel:
             refusal.details["log_index"] = appended.index  # the client asks for its proof
             raise refusal
         assert answer is not None  # noqa: S101 - for the type checker: refused above otherwise
-        return await plan.placed(case, answer, appended)
+        try:  # the decision is durable and allowed: the answer leaves whatever happens here
+            return await plan.placed(case, answer, appended)
+        except Exception:
+            log.exception("%s %s: placing the answer failed", plan.record_type, case.decision_id)
+            return answer
 
     async def _decide(self, plan: Plan[U, Q, F, A], case: Case[U, Q, F]) -> A | None:
         try:
@@ -217,9 +223,12 @@ class Kernel:
             log.exception("%s %s: withdrawing failed", plan.record_type, case.decision_id)
 
     def _record(self, plan: Plan[U, Q, F, A], case: Case[U, Q, F]) -> dict[str, Any]:
-        """The envelope and the plan's body; if building it fails (a bug), a minimal record."""
+        """The envelope and the plan's body; if building it fails (a bug), or it cannot be
+        encoded as the log writes it (canonical JSON), a minimal record."""
         try:
-            return {**self._envelope(plan, case, plan.result(case)), **plan.body(case)}
+            record = {**self._envelope(plan, case, plan.result(case)), **plan.body(case)}
+            canonical(record)  # encodable: else the log's writer would fail on it, for good
+            return record
         except Exception:
             log.exception("%s %s: building the record failed", plan.record_type, case.decision_id)
             self._fail(plan, case, InternalFailure("internal error"))
@@ -230,15 +239,15 @@ class Kernel:
     @staticmethod
     def _envelope(plan: Plan[U, Q, F, A], case: Case[U, Q, F], result: str) -> dict[str, Any]:
         error = case.error
-        return {
-            "type": plan.record_type,
-            "decision_id": case.decision_id,
-            "request_id": case.request_id,
-            "time": case.now.isoformat(),
-            "result": result,
-            "code": error.code.value if error else None,
-            "message": error.message if error else None,
-        }
+        return record_head(  # the envelope every reader parses back (audit/envelope.py)
+            plan.record_type,
+            decision_id=case.decision_id,
+            request_id=case.request_id,
+            time=case.now,
+            result=result,
+            code=error.code.value if error else None,
+            message=error.message if error else None,
+        )
 
     def _count(
         self,

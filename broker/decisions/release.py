@@ -36,7 +36,7 @@ from broker.decisions.policy import Evaluation, PolicyGate
 from broker.decisions.wrapping import request_facts, wrap_for_runner
 from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
 from broker.keys.store.base import KeyVersionRecord
-from broker.nonces import MAX_NONCE_CHARS, NonceStore
+from broker.stores.nonces import MAX_NONCE_CHARS, NonceStore
 
 RECORD_TYPE = "release"
 RELEASE_FIELDS = ("key", "nonce", "evidence", "runner_key")

@@ -59,7 +59,7 @@ class AttestationResults:
         force, on its stored input at ``now``; revoke (for every worker and replica, one record
         each, naming ``trigger``) those it no longer allows. Several workers re-deciding at
         once log each revocation once (the store says who revoked first). Run after each policy
-        change, at start-up and again until a failed run succeeds (``attest_redecide.py``).
+        change, at start-up and again until a failed run succeeds (``redecide.py``).
 
         Returns the number revoked here. Raises: UpstreamError (store or policy down)."""
         revoked = 0

@@ -353,7 +353,7 @@ class PolicyManager:
             try:
                 await listener(who)
             except UpstreamError as exc:  # the new policy serves; the attestation listener
-                # (attest_redecide.Redecider) retries a failed re-decision itself, with backoff
+                # (decisions.redecide.Redecider) retries a failed re-decision itself, with backoff
                 log.error("after the policy change, re-deciding results failed: %s", exc.message)  # noqa: TRY400
 
     async def _report(self, generation: int, *, ok: bool, problem: str | None) -> None:

@@ -1,5 +1,5 @@
 """Where the OPA binary is: the pinned ``opa`` that compiles policies to Wasm and runs their Rego
-unit tests (``broker policy test``, in ``cli_policy.py``: the tests run under OPA, then the same
+unit tests (``broker policy test``, in ``cli/policy.py``: the tests run under OPA, then the same
 cases are replayed through the broker's own engine and any difference fails). ``make test``
 installs the pinned OPA into the virtual environment (see ``Makefile``; docs/policy.md).
 """

@@ -71,7 +71,7 @@ GROUP = "root:x:0:\nnogroup:x:65534:\nbroker:x:10001:\n"
 NSSWITCH = "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\nservices: files\n"
 # What the server imports that loads native code or needs the system's files (CA bundle).
 SMOKE_PYTHON = """
-import ssl, broker.cli, broker.app, uvloop, grpc, lxml.etree, wasmtime, pkcs11, asyncpg, redis
+import ssl, broker.cli.main, broker.app, uvloop, grpc, lxml.etree, wasmtime, pkcs11, asyncpg, redis
 import google.cloud.kms, google.cloud.secretmanager, google.cloud.storage, google_crc32c, signxml
 import prometheus_client, opa_client, tqdm, cryptography.hazmat.bindings._rust, sqlite3
 wasmtime.Engine()

@@ -27,8 +27,6 @@ import aiohttp
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker import nonces as nonces_module
-from broker.attestation_stores import MemoryAttestations
 from broker.audit.log import DecisionLog
 from broker.core.binding import attestation_thumbprint
 from broker.core.errors import ErrorCode, UpstreamError
@@ -39,9 +37,11 @@ from broker.keys.factory import open_key_service
 from broker.keys.kek.local import LocalKek
 from broker.keys.store.base import Purpose
 from broker.keys.store.sqlite import SqliteKeyStore
-from broker.nonces import store_unavailable
 from broker.policy.engine import Decision
 from broker.policy.wasm import WasmPolicyEngine
+from broker.stores import nonces as nonces_module
+from broker.stores.attestations import MemoryAttestations
+from broker.stores.nonces import store_unavailable
 from tests.integration.attested import DENIED_KEY, Runner
 from tests.integration.conftest import RunningBroker
 from tests.support.constants import ALLOWED, KEY
@@ -62,7 +62,7 @@ PLANS = ("release", "attestation", "attested_release")  # the record types, one 
 
 
 class SeededSecrets:
-    """``secrets`` as ``broker.nonces`` sees it: the challenges' random bytes from a seed."""
+    """``secrets`` as ``broker.stores.nonces`` sees it: the challenges' random bytes from a seed."""
 
     def __init__(self, seed: str) -> None:
         self._seed = seed

@@ -23,9 +23,9 @@ from broker.attestation.stored import (
     note_log_index,
     revoke,
 )
-from broker.attestation_stores import open_attestation_store
 from broker.core.errors import ErrorCode, UpstreamError
 from broker.core.refs import store_ref
+from broker.stores.attestations import open_attestation_store
 
 NOW = datetime.now(UTC)
 

@@ -1,5 +1,5 @@
 """Issue 29 item 4: ``broker audit monitor`` and ``broker keys create --url`` pin the broker's
-attested identity (``--broker-image`` & co., ``broker/cli_broker_pin.py``), and the log key served
+attested identity (``--broker-image`` & co., ``broker/cli/broker_pin.py``), and the log key served
 at ``GET /v1/log/key`` is the checkpoint key the attestation binds.
 
 A real sealed ``broker serve`` on ``broker dev launcher`` (one per module, with an admin token)
@@ -40,7 +40,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.cli_broker_pin import BrokerConnection
+from broker.cli.broker_pin import BrokerConnection
 from broker.client.broker_identity import BrokerNotAttested
 from broker.config import load_settings
 from broker.core.encoding import b64url_decode

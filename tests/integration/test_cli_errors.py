@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from broker import cli_weights
+from broker.cli import weights as cli_weights
 from tests.integration.conftest import write_config
 from tests.support.cli import run
 from tests.support.issuers import dev_issuer

@@ -139,3 +139,26 @@ async def test_one_record_and_no_key_whatever_fails(
     assert samples.get(expected, 0) >= 1, samples
     if outcome == "error":
         assert samples.get(("allow", "ok"), 0) == 0, samples  # a failure never counts as allow
+
+
+async def test_a_failure_after_the_durable_allow_still_answers(
+    start_broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Placing the answer fails (the attestation's log index cannot be noted in the store: a
+    bug there): the ``allow`` is durable, so the answer (the EAR) leaves all the same — never a
+    500 beside an ``allow`` record."""
+    broker = await flows.fixed_broker(start_broker, monkeypatch, seed="attestation/placed")
+    async with aiohttp.ClientSession() as session:
+        send = await prepared("attestation", session, broker)
+        before = len(await asyncio.to_thread(flows.log_lines, broker))
+
+        async def broken(*_: object, **__: object) -> None:
+            raise RuntimeError("injected: noting the log index")
+
+        monkeypatch.setattr("broker.decisions.attest.note_log_index", broken)
+        status, _, text = await send(session)
+    assert status == 201, text  # the EAR, made
+    assert COMPACT_JOSE.search(text)
+    lines = (await asyncio.to_thread(flows.log_lines, broker))[before:]
+    (record,) = [json.loads(line) for line in lines]
+    assert (record["type"], record["result"]) == ("attestation", "allow")

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from broker import cli
+from broker.cli import main as cli
 from broker.keys.admin import cli_actor
 from tests.integration.conftest import RunningBroker
 from tests.support.constants import KEY

@@ -27,13 +27,13 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from broker.attest_kms import KmsResultSigner
 from broker.client import BrokerClientError
 from broker.config import KeySettings, load_settings
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.dev.issuer import DevIssuer, Workload
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
+from broker.signers.results_kms import KmsResultSigner
 from tests.fakes.google_kms import FakeKms, KmsIam
 from tests.fakes.google_sts import (
     JWT_TOKEN_TYPE,

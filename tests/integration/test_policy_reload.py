@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from broker import cli
+from broker.cli import main as cli
 from broker.client import BrokerClientError
 from broker.core.encoding import canonical
 from tests.integration.conftest import RunningBroker

@@ -22,8 +22,8 @@ import pytest
 from broker.config import load_settings
 from broker.core.errors import AttestationError, ConfigError, ErrorCode, UpstreamError
 from broker.core.refs import store_ref
-from broker.nonce_stores import open_nonce_store
-from broker.nonces import NonceStore
+from broker.stores.nonces import NonceStore
+from broker.stores.spent_nonces import open_nonce_store
 from tests.integration.conftest import RunningBroker, write_config
 from tests.support.health import HEALTH_ENV, readyz
 from tests.support.issuers import dev_issuer

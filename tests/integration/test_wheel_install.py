@@ -101,7 +101,7 @@ def test_build_makes_an_sdist_and_a_wheel_with_the_shipped_files(built: tuple[Pa
     entry = zipfile.ZipFile(wheel).read(
         next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith("entry_points.txt"))
     )
-    assert b"broker = broker.cli_entry:main" in entry
+    assert b"broker = broker.cli.entry:main" in entry
 
 
 def test_the_sdk_only_wheel_imports_the_sdk_and_its_broker_names_the_missing_extra(

@@ -18,7 +18,7 @@ from unittest import mock
 
 from blockbuster import BlockBuster
 
-from broker import cli
+from broker.cli import main as cli
 
 # The blocking-call detectors of running tests (tests/integration/conftest.py registers its own).
 # A command is a synchronous program whose event loop is its own (``asyncio.run`` in ``main``):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from broker import cli
 from broker.audit.log import DecisionLog
+from broker.cli import main as cli
 
 TIMES = ["2026-11-22T23:30:00+00:00", "2026-11-23T00:30:00+00:00", "2026-11-23T02:00:00+00:00"]
 

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from broker.audit.log import DecisionLog
 from broker.audit.records import verify_bytes
 from broker.audit.segments import log_files, segment_paths
-from broker.cli_audit import verify_log
+from broker.cli.audit import verify_log
 from broker.crypto.checkpoint import Checkpoint, NoteSigner
 from broker.crypto.merkle import MerkleTree
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from broker.cli import _parser
-from broker.cli_docs import render
+from broker.cli.docs import render
+from broker.cli.main import _parser
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def test_the_reference_is_the_parser() -> None:
-    """Regenerate with ``python -m broker.cli_docs > docs/cli.md`` when this fails."""
+    """Regenerate with ``python -m broker.cli.docs > docs/cli.md`` when this fails."""
     assert DOC.read_text(encoding="utf-8") == render(_parser())
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import AttestationError, ErrorCode, UpstreamError
-from broker.nonces import ChallengeCodec, MemorySpentNonces, StatelessNonceStore
+from broker.stores.nonces import ChallengeCodec, MemorySpentNonces, StatelessNonceStore
 from tests.vectors.tokens import NOW
 
 TTL = timedelta(seconds=120)

@@ -37,8 +37,8 @@ OWN_SYNTAX = {
     "cloud/kms_key.py",
     "cloud/storage_upload.py",
     "client/weights.py",
-    "cli_weights.py",
-    "config_tables.py",  # path resolution of the raw strings, before they are parsed
+    "cli/weights.py",
+    "config/tables.py",  # path resolution of the raw strings, before they are parsed
 }
 PREFIX = re.compile(
     r"""(startswith|removeprefix)\(\(?["'](cloudkms|pkcs11|local|sqlite|redis|rediss|"""

@@ -26,8 +26,8 @@ from broker.decisions.kernel import Kernel
 from broker.decisions.policy import PolicyGate
 from broker.decisions.release import ReleasePlan
 from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
-from broker.nonces import VerifiedChallenge
 from broker.policy.engine import Decision
+from broker.stores.nonces import VerifiedChallenge
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 DECIDING, SUCCESSOR = "sha256:" + "a" * 64, "sha256:" + "b" * 64

@@ -105,6 +105,10 @@ def wire_cases(max_body: int) -> list[Case]:
         release("wire.bom", b'\xef\xbb\xbf{"key": "x"}', 400, "malformed_json", logged=False),
         release("wire.nan", b'{"key": NaN}', 400, "malformed_json", logged=False),
         release("wire.infinity", b'{"version": Infinity}', 400, "malformed_json", logged=False),
+        # a number past a float's range would parse to inf, which no record can hold
+        release(
+            "wire.overflow", b'{"evidence": {"gca": 1e999}}', 400, "malformed_json", logged=False
+        ),
         release(
             "wire.duplicate_members",
             b'{"key": "a", "key": "b"}',

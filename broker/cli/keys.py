@@ -3,8 +3,8 @@
 Every command loads the config, opens the store and the KEKs it names, and (for changes) appends
 a ``key_admin`` record to the decision log, the same log the service writes. ``keys create
 --url URL`` instead asks a running broker (``POST /v1/admin/keys`` with the token of
-``--token-file``, ``cli_admin_remote.py``): the only way once the KEK serves the sealed broker
-alone. With ``--broker-image`` (``cli_broker_pin.py``) the broker's attestation is verified and
+``--token-file``, ``admin_remote.py``): the only way once the KEK serves the sealed broker
+alone. With ``--broker-image`` (``cli/broker_pin.py``) the broker's attestation is verified and
 its certificate pinned before the token is sent.
 """
 
@@ -19,9 +19,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from broker import cli_keys_transfer as transfer
 from broker.audit.log import DecisionLog
-from broker.cli_admin_remote import add_remote_arguments, ask_admin, refuse_remote_flags
+from broker.cli import keys_transfer as transfer
+from broker.cli.admin_remote import add_remote_arguments, ask_admin, refuse_remote_flags
 from broker.config import load_settings
 from broker.core.errors import FileFormatError
 from broker.core.protocol import Algorithm

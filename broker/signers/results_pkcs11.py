@@ -26,7 +26,6 @@ from pkcs11.util.ec import encode_ec_public_key
 
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.crypto.jwk import public_jwk, thumbprint
-from broker.decisions.signers import result_jwks
 from broker.keys.kek.pkcs11 import (
     Pkcs11Uri,
     TokenSession,
@@ -34,6 +33,7 @@ from broker.keys.kek.pkcs11 import (
     leave_session,
     parse_pkcs11_uri,
 )
+from broker.signers.results import result_jwks
 
 
 def _unavailable(message: str) -> UpstreamError:

@@ -1,4 +1,4 @@
-"""The Redis client and the asyncpg pool the replica stores share (``store_clients.py`` says why
+"""The Redis client and the asyncpg pool the replica stores share (``stores/clients.py`` says why
 they are written once); loaded only where such a store is configured."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import asyncpg
 import redis.asyncio as aioredis
 
-from broker.store_clients import Unavailable
+from broker.stores.clients import Unavailable
 
 
 def redis_client(url: str, *, timeout: float) -> aioredis.Redis:

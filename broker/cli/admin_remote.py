@@ -3,7 +3,7 @@
 Once the KEK serves only the sealed broker, a command run with the broker's ``--config`` on an
 owner's machine cannot wrap or unwrap a DEK. ``broker keys create --url URL`` and ``broker
 weights encrypt --url URL`` ask the broker instead, with the admin token of ``--token-file``;
-with ``--broker-image`` & co. (``cli_broker_pin.py``) the broker's attestation is verified and
+with ``--broker-image`` & co. (``cli/broker_pin.py``) the broker's attestation is verified and
 its certificate pinned before the token, or any key material, is sent. The same flags without
 ``--url`` are a usage error: a local command talks to no broker, so there is nothing to pin.
 """
@@ -17,14 +17,14 @@ import urllib.error
 from pathlib import Path
 from typing import Any
 
-from broker.cli_broker_pin import (
+from broker.cli.broker_pin import (
     BrokerUnreachable,
     add_broker_identity_arguments,
     broker_identity_from_args,
     connect,
     not_attested_line,
 )
-from broker.cli_status import _bearer as bearer_from_token_file
+from broker.cli.status import _bearer as bearer_from_token_file
 from broker.client.broker_identity import BrokerNotAttested
 from broker.core.encoding import b64url_encode
 from broker.core.errors import ConfigError

@@ -21,7 +21,7 @@ from broker.cloud.google_api import crc32c
 from broker.cloud.kms_key import KmsKeyVersion
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.crypto.jwk import public_jwk, thumbprint
-from broker.decisions.signers import result_jwks
+from broker.signers.results import result_jwks
 
 
 def _unavailable(message: str) -> UpstreamError:

@@ -1,7 +1,7 @@
 """How the shared stores reach a database, written once: a SQLite file used from one dedicated
-thread (here), and a Redis client and an asyncpg pool (``store_clients_shared.py``, loaded only
-where such a store is configured). The nonce stores (``nonce_stores*.py``) and the attestation
-stores (``attestation_stores*.py``) keep their own tables and statements; how a connection is
+thread (here), and a Redis client and an asyncpg pool (``clients_shared.py``, loaded only where
+such a store is configured). The nonce stores (``spent_nonces*.py``) and the attestation stores
+(``attestations*.py``) keep their own tables and statements; how a connection is
 opened, which errors mean "the store did not answer", and schema creation live here.
 """
 

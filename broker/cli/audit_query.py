@@ -2,7 +2,7 @@
 and selecting them — per key for releases on attestation results, an attestation's whole story
 with ``--attestation`` — as JSON lines, a table, or OCSF events for a SIEM. Every record is read
 through its envelope (``audit/envelope.py``), filtered on its typed members. The file readers are
-shared with ``cli_audit.py`` (verify, prove) and ``broker policy replay``."""
+shared with ``cli/audit.py`` (verify, prove) and ``broker policy replay``."""
 
 from __future__ import annotations
 

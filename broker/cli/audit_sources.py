@@ -3,7 +3,7 @@
 A broker URL is ``https://`` (``http://`` only when its host, parsed, is loopback). Every
 replica behind it answers for every replica's log, asked for by its origin (``?origin=``).
 
-With an expected identity (``--broker-image``, ``cli_broker_pin.py``), the broker's attestation
+With an expected identity (``--broker-image``, ``cli/broker_pin.py``), the broker's attestation
 is verified before any log request and its certificate pinned for every later one; the key it
 serves at ``GET /v1/log/key`` must be the checkpoint key the attestation binds (``Attested``).
 Such a source answers for the attested broker's own log only, and a log key followed from it
@@ -22,7 +22,7 @@ from urllib.parse import quote, urlsplit
 from broker.audit.identity import read_handovers
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.segments import log_files
-from broker.cli_broker_pin import (
+from broker.cli.broker_pin import (
     BrokerConnection,
     attested_log_key,
     connect,

@@ -20,12 +20,18 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from broker import cli_audit, cli_dev, cli_keys, cli_policy, cli_status, cli_weights, offline
 from broker.api.sealed_keys import discarded, make_sealed_keys
 from broker.api.server import BrokerRunner, reload_server_certificate
 from broker.api.services import POLICIES
 from broker.app import create_app, server_ssl_context
 from broker.audit.records import LogCorrupt
+from broker.cli import audit as cli_audit
+from broker.cli import dev as cli_dev
+from broker.cli import keys as cli_keys
+from broker.cli import policy as cli_policy
+from broker.cli import status as cli_status
+from broker.cli import verify_offline as offline
+from broker.cli import weights as cli_weights
 from broker.config import Settings, load_settings, makes_keys
 from broker.core.errors import BrokerError, ConfigError, InputError
 from broker.policy.workers import WorkerGroup
@@ -215,7 +221,7 @@ def _verify(args: argparse.Namespace) -> int:
     """The verdict as JSON on stdout: exit 1 for evidence that does not verify; exit 2, with the
     same JSON and one line on stderr, for a file or an option the command cannot use."""
     if args.kind == "broker":  # the one kind checked over the network: a running broker
-        from broker import cli_verify_broker  # noqa: PLC0415 - the SDK loads only on this path
+        from broker.cli import verify_broker as cli_verify_broker  # noqa: PLC0415 - the SDK loads only on this path
 
         return cli_verify_broker.run(args)
     try:

@@ -26,7 +26,7 @@ async def open_checkpoint_signer(
         return None
     if isinstance(ref, CloudKmsRef):
         # The KMS client loads only where a KMS signer is configured (start-up time).
-        from broker.audit.kms_signer import KmsNoteSigner  # noqa: PLC0415
+        from broker.signers.checkpoint_kms import KmsNoteSigner  # noqa: PLC0415
 
         signer = KmsNoteSigner(
             audit.origin,

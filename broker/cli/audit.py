@@ -14,21 +14,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from broker import cli_audit_monitor, cli_audit_query
 from broker.audit.mask import load_or_create_mask_key, mask_value
 from broker.audit.publisher import checkpoint_paths
 from broker.audit.records import LogCorrupt, verify_bytes
 from broker.audit.segments import SEGMENT_SUFFIX, repair_torn_tail
-from broker.audit.signers import close_checkpoint_signer, open_checkpoint_signer
 from broker.audit.witness import WitnessKey
-from broker.cli_audit_query import read_file as _read
-from broker.cli_audit_query import record_lines as _lines
-from broker.cli_audit_query import with_segments
+from broker.cli import audit_monitor as cli_audit_monitor
+from broker.cli import audit_query as cli_audit_query
+from broker.cli.audit_query import read_file as _read
+from broker.cli.audit_query import record_lines as _lines
+from broker.cli.audit_query import with_segments
 from broker.config import load_settings
 from broker.core.errors import ConfigError
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto.checkpoint import NoteError, NoteVerifier, parse_checkpoint
 from broker.crypto.merkle import MerkleTree, leaf_hash, verify_inclusion
+from broker.signers.checkpoint import close_checkpoint_signer, open_checkpoint_signer
 
 EXIT_NO = 1
 EXIT_USAGE = 2

@@ -26,7 +26,7 @@ from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
 
 # certs/ of the repository, installed with the package (pyproject: package-data)
-CERTS = Path(__file__).resolve().parent / "shipped" / "certs"
+CERTS = Path(__file__).resolve().parents[1] / "shipped" / "certs"
 DEFAULT_ROOTS = {
     "gca": CERTS / "google_confidential_space_root.crt",
     "ita": CERTS / "intel_trust_authority_root_ca.pem",

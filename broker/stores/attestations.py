@@ -28,7 +28,7 @@ from broker.attestation.stored import (
 )
 from broker.core.errors import ConfigError
 from broker.core.refs import MemoryRef, PostgresRef, RedisRef, SqliteRef, StoreRef
-from broker.store_clients import SqliteThread
+from broker.stores.clients import SqliteThread
 
 
 class MemoryAttestations:
@@ -148,11 +148,11 @@ def open_attestation_store(store: StoreRef, *, timeout: float) -> AttestationSto
         return SqliteAttestations(store.path, timeout=timeout)
     # The Redis and PostgreSQL clients load only where such a store is configured.
     if isinstance(store, RedisRef):
-        from broker.attestation_stores_shared import RedisAttestations  # noqa: PLC0415
+        from broker.stores.attestations_shared import RedisAttestations  # noqa: PLC0415
 
         return RedisAttestations(store.uri, timeout=timeout)
     if isinstance(store, PostgresRef):
-        from broker.attestation_stores_shared import PostgresAttestations  # noqa: PLC0415
+        from broker.stores.attestations_shared import PostgresAttestations  # noqa: PLC0415
 
         return PostgresAttestations(store.uri, timeout=timeout)
     raise ConfigError("nonces.store", f"{store.kind} cannot hold attestation results")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.audit.envelope import DECISION_TYPES, Envelope, RecordError, instant, parse_record
-from broker.cli_audit_query import with_segments
+from broker.cli.audit_query import with_segments
 from broker.core.errors import ConfigError, FileFormatError
 from broker.core.jsonsafe import loads_bounded
 from broker.policy.build import (

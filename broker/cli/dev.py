@@ -9,7 +9,7 @@ SDK's ``DevTokenSource.from_workspace(DIR, image=…)`` does the same for ``Brok
 Confidential Space launcher on a Unix socket, for a broker with ``[sealed] launcher_socket``.
 
 DEVELOPMENT ONLY. The issuer is a ``*.invalid`` host, which a broker trusts only when it
-listens on loopback (``config.py``); ``dev token`` refuses a workspace whose broker does not.
+listens on loopback (``config/``); ``dev token`` refuses a workspace whose broker does not.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from broker.attestation.issuers import DEFAULT_ALGORITHMS, IssuerSettings
-from broker.config_tables import (
+from broker.config.tables import (
     config_table,
     convert_value,
     resolve_local_kek,

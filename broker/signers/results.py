@@ -1,6 +1,6 @@
 """What signs this broker's attestation results (EARs, ES256) and what verifies them: the
-``ResultSigner`` port (a PEM file here for development; Cloud KMS in ``attest_kms.py``, a PKCS#11
-token in ``attest_pkcs11.py``) and the keys ``/.well-known/jwks.json`` publishes."""
+``ResultSigner`` port (a PEM file here for development; Cloud KMS in ``results_kms.py``, a
+PKCS#11 token in ``results_pkcs11.py``) and the keys ``/.well-known/jwks.json`` publishes."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _public_key(jwk: Mapping[str, str]) -> ec.EllipticCurvePublicKey:
 
 class LocalResultSigner:
     """An EC P-256 PEM file (``[attest] signing_key = "PATH"``): development and tests; in
-    production the key lives in Cloud KMS (``attest_kms.py``)."""
+    production the key lives in Cloud KMS (``signers/results_kms.py``)."""
 
     def __init__(self, key: ec.EllipticCurvePrivateKey) -> None:
         if key.curve.name != "secp256r1":

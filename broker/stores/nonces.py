@@ -9,7 +9,7 @@ workers of a host share, created if absent; replicas behind one load balancer mu
 covers the other 20 bytes. Handing one out touches no store, so an unauthenticated flood of
 ``POST /v1/challenge`` cannot fill anything or lock anyone out.
 
-Using one is two steps, in this order (``release.py``, ``attest.py``):
+Using one is two steps, in this order (``decisions/release.py``, ``decisions/attest.py``):
 
 1. ``verify_challenge``: the MAC (constant-time), the key id and the expiry, no store touched
    (``nonce_unknown`` when any fails — forged, from another key, expired, malformed);

@@ -1,5 +1,5 @@
-"""Spent-nonce stores that replicas share: Redis and PostgreSQL (``nonce_stores.py`` opens them;
-their clients load only when one is configured)."""
+"""Spent-nonce stores that replicas share: Redis and PostgreSQL (``spent_nonces.py`` opens
+them; their clients load only when one is configured)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import asyncpg
 from redis.exceptions import RedisError
 
-from broker.nonces import reused_nonce, unavailable
-from broker.store_clients_shared import PostgresPool, redis_client
+from broker.stores.clients_shared import PostgresPool, redis_client
+from broker.stores.nonces import reused_nonce, unavailable
 
-# key prefix (Redis) and table (PostgreSQL) of each namespace (``nonce_stores.open_spent_store``);
+# key prefix (Redis) and table (PostgreSQL) of each namespace (``spent_nonces.open_spent_store``);
 # the challenges' are the names these stores have always used
 REDIS_PREFIXES = {"challenge": "broker:spent:", "dpop_jti": "broker:spent-dpop-jti:"}
 PG_TABLES = {"challenge": "broker_spent_nonces", "dpop_jti": "broker_spent_dpop_jtis"}

@@ -17,7 +17,7 @@ INSTALL = "pip install 'sealed-runner-broker[server]' (from a wheel: pip install
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; a server dependency that is not installed is a one-line error, exit 2."""
     try:
-        from broker.cli import main as run  # noqa: PLC0415 - the import is what may fail
+        from broker.cli.main import main as run  # noqa: PLC0415 - the import is what may fail
 
         return run(argv)
     except ModuleNotFoundError as exc:

@@ -1,6 +1,6 @@
 """docs/cli.md, generated from the argument parser: every command, its usage and its options.
 
-Regenerate with ``python -m broker.cli_docs > docs/cli.md``; ``tests/unit/test_cli_docs.py``
+Regenerate with ``python -m broker.cli.docs > docs/cli.md``; ``tests/unit/test_cli_docs.py``
 fails when the file and the parser differ, so the reference cannot fall behind the commands.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 HEADER = """# Command line
 
 Back to the [README](../README.md). Generated from the argument parser
-(`python -m broker.cli_docs > docs/cli.md`; a test fails when they differ).
+(`python -m broker.cli.docs > docs/cli.md`; a test fails when they differ).
 
 Exit codes, for every command: **0** success; **1** the command ran and the answer is "no" (a
 log that does not verify, a refused key change, failing policy tests, a proof that does not
@@ -112,7 +112,7 @@ def render(parser: argparse.ArgumentParser) -> str:
 
 
 def main() -> int:
-    from broker.cli import _parser  # noqa: PLC0415 - the CLI imports this module's siblings
+    from broker.cli.main import _parser  # noqa: PLC0415 - the CLI imports this module's siblings
 
     print(render(_parser()), end="")
     return 0

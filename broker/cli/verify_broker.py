@@ -4,7 +4,7 @@ It fetches ``GET /.well-known/broker-attestation`` over a new TLS connection, ve
 and the binding of the broker's keys (``client/broker_identity.py``), and that the connection's
 server key is the attested TLS key. Exit 0 with the bound keys as JSON; exit 1 with the failed
 check and its reason (also when the broker cannot be reached); exit 2 for a usage error. The
-expected identity is read by ``cli_broker_pin.broker_identity_from_args``, as for ``broker audit
+expected identity is read by ``broker_pin.broker_identity_from_args``, as for ``broker audit
 monitor`` and ``broker keys create --url`` (their flags are ``--broker-image`` & co.).
 """
 
@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from broker.cli_broker_pin import (
+from broker.cli.broker_pin import (
     BrokerUnreachable,
     broker_identity_from_args,
     connect,

@@ -20,7 +20,7 @@ A rotated log key is followed only through a hand-over note signed by the pinned
 the new one (``broker.audit.handover``, served with ``GET /v1/log/key``); the answer names both
 keys and the state pins the new one. An old key that signed past its hand-over is a fork.
 
-With ``--broker-image`` (``cli_broker_pin.py``) a broker URL is trusted only once its attestation
+With ``--broker-image`` (``cli/broker_pin.py``) a broker URL is trusted only once its attestation
 verifies: before any log request, its image, its token and its TLS key are checked, its
 certificate is pinned for every later request, and the key served at ``GET /v1/log/key`` must be
 the attested checkpoint key (it is then pinned on a first run without ``--key``); the log the
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from broker.audit.handover import Handover, follow_handovers
-from broker.cli_audit_sources import Inconsistent, Source, Unreachable, open_source
-from broker.cli_broker_pin import (
+from broker.cli.audit_sources import Inconsistent, Source, Unreachable, open_source
+from broker.cli.broker_pin import (
     BrokerUnreachable,
     add_broker_identity_arguments,
     broker_identity_from_args,

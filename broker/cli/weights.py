@@ -12,7 +12,7 @@ logging, digests compared with the manifest); ``inspect`` reads a header and nee
 
 ``encrypt --url URL`` is for a sealed broker, whose KEK answers only the attested broker: the
 owner's machine makes a fresh AES-256 DEK, imports it into the broker as a new version of
-``--key`` (``POST /v1/admin/keys/import``, ``cli_admin_remote.py``; with ``--broker-image`` only
+``--key`` (``POST /v1/admin/keys/import``, ``admin_remote.py``; with ``--broker-image`` only
 after the broker's attestation is verified, over its attested certificate, so the TLS session
 ends inside the TEE), and only once the broker has named the version encrypts with that DEK
 and version, then zeroes its copy. Nothing is encrypted with a DEK the broker did not take.
@@ -38,7 +38,7 @@ from typing import Any
 from tqdm import tqdm
 
 from broker.audit.log import DecisionLog
-from broker.cli_admin_remote import (
+from broker.cli.admin_remote import (
     BrokerRefused,
     add_remote_arguments,
     check_remote,

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from broker.audit.log import DecisionLog
 from broker.audit.records import LogCorrupt, iter_records
 from broker.config import Settings, key_store_ref, load_settings
-from broker.config_tables import resolve_sqlite_uri
+from broker.config.tables import resolve_sqlite_uri
 from broker.core.errors import ConfigError, FileFormatError, InputError
 from broker.core.jsonsafe import loads_bounded
 from broker.core.refs import PostgresRef

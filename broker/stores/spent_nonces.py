@@ -4,7 +4,7 @@ PostgreSQL (replicas).
 Two namespaces, each with its own bound where the store has one: challenges (``challenge``) and
 DPoP proofs' ``jti``s (``dpop_jti``), in a table, key prefix or map of their own.
 
-Each keeps ``broker.nonces.SpentNonces``' contract: a nonce is spent by one atomic
+Each keeps ``broker.stores.nonces.SpentNonces``' contract: a nonce is spent by one atomic
 insert-if-absent in the store itself and remembered until it would have expired, so of any
 number of concurrent uses across processes and replicas exactly one succeeds; the others see
 ``nonce_reused``. Nothing is stored when a challenge is handed out. Any failure to get an answer
@@ -23,7 +23,8 @@ from pathlib import Path
 from broker.config import NONCE_STORE_FORMS
 from broker.core.errors import ConfigError
 from broker.core.refs import MemoryRef, PostgresRef, RedisRef, SqliteRef, StoreRef
-from broker.nonces import (
+from broker.stores.clients import SqliteThread
+from broker.stores.nonces import (
     MemorySpentNonces,
     NonceStore,
     SpentNonces,
@@ -32,7 +33,6 @@ from broker.nonces import (
     store_full,
     unavailable,
 )
-from broker.store_clients import SqliteThread
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,11 @@ def open_spent_store(
         )
     # The Redis and PostgreSQL clients load only where such a store is configured.
     if isinstance(store, RedisRef):
-        from broker.nonce_stores_shared import RedisSpentNonces  # noqa: PLC0415
+        from broker.stores.spent_nonces_shared import RedisSpentNonces  # noqa: PLC0415
 
         return RedisSpentNonces(store.uri, timeout=timeout, namespace=namespace)
     if isinstance(store, PostgresRef):
-        from broker.nonce_stores_shared import PostgresSpentNonces  # noqa: PLC0415
+        from broker.stores.spent_nonces_shared import PostgresSpentNonces  # noqa: PLC0415
 
         return PostgresSpentNonces(store.uri, timeout=timeout, namespace=namespace)
     raise ConfigError("nonces.store", NONCE_STORE_FORMS)

@@ -1,4 +1,4 @@
-"""Attestation stores replicas share: Redis and PostgreSQL (``attestation_stores.py`` opens
+"""Attestation stores replicas share: Redis and PostgreSQL (``stores/attestations.py`` opens
 them; their clients load only when one is configured)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncpg
 from redis.exceptions import RedisError, WatchError
 
 from broker.attestation.stored import ACTIVE, AttestationEntry, Change, unavailable
-from broker.store_clients_shared import PostgresPool, redis_client
+from broker.stores.clients_shared import PostgresPool, redis_client
 
 SCAN_BATCH = 500
 
