@@ -51,7 +51,6 @@ from broker.api.services import (
     NoCheckpoints,
     StatementKey,
 )
-from broker.attestation.jwks import JwksError
 from broker.attestation.jwks_sources import FileJwksSource, JwksSource, UrlJwksSource
 from broker.attestation.nvidia.sources import (
     CachingRimSource,
@@ -72,6 +71,7 @@ from broker.config import Settings
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
 from broker.core.refs import CloudKmsRef, Pkcs11Ref, SignerRef
+from broker.crypto.jwks import JwksError
 from broker.crypto.keyfiles import p256_private_key_file
 from broker.decisions.attest import AttestPlan
 from broker.decisions.attested_release import AttestedReleasePlan

@@ -28,11 +28,12 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from broker.attestation.jwks import MAX_X5C, TrustedKey, TrustedKeySet
-from broker.attestation.x509chain import load_b64_der, verify_chain
 from broker.core.errors import AttestationError, ErrorCode
 from broker.crypto import jose
 from broker.crypto.jwk import public_jwk, thumbprint
+from broker.crypto.jwks import MAX_X5C, TrustedKeySet
+from broker.crypto.pinned import check_issuer_and_audience, select_key
+from broker.crypto.x509chain import load_b64_der, verify_chain
 
 REQUIRED_CLAIMS = ("iss", "aud", "exp", "iat")
 TOKEN_TYPES = frozenset({"oidc", "pki"})
@@ -141,46 +142,3 @@ def pki_signing_key(
             "kid is not the RFC 7638 thumbprint of the leaf key", code=ErrorCode.KID_MISMATCH
         )
     return leaf_key
-
-
-def select_key(keys: TrustedKeySet, header: jose.UnverifiedHeader) -> TrustedKey:
-    """The configured key named by ``kid`` whose own ``alg`` (if any) is the header's.
-
-    Raises:
-        AttestationError: ``token_key_unknown`` or ``token_algorithm_forbidden``.
-    """
-    trusted = keys.get(header.kid, header.alg)
-    if trusted is not None:
-        return trusted
-    if keys.has_kid(header.kid):
-        raise AttestationError(
-            "token alg differs from the alg of its signing key",
-            code=ErrorCode.TOKEN_ALGORITHM_FORBIDDEN,
-        )
-    raise AttestationError(
-        "token is signed by a key the issuer does not publish", code=ErrorCode.TOKEN_KEY_UNKNOWN
-    )
-
-
-def check_issuer_and_audience(
-    claims: Mapping[str, Any], *, issuer: str, audience: str | None
-) -> None:
-    """Steps 5 and 6 (``audience=None``: the caller decided ``aud`` is not required).
-
-    Raises:
-        AttestationError: ``issuer_unknown`` or ``audience_mismatch``.
-    """
-    if claims.get("iss") != issuer:
-        raise AttestationError(
-            "token issuer is not the configured one", code=ErrorCode.ISSUER_UNKNOWN
-        )
-    if audience is None:
-        return
-    aud = claims.get("aud")
-    matches = aud == audience or (
-        isinstance(aud, list) and audience in aud and all(isinstance(a, str) for a in aud)
-    )
-    if not matches:
-        raise AttestationError(
-            "token audience is not this broker", code=ErrorCode.AUDIENCE_MISMATCH
-        )

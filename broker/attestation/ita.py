@@ -32,13 +32,11 @@ from typing import Any
 
 from cryptography import x509
 
-from broker.attestation.gca import check_issuer_and_audience, select_key
-from broker.attestation.jwks import TrustedKey, TrustedKeySet
-from broker.attestation.x509chain import load_der, verify_chain
 from broker.core import binding
 from broker.core.errors import AttestationError, ErrorCode
 from broker.crypto import jose
-from broker.crypto.jwk import public_jwk
+from broker.crypto.jwks import TrustedKeySet
+from broker.crypto.pinned import check_issuer_and_audience, verify_pinned_jws
 
 INTEL_CERTS_URL = "https://portal.trustauthority.intel.com/certs"
 
@@ -88,57 +86,6 @@ def verify_ita_token(
         claims, issuer=trust.issuer, audience=audience if "aud" in claims else None
     )  # ``audience=None`` (offline CLI) skips it too
     return VerifiedItaToken(issuer=trust.issuer, kid=str(verified.header["kid"]), claims=claims)
-
-
-def verify_pinned_jws(
-    token: str,
-    *,
-    algorithms: Collection[str],
-    keys: TrustedKeySet,
-    anchors: Sequence[x509.Certificate],
-    now: datetime,
-    leeway: timedelta,
-    tolerated_jku: Collection[str] = (),
-    max_lifetime: timedelta = jose.DEFAULT_MAX_LIFETIME,
-) -> jose.VerifiedJws:
-    """Header checks, key by ``kid``/``alg`` whose ``x5c`` chains to a pinned anchor, then the
-    signature and times (the common part of ITA and NRAS token verification).
-
-    Raises:
-        AttestationError: with the specific code of the first failed check.
-    """
-    header = jose.parse_header_with_kid(token, algorithms, tolerated_jku=tolerated_jku)
-    trusted = select_key(keys, header)
-    check_key_chain(trusted, anchors, now=now)
-    return jose.verify_jws(
-        token,
-        header,
-        trusted.key,
-        now=now,
-        leeway=leeway,
-        required_claims=("iss", "exp", "iat"),
-        max_lifetime=max_lifetime,
-    )
-
-
-def check_key_chain(
-    trusted: TrustedKey, roots: Sequence[x509.Certificate], *, now: datetime
-) -> None:
-    """A published key is usable only if its ``x5c`` chains to a pinned root and names it.
-
-    Raises:
-        AttestationError: ``cert_chain_invalid``.
-    """
-    if not trusted.x5c:
-        raise AttestationError(
-            "the signing key carries no x5c chain", code=ErrorCode.CERT_CHAIN_INVALID
-        )
-    chain = [load_der(der) for der in trusted.x5c]
-    verify_chain(chain[0], [c for c in chain[1:] if c not in roots], roots, now=now)
-    if public_jwk(chain[0].public_key()) != public_jwk(trusted.key):  # type: ignore[arg-type]
-        raise AttestationError(
-            "the JWK is not the key of its x5c leaf", code=ErrorCode.CERT_CHAIN_INVALID
-        )
 
 
 def tdx_claims(claims: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import aiohttp
 
-from broker.attestation.jwks import MAX_JWKS_BYTES, JwksError, TrustedKeySet, parse_jwks
 from broker.core.errors import ErrorCode, UpstreamError
+from broker.crypto.jwks import MAX_JWKS_BYTES, JwksError, TrustedKeySet, parse_jwks
 
 log = logging.getLogger(__name__)
 

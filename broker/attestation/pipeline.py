@@ -33,12 +33,12 @@ from cryptography import x509
 from broker.attestation import claims, gca, ita
 from broker.attestation.gpu_pipeline import verify_local
 from broker.attestation.issuers import IssuerSettings
-from broker.attestation.jwks import TrustedKeySet
 from broker.attestation.nvidia import local, nras
 from broker.attestation.nvidia.ocsp import CertKey
 from broker.core import binding
 from broker.core.errors import AttestationError, ErrorCode, InputError
 from broker.crypto import jose
+from broker.crypto.jwks import TrustedKeySet
 
 CPU_KINDS = ("gca", "ita")
 GPU_KINDS = ("nras", "nvidia")

@@ -22,7 +22,6 @@ from typing import Any
 from cryptography import x509
 
 from broker.attestation import gpu_pipeline, pipeline
-from broker.attestation.jwks import TrustedKeySet
 from broker.attestation.jwks_sources import JwksSource
 from broker.attestation.nvidia.local import VerifiedGpuReport
 from broker.attestation.nvidia.ocsp import CertKey, cert_key, ocsp_pairs
@@ -31,6 +30,7 @@ from broker.attestation.nvidia.sources import OcspSource, RimSource, RimUnavaila
 from broker.attestation.pipeline import Binding, Material, Trust, VerifiedEvidence
 from broker.core.encoding import canonical
 from broker.core.errors import BrokerError
+from broker.crypto.jwks import TrustedKeySet
 
 log = logging.getLogger(__name__)
 __all__ = ["EvidenceVerifier", "GpuSources", "VerifiedEvidence", "evidence_digests"]

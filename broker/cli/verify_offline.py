@@ -18,12 +18,12 @@ from cryptography import x509
 
 from broker.attestation import pipeline
 from broker.attestation.issuers import DEFAULT_ALGORITHMS, IssuerSettings
-from broker.attestation.jwks import JwksError, TrustedKeySet, parse_jwks
 from broker.attestation.nvidia import local
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
 from broker.core.errors import AttestationError, ConfigError
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
+from broker.crypto.jwks import JwksError, TrustedKeySet, parse_jwks
 
 # certs/ of the repository, installed with the package (pyproject: package-data)
 CERTS = Path(__file__).resolve().parents[1] / "shipped" / "certs"

@@ -26,13 +26,11 @@ a ``BrokerNotAttested`` naming its ``check``:
     connection equals ``keys.tls`` (a relay with its own certificate and a copy of the
     attestation fails here).
 
-The PKI chain policy is the one of ``attestation/x509chain.py`` (the runner SDK may import only
-``core`` and ``crypto``, so the few lines of policy are repeated here, not imported).
+The PKI chain policy is the service's own (``crypto/x509chain.py``), imported, not repeated.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import re
@@ -45,13 +43,6 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from cryptography.x509.verification import (
-    Criticality,
-    ExtensionPolicy,
-    PolicyBuilder,
-    Store,
-    VerificationError,
-)
 from jwt import PyJWK, PyJWKError
 
 from broker.core.encoding import b64url_decode, b64url_encode
@@ -59,6 +50,7 @@ from broker.core.errors import AttestationError, ErrorCode
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
 from broker.crypto.jwk import public_jwk, thumbprint
+from broker.crypto.x509chain import load_b64_der, verify_chain
 
 GOOGLE_ISSUER = "https://confidentialcomputing.googleapis.com"
 MAX_ATTESTATION_BYTES = 64 * 1024
@@ -267,27 +259,11 @@ def _pki_key(
     x5c = header.fields["x5c"]
     if not isinstance(x5c, list) or not 2 <= len(x5c) <= MAX_CHAIN:
         raise BrokerNotAttested("signature", "x5c must list the leaf, intermediate and root")
-    try:
-        chain = [
-            x509.load_der_x509_certificate(base64.b64decode(str(c), validate=True)) for c in x5c
-        ]
-    except ValueError as exc:
-        raise BrokerNotAttested("signature", "x5c holds a malformed certificate") from exc
-    ca_policy = ExtensionPolicy.webpki_defaults_ca().may_be_present(
-        x509.ExtendedKeyUsage, Criticality.AGNOSTIC, None
-    )
-    verifier = (
-        PolicyBuilder()
-        .store(Store(roots))
-        .time(now)
-        .max_chain_depth(MAX_CHAIN)
-        .extension_policies(ca_policy=ca_policy, ee_policy=ExtensionPolicy.permit_all())
-        .build_client_verifier()
-    )
     try:  # the root the token brings is only a hint: validation ends at the configured root
-        verifier.verify(chain[0], [c for c in chain[1:] if c not in roots])
-    except VerificationError as exc:
-        raise BrokerNotAttested("signature", f"x5c does not chain to the root: {exc}") from exc
+        chain = [load_b64_der(str(c)) for c in x5c]
+        verify_chain(chain[0], [c for c in chain[1:] if c not in roots], roots, now=now)
+    except AttestationError as exc:  # the one chain policy (crypto/x509chain.py)
+        raise BrokerNotAttested("signature", f"x5c: {exc.message}") from exc
     leaf = chain[0].public_key()
     if not isinstance(leaf, rsa.RSAPublicKey) or leaf.key_size < 2048:
         raise BrokerNotAttested("signature", "the PKI leaf key is not RSA-2048 or larger")

@@ -266,8 +266,11 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
         return outcome_of(case.error) if case.error is not None or not results else overall(results)
 
     def tally(self, case: AttestedCase) -> Iterable[tuple[str, str]]:
-        counted = [(outcome_of(k.error), code_of(k.error)) for k in case.facts.keys]
-        if case.error is not None:
+        counted = []
+        for key in case.facts.keys:  # a key the request's error cut short (withdrawn, or never
+            error = key.error or (case.error if key.wrapped is None else None)  # reached) has it
+            counted.append((outcome_of(error), code_of(error)))
+        if case.error is not None and not counted:
             counted.append((outcome_of(case.error), code_of(case.error)))
         return counted
 

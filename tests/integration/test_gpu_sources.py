@@ -23,11 +23,11 @@ import pytest
 from aiohttp import web
 from cryptography import x509
 
-from broker.attestation.jwks import parse_jwks
 from broker.attestation.nvidia import local
 from broker.attestation.nvidia.nras import NrasTrust, verify_nras
 from broker.client.gpu import NrasGpuEvidenceSource, NvmlGpuEvidenceSource
 from broker.client.tokens import TokenSourceError
+from broker.crypto.jwks import parse_jwks
 from broker.dev.tls import make_dev_tls
 
 NV = Path(__file__).parents[1] / "fixtures" / "real" / "nvidia"

@@ -11,8 +11,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from broker.attestation.gca import GcaTrust, verify_gca_token
-from broker.attestation.jwks import parse_jwks
 from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto.jwks import parse_jwks
 from tests.vectors import tokens as v
 
 KEYS = parse_jwks(json.dumps(v.jwks()).encode())

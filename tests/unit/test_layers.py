@@ -169,6 +169,32 @@ def test_no_package_cycle() -> None:
     assert package_cycles(graph()) == []
 
 
+def nested_cycles(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs of a package and one of its sub-packages that import each other (a module file
+    counts for the package that holds it): ``attestation/`` and ``attestation/nvidia/`` did,
+    through generic JOSE helpers now in ``crypto/`` (issue 30)."""
+    modules = set(edges) | {t for targets in edges.values() for t in targets}
+
+    def unit(name: str) -> str:
+        return name if any(m.startswith(name + ".") for m in modules) else name.rsplit(".", 1)[0]
+
+    nested: dict[str, set[str]] = defaultdict(set)
+    for source, targets in edges.items():
+        for target in targets:
+            a, b = unit(source), unit(target)
+            if a != b and (a.startswith(b + ".") or b.startswith(a + ".")):
+                nested[a].add(b)
+    return sorted((a, b) for a in nested for b in nested[a] if a < b and a in nested.get(b, ()))
+
+
+def test_no_package_and_sub_package_import_each_other() -> None:
+    assert nested_cycles(graph()) == []
+    # the check itself: a package and its sub-package importing each other are reported
+    looped = {"broker.a.x": {"broker.a.sub.y"}, "broker.a.sub.y": {"broker.a.z"}}
+    assert nested_cycles(looped) == [("broker.a", "broker.a.sub")]
+    assert nested_cycles({"broker.a.x": {"broker.a.sub.y"}}) == []
+
+
 def test_the_checks_catch_what_they_claim() -> None:
     """The checker itself, on made-up graphs: an upward import, a domain-to-domain import, an SDK
     import of the server, and a cycle are each reported (so a green run means something)."""

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from broker.attestation import gca, pipeline
 from broker.attestation.issuers import IssuerSettings
-from broker.attestation.jwks import JwksError, parse_jwks
 from broker.attestation.nvidia import local, nras, rim, spdm
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
 from broker.core.encoding import b64url_encode
@@ -25,6 +24,7 @@ from broker.core.errors import AttestationError, BrokerError, InputError
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
 from broker.crypto.jwk import parse_runner_key
+from broker.crypto.jwks import JwksError, parse_jwks
 from broker.decisions.release import parse_release_request
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"

@@ -15,10 +15,10 @@ from cryptography.x509 import ocsp
 
 from broker.attestation import gpu_pipeline, pipeline
 from broker.attestation.issuers import IssuerSettings
-from broker.attestation.jwks import parse_jwks
 from broker.attestation.nvidia.ocsp import CertKey, cert_key, ocsp_pairs
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
 from broker.core.errors import AttestationError
+from broker.crypto.jwks import parse_jwks
 from tests.vectors.gpu import DRIVER, RIM_IDS, OcspResponder, RimAuthority, SimulatedGpu
 
 NOW = datetime.now(UTC)

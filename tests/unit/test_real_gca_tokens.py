@@ -10,10 +10,10 @@ import pytest
 
 from broker.attestation.claims import gca_tee
 from broker.attestation.gca import GcaTrust, VerifiedGcaToken, verify_gca_token
-from broker.attestation.jwks import parse_jwks
 from broker.core import binding
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto.jwks import parse_jwks
 
 REAL = Path(__file__).parents[1] / "fixtures" / "real" / "gca"
 SAMPLES = json.loads((REAL / "cs_oidc_samples_2025-12-02.json").read_text())

@@ -12,12 +12,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from broker.attestation.claims import nras_gpu_entries
-from broker.attestation.jwks import parse_jwks
 from broker.attestation.nvidia import local, spdm
 from broker.attestation.nvidia.nras import NrasTrust, verify_nras
 from broker.attestation.nvidia.rim import verify_rim
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto.jwks import parse_jwks
 from tests.vectors.gpu import SimulatedGpu
 
 NV = Path(__file__).parents[1] / "fixtures" / "real" / "nvidia"

@@ -21,10 +21,10 @@ from broker.attestation.ita import (
     check_report_data,
     verify_ita_token,
 )
-from broker.attestation.jwks import parse_jwks
 from broker.core import binding
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto.jwks import parse_jwks
 
 REAL = Path(__file__).parents[1] / "fixtures" / "real"
 GOOGLE = "https://confidentialcomputing.googleapis.com"

@@ -17,13 +17,13 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from broker.api.middleware import METRICS, REQUEST_ID, request_context
 from broker.attestation import pipeline
 from broker.attestation.issuers import IssuerSettings
-from broker.attestation.jwks import MAX_X5C
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import evidence_digests
 from broker.config import KeySettings
 from broker.core.errors import AttestationError, BrokerError, ConfigError, ErrorCode
 from broker.core.metrics import Metrics
 from broker.crypto import jose
+from broker.crypto.jwks import MAX_X5C
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
 

@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from broker.attestation.x509chain import verify_chain, verify_chain_legacy_encoding
 from broker.core.errors import AttestationError
+from broker.crypto.x509chain import verify_chain, verify_chain_legacy_encoding
 from tests.vectors.gpu import key_usage
 
 NOW = datetime(2026, 6, 1, tzinfo=UTC)

@@ -30,8 +30,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.attestation.nvidia import spdm
 from broker.attestation.nvidia.rim import VerifiedRim
-from broker.attestation.x509chain import load_pem_chain, verify_chain
 from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto.x509chain import load_pem_chain, verify_chain
 
 ARCHES = {"HOPPER": "GH100", "BLACKWELL": "GB100"}
 # The attestation (FMC leaf) certificate's CN names the chip: "GH100 A01 GSP FMC LF",

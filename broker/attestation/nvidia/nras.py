@@ -27,12 +27,11 @@ from typing import Any
 
 from cryptography import x509
 
-from broker.attestation.gca import check_issuer_and_audience
-from broker.attestation.ita import verify_pinned_jws
-from broker.attestation.jwks import TrustedKeySet
 from broker.core.errors import AttestationError, ErrorCode
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
+from broker.crypto.jwks import TrustedKeySet
+from broker.crypto.pinned import check_issuer_and_audience, verify_pinned_jws
 
 MAX_GPUS = 8
 MAX_EAT_BYTES = 256 * 1024

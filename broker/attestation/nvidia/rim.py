@@ -25,8 +25,8 @@ from lxml import etree
 from signxml.exceptions import InvalidInput, InvalidSignature
 from signxml.verifier import SignatureConfiguration, XMLVerifier
 
-from broker.attestation.x509chain import load_der, verify_chain_legacy_encoding
 from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto.x509chain import load_der, verify_chain_legacy_encoding
 
 SWID_NS = "http://standards.iso.org/iso/19770/-2/2015/schema.xsd"
 DSIG_NS = "http://www.w3.org/2000/09/xmldsig#"
