@@ -14,7 +14,9 @@ and the per-kind body, typed where the readers need it:
 * ``attestation``: the attestation result a record concerns (its jti and log index);
 * ``body``: the whole record as written, for the members of one kind only.
 
-``record_head`` is the writers' half: the envelope members a decision record starts with.
+The writers' half lives in ``core/records.py`` (every writer may import ``core``, the domain
+packages included): ``RecordType`` names every record type, ``record_head`` the members a
+decision record starts with; both are re-exported here for the readers.
 
 ``broker audit query`` and ``export`` (OCSF), ``broker policy replay`` and the syslog sink read
 records only through this type. The record format is not changed by it: any record a broker
@@ -28,35 +30,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
 from broker.audit.outcomes import overall
 from broker.core.jsonsafe import loads_bounded
+from broker.core.records import KNOWN_TYPES, RecordType
 
-
-class RecordType(StrEnum):
-    """Every record type the broker writes (``tests/integration/test_audit_feeds.py`` lists the
-    writers' types from the source and checks this set covers them)."""
-
-    RELEASE = "release"
-    ATTESTED_RELEASE = "attested_release"
-    ATTESTATION = "attestation"
-    ATTESTATION_REVOKED = "attestation_revoked"
-    POLICY_CHANGE = "policy_change"
-    POLICY_RELOAD_FAILED = "policy_reload_failed"
-    KEY_ADMIN = "key_admin"
-    LOG_REPAIR = "log_repair"
-    LOG_KEY_ROTATION = "log_key_rotation"
-    UNKNOWN = "unknown"  # a type this version does not know (a newer broker's log)
-
-
-KNOWN_TYPES = frozenset(t.value for t in RecordType if t is not RecordType.UNKNOWN)
-# records of a policy decision (``broker policy replay`` re-decides them)
-DECISION_TYPES = frozenset(
-    {RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.ATTESTATION}
-)
 # the records of one attestation result's story (``broker audit query --attestation``)
 ATTESTATION_TYPES = frozenset(
     {RecordType.ATTESTATION, RecordType.ATTESTED_RELEASE, RecordType.ATTESTATION_REVOKED}
@@ -161,30 +141,6 @@ class Envelope:
             input=self.input,
             decided=decided,
         )
-
-
-def record_head(
-    kind: str,
-    *,
-    decision_id: str,
-    request_id: str,
-    time: datetime,
-    result: str,
-    code: str | None,
-    message: str | None,
-) -> dict[str, Any]:
-    """The envelope members a decision record starts with, as the writers write them (the
-    decision kernel adds the plan's body; its minimal record drops ``message``).
-    ``parse_record`` reads each back into the member of the same name."""
-    return {
-        "type": kind,
-        "decision_id": decision_id,
-        "request_id": request_id,
-        "time": time.isoformat(),
-        "result": result,
-        "code": code,
-        "message": message,
-    }
 
 
 def parse_record(record: bytes | str | Mapping[str, Any]) -> Envelope:

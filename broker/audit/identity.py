@@ -25,6 +25,7 @@ from pathlib import Path
 from broker.audit.handover import Handover
 from broker.audit.log import DecisionLog
 from broker.core.errors import ConfigError
+from broker.core.records import RecordType
 from broker.crypto.checkpoint import (
     SIGNATURE_PREFIX,
     CheckpointSigner,
@@ -136,7 +137,7 @@ async def _hand_over(
     await asyncio.to_thread(_keep_handover, decisions.path, note)
     await decisions.append(
         {
-            "type": "log_key_rotation",
+            "type": RecordType.LOG_KEY_ROTATION,
             "time": now,
             "origin": handover.origin,
             "old_key": handover.old_key,

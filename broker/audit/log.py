@@ -39,6 +39,7 @@ from typing import Any
 from broker.audit.records import GENESIS, ChainHead, LogCorrupt, sealed_line
 from broker.audit.segments import SEGMENT_SUFFIX, log_files, read_head_all, segment_paths
 from broker.core.errors import ErrorCode, UpstreamError
+from broker.core.records import RecordType
 from broker.crypto.merkle import MerkleTree, leaf_hash
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,7 @@ class DecisionLog:
         Raises:
             UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
         """
-        return await self._enqueue({**entry, "type": "policy_change"}, conditional=True)
+        return await self._enqueue({**entry, "type": RecordType.POLICY_CHANGE}, conditional=True)
 
     async def _enqueue(self, entry: Mapping[str, Any], *, conditional: bool) -> Appended | None:
         if self._broken or self._fd is None:

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from broker.audit.envelope import Envelope, KeyDecision, RecordType, parse_record
+from broker.audit.envelope import Envelope, KeyDecision, parse_record
 from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL
+from broker.core.records import RecordType
 
 CLASS_UID = 6003  # API Activity (Application Activity category)
 CATEGORY_UID = 6

@@ -19,6 +19,7 @@ from broker.audit.records import (
     verify_bytes,
 )
 from broker.core.encoding import canonical
+from broker.core.records import RecordType
 
 TAIL_FIRST_READ_BYTES = 16 * 1024
 TAIL_READ_BYTES = 4 * 1024 * 1024
@@ -130,7 +131,7 @@ def repair_torn_tail(path: Path, *, now: str) -> RepairReport | None:
     fragment = data[cut:]
     report = verify_bytes(data[:cut])
     record = {
-        "type": "log_repair",
+        "type": RecordType.LOG_REPAIR,
         "time": now,
         "removed_bytes": len(fragment),
         "removed_sha256": hashlib.sha256(fragment).hexdigest(),

@@ -25,9 +25,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from broker.audit.envelope import Envelope, RecordError, RecordType, parse_record
+from broker.audit.envelope import Envelope, RecordError, parse_record
 from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL
 from broker.core.metrics import Metrics
+from broker.core.records import RecordType
 
 log = logging.getLogger(__name__)
 QUEUE_RECORDS = 10_000

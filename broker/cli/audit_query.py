@@ -19,7 +19,6 @@ from broker.audit.envelope import (
     Envelope,
     KeyDecision,
     RecordError,
-    RecordType,
     parse_record,
 )
 from broker.audit.envelope import instant as record_instant
@@ -28,6 +27,7 @@ from broker.audit.outcomes import RESULTS
 from broker.audit.records import LogCorrupt
 from broker.audit.segments import log_files
 from broker.core.errors import ConfigError, FileFormatError
+from broker.core.records import RecordType
 
 
 def add_parsers(audit: Any) -> None:

@@ -22,6 +22,7 @@ from broker.config import Settings, key_store_ref, load_settings
 from broker.config.tables import resolve_sqlite_uri
 from broker.core.errors import ConfigError, FileFormatError, InputError
 from broker.core.jsonsafe import loads_bounded
+from broker.core.records import RecordType
 from broker.core.refs import PostgresRef
 from broker.keys.admin import cli_actor
 from broker.keys.factory import open_store
@@ -57,7 +58,7 @@ async def _log(settings: Settings, action: str, detail: dict[str, Any]) -> None:
     try:
         await audit.append(
             {
-                "type": "key_admin",
+                "type": RecordType.KEY_ADMIN,
                 "action": action,
                 "time": datetime.now(UTC).isoformat(),
                 "who": cli_actor(),

@@ -19,10 +19,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from broker.audit.envelope import DECISION_TYPES, Envelope, RecordError, instant, parse_record
+from broker.audit.envelope import Envelope, RecordError, instant, parse_record
 from broker.cli.audit_query import with_segments
 from broker.core.errors import ConfigError, FileFormatError
 from broker.core.jsonsafe import loads_bounded
+from broker.core.records import DECISION_TYPES
 from broker.policy.build import (
     build_bundle,
     bundle_as_built,

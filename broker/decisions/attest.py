@@ -36,6 +36,7 @@ from broker.config import AttestSettings
 from broker.core.binding import attestation_thumbprint
 from broker.core.errors import ErrorCode, InputError
 from broker.core.fields import string_field
+from broker.core.records import RecordType
 from broker.crypto.jwk import RunnerKey, parse_runner_key
 from broker.decisions.kernel import Case, Family, Plan
 from broker.decisions.policy import Evaluation, PolicyGate
@@ -44,7 +45,7 @@ from broker.signers.results import ResultSigner
 from broker.stores.nonces import MAX_NONCE_CHARS, NonceStore
 
 log = logging.getLogger(__name__)
-RECORD_TYPE = "attestation"
+RECORD_TYPE = RecordType.ATTESTATION
 ATTEST_FIELDS = ("nonce", "evidence", "runner_key", "pop_key")
 VERIFIER_BUILD = "sealed-runner-broker"
 

@@ -52,6 +52,7 @@ from broker.core.errors import (
     PolicyDenied,
     UpstreamError,
 )
+from broker.core.records import RecordType
 from broker.crypto.dpop import (
     FUTURE_LEEWAY,
     MAX_PROOF_AGE,
@@ -78,7 +79,7 @@ from broker.keys.store.base import KeyVersionRecord
 from broker.stores.nonces import NonceStore
 
 log = logging.getLogger(__name__)
-RECORD_TYPE = "attested_release"
+RECORD_TYPE = RecordType.ATTESTED_RELEASE
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from prometheus_client import Counter, Histogram
 
-from broker.audit.envelope import record_head
 from broker.audit.log import Appended, DecisionLog
 from broker.core.encoding import canonical
 from broker.core.errors import BrokerError, InternalFailure
 from broker.core.metrics import Metrics
+from broker.core.records import record_head
 
 log = logging.getLogger(__name__)
 U = TypeVar("U")  # what arrived, unverified

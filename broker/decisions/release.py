@@ -29,6 +29,7 @@ from broker.attestation.service import EvidenceVerifier, VerifiedEvidence, evide
 from broker.audit.log import Appended
 from broker.core.errors import InputError
 from broker.core.fields import optional_version, string_field
+from broker.core.records import RecordType
 from broker.crypto.jwk import RunnerKey, parse_runner_key
 from broker.crypto.wrap import WRAP_MODES, check_wrap_mode, key_id
 from broker.decisions.kernel import Case, Plan
@@ -38,7 +39,7 @@ from broker.keys.service import MAX_KEY_NAME, KeyService, validate_key_name
 from broker.keys.store.base import KeyVersionRecord
 from broker.stores.nonces import MAX_NONCE_CHARS, NonceStore
 
-RECORD_TYPE = "release"
+RECORD_TYPE = RecordType.RELEASE
 RELEASE_FIELDS = ("key", "nonce", "evidence", "runner_key")
 RELEASE_OPTIONAL = ("version", "wrap")
 # told of each verified evidence: attestation results that used a revoked GPU or RIM are revoked

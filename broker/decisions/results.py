@@ -21,6 +21,7 @@ from broker.attestation.stored import (
 )
 from broker.audit.log import DecisionLog
 from broker.core.errors import BrokerError, NotFound
+from broker.core.records import RecordType
 from broker.policy.engine import PolicyEngine
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class AttestationResults:
     ) -> None:
         await self._audit.append_entry(
             {
-                "type": "attestation_revoked",
+                "type": RecordType.ATTESTATION_REVOKED,
                 "jti": jti,
                 "time": now.isoformat(),
                 "who": who,

@@ -42,6 +42,7 @@ from broker.core.errors import (
     UpstreamError,
 )
 from broker.core.protocol import Algorithm
+from broker.core.records import RecordType
 from broker.crypto.jwk import RunnerKey
 from broker.keys.custody import (
     DekCustody,
@@ -557,7 +558,7 @@ class KeyService:
         if self._change_log is not None:
             await self._change_log(
                 {
-                    "type": "key_admin",
+                    "type": RecordType.KEY_ADMIN,
                     "action": action,
                     "time": now.isoformat(),
                     "who": who,

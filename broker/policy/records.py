@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from broker.core.records import RecordType
 from broker.policy import opa_bundle
 from broker.policy.freshness import Freshness
 from broker.policy.wasm import CompiledPolicy
@@ -59,7 +60,7 @@ def change_record(
 ) -> dict[str, Any]:
     """A ``policy_change`` record for ``compiled`` replacing ``old``."""
     entry: dict[str, Any] = {
-        "type": "policy_change",
+        "type": RecordType.POLICY_CHANGE,
         "time": time,
         "old_digest": old,
         "new_digest": compiled.digest,
@@ -94,7 +95,7 @@ def failure_record(
 ) -> dict[str, Any]:
     """A ``policy_reload_failed`` record for ``outcome`` (``refused``: the bundle's SHA-256)."""
     return {
-        "type": "policy_reload_failed",
+        "type": RecordType.POLICY_RELOAD_FAILED,
         "time": outcome.time,
         "trigger": outcome.trigger,
         "who": who,

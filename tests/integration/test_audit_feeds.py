@@ -26,6 +26,7 @@ from broker.audit.log import DecisionLog
 from broker.audit.ocsf import MAPPINGS
 from broker.audit.segments import repair_torn_tail
 from broker.client import BrokerClientError
+from broker.core.records import RecordType
 from broker.crypto.checkpoint import NoteSigner
 from tests.integration.attested import ADMIN, DENIED_KEY, Runner, admin_post, attest_broker
 from tests.integration.conftest import RunningBroker
@@ -33,8 +34,12 @@ from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
 
 BROKER_SOURCE = Path(__file__).parents[2] / "broker"
-# a record's type as its writers spell it: {"type": "…"} literals and RECORD_TYPE constants
-TYPE_LITERAL = re.compile(r'"type": "([a-z_]+)"|RECORD_TYPE = "([a-z_]+)"')
+# a record's type as its writers spell it: {"type": "…"} literals, {"type": RecordType.X} and
+# RECORD_TYPE constants (core/records.py names every type; writers use its members)
+TYPE_LITERAL = re.compile(
+    r'"type": "([a-z_]+)"|RECORD_TYPE = "([a-z_]+)"'
+    r'|"type": RecordType\.([A-Z_]+)|RECORD_TYPE = RecordType\.([A-Z_]+)'
+)
 NOT_RECORDS = {"object", "string", "integer", "array", "boolean", "number", "null"}
 EXTRA_KEY = "models/feeds-extra"
 
@@ -47,7 +52,8 @@ def written_types() -> set[str]:
         if path.name.startswith("openapi") or (path.parent.name == "audit" and path.stem == "ocsf"):
             continue
         for match in TYPE_LITERAL.finditer(path.read_text(encoding="utf-8")):
-            found.add(match.group(1) or match.group(2))
+            literal, member = match.group(1) or match.group(2), match.group(3) or match.group(4)
+            found.add(literal or RecordType[member].value)
     return found - NOT_RECORDS
 
 

@@ -25,11 +25,12 @@ import aiohttp
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from broker.audit.envelope import RecordError, RecordType, parse_record
+from broker.audit.envelope import RecordError, parse_record
 from broker.audit.identity import adopt_signing_key, claim_origin
 from broker.audit.log import DecisionLog
 from broker.audit.publisher import CheckpointPublisher
 from broker.audit.sink import syslog_message
+from broker.core.records import RecordType
 from broker.crypto.checkpoint import NoteSigner
 from broker.keys.service import KeyService
 from broker.keys.store.base import KeyVersionRecord
