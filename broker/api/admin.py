@@ -23,7 +23,7 @@ from broker.config import is_loopback
 from broker.core.encoding import b64url_decode
 from broker.core.errors import Conflict, ErrorCode, InputError, Unauthorized, UpstreamError
 from broker.keys import admin
-from broker.keys.service import DEK_BYTES
+from broker.keys.material import DEK_BYTES
 from broker.policy.freshness import MAX_VERSION, DowngradeTarget
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -29,7 +29,7 @@ from broker.client.broker_identity import BrokerNotAttested
 from broker.core.encoding import b64url_encode
 from broker.core.errors import ConfigError
 from broker.core.jsonsafe import loads_bounded
-from broker.keys.service import DEK_BYTES
+from broker.keys.material import DEK_BYTES
 from broker.keys.store.base import Purpose
 
 EXIT_NO = 1

@@ -13,8 +13,9 @@ wrapped key is useful only to this process.
 
 from broker.client.attested import Attestation
 from broker.client.broker_identity import BrokerIdentity, VerifiedBrokerIdentity
-from broker.client.sdk import BrokerClient, BrokerClientError, ProofError, Proven, ReleasedDek
+from broker.client.sdk import BrokerClient, BrokerClientError, ProofError, Proven
 from broker.client.tokens import ConfidentialSpaceTokenSource, GpuEvidenceSource, TokenSource
+from broker.client.unwrap import ReleasedDek
 
 __all__ = [
     "Attestation",

@@ -32,13 +32,8 @@ from typing import Any
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.client.sdk import (
-    BrokerClientError,
-    ReleasedDek,
-    RunnerSecret,
-    client_error,
-    unwrap_release,
-)
+from broker.client.sdk import BrokerClientError, client_error
+from broker.client.unwrap import ReleasedDek, RunnerSecret, unwrap_release
 from broker.client.weights import key_of_file
 from broker.crypto.weights import WeightsFormatError
 

@@ -20,10 +20,11 @@ from broker.core.refs import (
     SqliteRef,
     kek_ref,
 )
+from broker.keys.caches import DekCache, MetadataCache
 from broker.keys.kek.base import KekProvider
 from broker.keys.kek.local import LocalKek, create_kek_file
 from broker.keys.kek.ring import KekRing
-from broker.keys.service import ChangeLogger, DekCache, KeyService, MetadataCache
+from broker.keys.service import ChangeLogger, KeyService
 from broker.keys.store.base import KeyStore
 from broker.keys.store.sqlite import SqliteKeyStore, sqlite_path
 

@@ -21,17 +21,11 @@ at any moment). Every change is appended to the decision log when one is attache
 from __future__ import annotations
 
 import hmac
-import os
 import re
-import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Generic, TypeVar
-
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import mlkem, x25519
+from typing import Any
 
 from broker.core.errors import (
     Conflict,
@@ -44,6 +38,7 @@ from broker.core.errors import (
 from broker.core.protocol import Algorithm
 from broker.core.records import RecordType
 from broker.crypto.jwk import RunnerKey
+from broker.keys.caches import DekCache, MetadataCache, dek_cache_key
 from broker.keys.custody import (
     DekCustody,
     check_release_wrap,
@@ -53,13 +48,16 @@ from broker.keys.custody import (
 )
 from broker.keys.kek.base import KekProvider, dek_aad
 from broker.keys.kek.ring import KekRing
+from broker.keys.material import (
+    aes_algorithm,
+    check_imported,
+    new_material,
+    query_public_of,
+)
 from broker.keys.store.base import KeyStore, KeyVersionRecord, Purpose, VersionState
 
-DEK_BYTES = 32
 KEY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*$")
 MAX_KEY_NAME = 128
-K = TypeVar("K", bound=tuple[Any, ...])
-V = TypeVar("V")
 ChangeLogger = Callable[[Mapping[str, Any]], Awaitable[object]]
 
 
@@ -84,50 +82,7 @@ class RewrapReport:
     skipped_destroyed: int
 
 
-class TtlCache(Generic[K, V]):
-    """Entries bounded in age and count (least recently used out first); keys start with a name."""
-
-    def __init__(self, *, ttl_seconds: float, max_entries: int) -> None:
-        self._ttl = ttl_seconds
-        self._max = max_entries
-        self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()
-
-    def get(self, key: K) -> V | None:
-        entry = self._entries.get(key)
-        if entry is None or time.monotonic() - entry[0] >= self._ttl:
-            self._entries.pop(key, None)
-            return None
-        self._entries.move_to_end(key)
-        return entry[1]
-
-    def put(self, key: K, value: V) -> None:
-        if self._ttl <= 0 or self._max <= 0:
-            return
-        self._entries[key] = (time.monotonic(), value)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
-
-    def invalidate(self, name: str) -> None:
-        for key in [k for k in self._entries if k[0] == name]:
-            del self._entries[key]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-class DekCache(TtlCache[tuple[str, int, str], bytes]):
-    """Unwrapped key material by (name, version, KEK), bounded in time and count."""
-
-
-def dek_cache_key(record: KeyVersionRecord) -> tuple[str, int, str]:
-    return (record.name, record.version, record.kek_ref)
-
-
-# (name, version or None for "newest enabled") -> the record a release would use
-MetadataCache = TtlCache[tuple[str, int | None], KeyVersionRecord]
-
-
+MAX_CHECKED_PUBLIC = 4096  # query-key versions remembered as checked (then checked afresh)
 SYSTEM_ACTOR = "broker"  # who, when the broker itself acts (demo set-up, tests)
 
 
@@ -150,6 +105,9 @@ class KeyService:
             metadata if metadata is not None else MetadataCache(ttl_seconds=0, max_entries=0)
         )
         self._change_log = change_log
+        # the public halves already checked against their wrapped private halves: a public,
+        # unauthenticated GET must not cost a KEK call each time (that record, those bytes)
+        self._checked_public: set[tuple[str, int, str, bytes, bytes]] = set()
 
     @property
     def kek(self) -> KekProvider:
@@ -207,8 +165,7 @@ class KeyService:
         who: str = SYSTEM_ACTOR,
     ) -> KeyVersionRecord:
         """``create`` with caller-supplied material (32 bytes for AES-256 keys)."""
-        if purpose is Purpose.QUERY or len(material) != DEK_BYTES:
-            raise InputError("import takes exactly 32 bytes of AES-256 key material")
+        check_imported(purpose, material)
         return await self.create(name, purpose, now=now, who=who, material=material)
 
     async def rotate(
@@ -242,12 +199,7 @@ class KeyService:
             UpstreamError: when the KEK or the store cannot answer.
         """
         validate_key_name(name)
-        if len(material) != DEK_BYTES:
-            raise InputError(
-                "the key material must be 32 bytes (AES-256)", code=ErrorCode.KEY_MATERIAL_INVALID
-            )
-        if purpose is Purpose.QUERY:
-            raise InputError("query keys are made by the broker; import model-weights or generic")
+        check_imported(purpose, material)
         latest = await self._store.latest_version(name, enabled_only=False)
         if latest is not None and latest.purpose is not purpose:
             raise InputError(f"key {name!r} is a {latest.purpose.value} key, not {purpose.value}")
@@ -327,6 +279,15 @@ class KeyService:
         Raises:
             UpstreamError: ``key_record_invalid`` when the stored half differs; as ``unwrap``.
         """
+        checked = (
+            record.name,
+            record.version,
+            record.kek_ref,
+            record.wrapped_dek,
+            record.public_key,
+        )
+        if checked in self._checked_public:  # the same bytes as checked before
+            return record.public_key
         public = query_public_of(record.algorithm, await self.unwrap(record))
         if not hmac.compare_digest(public, record.public_key):
             raise UpstreamError(
@@ -334,6 +295,9 @@ class KeyService:
                 "is not its private half's (the key store was edited); nothing signed",
                 code=ErrorCode.KEY_RECORD_INVALID,
             )
+        if len(self._checked_public) >= MAX_CHECKED_PUBLIC:
+            self._checked_public.clear()
+        self._checked_public.add(checked)
         return public
 
     async def unwrap(self, record: KeyVersionRecord) -> bytes:
@@ -565,62 +529,3 @@ class KeyService:
                     **fields,
                 }
             )
-
-
-def new_material(
-    purpose: Purpose, material: bytes | None, algorithm: Algorithm | None
-) -> tuple[Algorithm, bytes, bytes]:
-    """(algorithm, secret to wrap, public key) for a new version.
-
-    Query keys are HPKE key pairs (RFC 9180): DHKEM(X25519), or the ML-KEM-768 + X25519 hybrid
-    (the default) whose secret is the ML-KEM seed (64 bytes) followed by the X25519 key.
-
-    Raises:
-        InputError: for an algorithm that does not fit the purpose.
-    """
-    if purpose is not Purpose.QUERY:
-        return aes_algorithm(purpose, algorithm), material or os.urandom(DEK_BYTES), b""
-    chosen = algorithm or Algorithm.HPKE_MLKEM768_X25519
-    classic = x25519.X25519PrivateKey.generate()
-    classic_public = classic.public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw
-    )
-    if chosen is Algorithm.HPKE_X25519:
-        return chosen, classic.private_bytes_raw(), classic_public
-    if chosen is not Algorithm.HPKE_MLKEM768_X25519:
-        raise InputError("query keys are HPKE-X25519 or HPKE-MLKEM768-X25519")
-    post_quantum = mlkem.MLKEM768PrivateKey.generate()
-    secret = post_quantum.private_bytes_raw() + classic.private_bytes_raw()
-    return chosen, secret, post_quantum.public_key().public_bytes_raw() + classic_public
-
-
-def query_public_of(algorithm: Algorithm, secret: bytes) -> bytes:
-    """The raw public half of a query key's stored secret (``new_material``'s layout).
-
-    Raises:
-        UpstreamError: ``key_record_invalid`` for a secret of the wrong length.
-    """
-    lengths = {Algorithm.HPKE_X25519: 32, Algorithm.HPKE_MLKEM768_X25519: 64 + 32}
-    if lengths.get(algorithm) != len(secret):
-        raise UpstreamError(
-            "a query key's secret does not fit its algorithm", code=ErrorCode.KEY_RECORD_INVALID
-        )
-    classic = x25519.X25519PrivateKey.from_private_bytes(secret[-32:]).public_key()
-    classic_public = classic.public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw
-    )
-    if algorithm is Algorithm.HPKE_X25519:
-        return classic_public
-    post_quantum = mlkem.MLKEM768PrivateKey.from_seed_bytes(secret[:64])
-    return post_quantum.public_key().public_bytes_raw() + classic_public
-
-
-def aes_algorithm(purpose: Purpose, algorithm: Algorithm | None) -> Algorithm:
-    """Model-weights and generic keys are AES-256.
-
-    Raises:
-        InputError: for another algorithm.
-    """
-    if algorithm not in (None, Algorithm.AES_256):
-        raise InputError(f"{purpose.value} keys are AES-256")
-    return Algorithm.AES_256

@@ -31,8 +31,7 @@ import os
 import ssl
 import sys
 
-from broker.client import BrokerClient, BrokerClientError, ConfidentialSpaceTokenSource
-from broker.client.sdk import ReleasedDek
+from broker.client import BrokerClient, BrokerClientError, ConfidentialSpaceTokenSource, ReleasedDek
 from broker.client.tokens import LAUNCHER_SOCKET
 from broker.client.weights import SourceError, decrypt_to, key_of_file
 from broker.crypto.weights import WeightsFormatError

@@ -19,7 +19,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.client.sdk import new_runner_key
+from broker.client.unwrap import new_runner_key
 from broker.core.binding import attestation_thumbprint
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.keys.factory import open_key_service

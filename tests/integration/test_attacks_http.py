@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from broker.audit.segments import verify_file
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from tests.integration.conftest import RunningBroker

@@ -15,7 +15,7 @@ import jwt
 import pytest
 
 from broker.attestation.ear import CLAIM, EAR_PROFILE, MEDIA_TYPE
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.core.binding import attestation_thumbprint
 from broker.crypto.jwk import public_jwk, thumbprint
 from tests.integration.conftest import RunningBroker, write_statement_key

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from broker.client import BrokerClient, ReleasedDek
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.demo import ALLOWED_DIGEST, DEMO_KEY
 from broker.dev.issuer import DevTokenSource

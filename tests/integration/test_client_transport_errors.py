@@ -18,7 +18,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from broker.client import BrokerClient, BrokerClientError
 from broker.client.query import QueryClient
-from broker.client.sdk import TRANSPORT_CODES, ReleasedDek
+from broker.client.sdk import TRANSPORT_CODES
+from broker.client.unwrap import ReleasedDek
 from broker.crypto.checkpoint import NoteSigner
 from broker.dev.issuer import DevTokenSource, Workload
 from broker.dev.tls import make_dev_tls

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.crypto.jwk import public_jwk
 from tests.integration.conftest import RunningBroker
 from tests.integration.rawhttp import open_raw, raw_exchange, read_reply, request_bytes

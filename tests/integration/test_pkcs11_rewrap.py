@@ -26,7 +26,7 @@ from pkcs11 import KeyType, Mechanism, ObjectClass
 from pkcs11.util.ec import encode_named_curve_parameters
 
 from broker.client import BrokerClientError
-from broker.client.sdk import unwrap_release
+from broker.client.unwrap import unwrap_release
 from broker.client.weights import decrypt_to
 from broker.config import KeySettings
 from broker.core.encoding import b64url_decode, b64url_encode

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker.client import BrokerClientError
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
 from tests.integration.conftest import RunningBroker
 from tests.support.constants import DENIED, KEY

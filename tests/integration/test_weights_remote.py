@@ -47,7 +47,7 @@ from aiohttp import web
 from broker.api.server import BrokerRunner
 from broker.app import create_app
 from broker.client import BrokerClient, BrokerIdentity
-from broker.client.sdk import ReleasedDek
+from broker.client.unwrap import ReleasedDek
 from broker.client.weights import decrypt_to
 from broker.config import load_settings
 from broker.core.encoding import b64url_encode

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, DevTokenSource, Workload
 from tests.support.cli import run

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
 from jwcrypto import jwe as jw_jwe
 from jwcrypto import jwk as jw_jwk
 
-from broker.client.sdk import new_ephemeral_key, unwrap_release
+from broker.client.unwrap import new_ephemeral_key, unwrap_release
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import ErrorCode, InputError
 from broker.crypto import jwe

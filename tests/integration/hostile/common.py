@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.core.binding import binding_digest
 from broker.core.encoding import b64url_decode
 from broker.crypto.jwk import public_jwk, thumbprint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.core.encoding import b64url_encode
 from broker.crypto.jwk import public_jwk
 from tests.integration.hostile.common import (
