@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from release_bench import Broker, Run, bench_workspace, wait_ready
 
 from broker.client import BrokerClient
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.core.binding import attestation_thumbprint, binding_digest
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, Workload

@@ -44,7 +44,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker.client.sdk import new_ephemeral_key
+from broker.client.unwrap import new_ephemeral_key
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, Workload
 from tests.integration.conftest import write_config
