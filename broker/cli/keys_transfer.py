@@ -23,7 +23,7 @@ from broker.config.tables import resolve_sqlite_uri
 from broker.core.errors import ConfigError, FileFormatError, InputError
 from broker.core.jsonsafe import loads_bounded
 from broker.core.records import RecordType
-from broker.core.refs import PostgresRef
+from broker.core.refs import PostgresRef, StoreRef
 from broker.keys.admin import cli_actor
 from broker.keys.factory import open_store
 from broker.keys.store.base import KeyStore, KeyVersionRecord
@@ -97,7 +97,8 @@ def migrate_stores(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(
             "--to", "the source and the target are the same store: name the other with --from/--to"
         )
-    if isinstance(key_store_ref(to, "--to"), PostgresRef):
+    source_ref, to_ref = key_store_ref(source, "--from"), key_store_ref(to, "--to")
+    if isinstance(to_ref, PostgresRef):
         from broker.keys.store.postgres import migrate  # noqa: PLC0415
 
         asyncio.run(migrate(to, timeout_seconds=settings.keys.upstream_timeout_seconds))
@@ -109,7 +110,7 @@ def migrate_stores(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             await source_store.close()
             await target.close()
-        detail = {"from": _kind(source), "to": _kind(to), **report.describe()}
+        detail = {"from": _kind(source_ref), "to": _kind(to_ref), **report.describe()}
         await _log(settings, "migrate-store", detail)
         return detail
 
@@ -214,10 +215,10 @@ def _write_private(path: Path, text: str) -> None:
         os.fsync(handle.fileno())
 
 
-def _kind(uri: str) -> str:
+def _kind(ref: StoreRef) -> str:
     """A store for records: its kind and place, never credentials."""
-    parts = urlsplit(uri)
-    if parts.scheme in ("postgresql", "postgres"):  # no user, password or query (passfile=…)
+    if isinstance(ref, PostgresRef):  # no user, password or query (passfile=…)
+        parts = urlsplit(ref.uri)
         host = parts.netloc.rsplit("@", 1)[-1]
         return f"postgresql://{host}{parts.path}"
-    return uri
+    return ref.uri

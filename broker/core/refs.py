@@ -2,7 +2,7 @@
 
 The configuration holds these as the strings an operator writes (``sqlite:///keys.db``,
 ``cloudkms:projects/…``, ``pkcs11:token=…``, ``gs://bucket/object``). They are parsed here, once
-(the configuration exposes each parsed value: ``KeySettings.kek_ref`` & co.), and every user
+(the configuration exposes each parsed value: ``KeySettings.kek_refs`` & co.), and every user
 matches on the type instead of re-reading prefixes. ``uri`` is always the text as written (what
 ``/readyz`` and error messages show, with no credential: ``kind`` for stores).
 
@@ -112,7 +112,9 @@ def store_ref(uri: str, setting: str) -> StoreRef:
     if uri == "memory":
         return MemoryRef()
     if uri.startswith("sqlite:///") and len(uri) > len("sqlite:///"):
-        return SqliteRef(uri, Path(uri.removeprefix("sqlite://")))
+        # sqlite:////abs (a resolved [keys] store) and sqlite:///abs (a resolved [nonces]
+        # store) name the same file: /abs, not //abs
+        return SqliteRef(uri, Path("/" + uri.removeprefix("sqlite:///").lstrip("/")))
     if uri.startswith(("redis://", "rediss://")):
         return RedisRef(uri)
     if uri.startswith(("postgresql://", "postgres://")):

@@ -1,5 +1,6 @@
-"""Building the key service from configuration URIs (``[keys] store``, ``kek``,
-``kek_previous``)."""
+"""Building the key service from the configured references (``[keys] store``, ``kek``,
+``kek_previous``), parsed once by the configuration (``KeySettings.store_ref``, ``kek_refs``)
+and matched on by type here."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import assert_never
 
 from broker.config import KeySettings
 from broker.core.errors import ConfigError
 from broker.core.refs import (
     CloudKmsRef,
+    KekRef,
     LocalFileRef,
     Pkcs11Ref,
     PostgresRef,
@@ -26,7 +29,7 @@ from broker.keys.kek.local import LocalKek, create_kek_file
 from broker.keys.kek.ring import KekRing
 from broker.keys.service import ChangeLogger, KeyService
 from broker.keys.store.base import KeyStore
-from broker.keys.store.sqlite import SqliteKeyStore, sqlite_path
+from broker.keys.store.sqlite import SqliteKeyStore
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ async def open_store(settings: KeySettings) -> KeyStore:
         return shared
     if not isinstance(ref, SqliteRef):
         raise ConfigError("keys.store", f"{ref.kind} is not a key store")
-    store = SqliteKeyStore(sqlite_path(ref.uri))
+    store = SqliteKeyStore(ref.path)
     await store.open()
     return store
 
@@ -77,7 +80,8 @@ async def open_key_service(
         create_missing_kek: create a new development KEK file when a ``local:`` KEK does not
             exist and the store is empty (``broker keys create`` on a fresh install).
         kek_uri: make this KEK the primary (``keys rewrap --to``); the configured ``kek`` and
-            ``kek_previous`` stay available for unwrapping.
+            ``kek_previous`` stay available for unwrapping. Not a setting, so it is parsed here,
+            once, by the same parser (``core/refs.py``) under the same name (``keys.kek``).
         change_log: where key changes are recorded (the decision log's ``append``); without
             it, changes are not recorded (read-only commands).
 
@@ -85,15 +89,15 @@ async def open_key_service(
         ConfigError: when a KEK is missing, malformed, or would orphan existing keys.
         UpstreamError: when the store, an HSM or a KMS cannot be reached.
     """
+    configured = settings.kek_refs  # kek, then kek_previous
+    primary = kek_ref(kek_uri, "keys.kek") if kek_uri else configured[0]
     async with AsyncExitStack() as stack:
         store = await open_store(settings)
         stack.push_async_callback(store.close)
         may_create = create_missing_kek and not await store.list_versions()
-        configured = [settings.kek, *settings.kek_previous]
-        primary_uri = kek_uri or settings.kek
         providers: list[KekProvider] = []
-        for uri in dict.fromkeys([primary_uri, *configured]):  # primary first, no duplicates
-            provider = await _open(uri, settings, may_create=may_create and uri == settings.kek)
+        for ref in dict.fromkeys([primary, *configured]):  # primary first, no duplicates
+            provider = await _open(ref, settings, may_create=may_create and ref == configured[0])
             stack.push_async_callback(provider.close)
             providers.append(provider)
         ring = KekRing(providers[0], providers[1:])
@@ -111,35 +115,35 @@ async def open_key_service(
         )
 
 
-async def _open(uri: str, settings: KeySettings, *, may_create: bool) -> KekProvider:
-    """Open the provider a KEK URI names.
+async def _open(ref: KekRef, settings: KeySettings, *, may_create: bool) -> KekProvider:
+    """Open the provider a KEK reference names.
 
     Raises:
-        ConfigError: for a malformed URI or a missing local file.
+        ConfigError: for a missing local file, or a PKCS#11 or Cloud KMS URI its backend
+            refuses.
         UpstreamError: ``kek_unavailable`` when an HSM or KMS cannot be reached at start-up.
     """
-    ref = kek_ref(uri, "keys.kek")
     if isinstance(ref, LocalFileRef):
         return await asyncio.to_thread(_local_kek, ref.path, may_create=may_create)
     # An HSM or KMS client loads only where one is configured (each costs start-up time).
     if isinstance(ref, Pkcs11Ref):
         from broker.keys.kek.pkcs11 import Pkcs11Kek, parse_pkcs11_uri  # noqa: PLC0415
 
-        hsm = Pkcs11Kek(await asyncio.to_thread(parse_pkcs11_uri, uri))
+        hsm = Pkcs11Kek(await asyncio.to_thread(parse_pkcs11_uri, ref.uri))
         await hsm.open()
         return hsm
     if isinstance(ref, CloudKmsRef):
         from broker.keys.kek.cloudkms import CloudKmsKek, parse_cloudkms_uri  # noqa: PLC0415
 
         kms = CloudKmsKek(
-            parse_cloudkms_uri(uri),
+            parse_cloudkms_uri(ref.uri),
             endpoint=settings.kms_endpoint,
             credentials_file=settings.kms_credentials,
             timeout_seconds=settings.upstream_timeout_seconds,
         )
         await kms.open()
         return kms
-    raise ConfigError("keys.kek", "expected local:PATH, pkcs11:… or cloudkms:projects/…")
+    assert_never(ref)
 
 
 def _local_kek(path: Path, *, may_create: bool) -> LocalKek:
@@ -165,8 +169,8 @@ async def open_kek_ring(settings: KeySettings) -> AsyncIterator[KekRing]:
     """
     async with AsyncExitStack() as stack:
         providers: list[KekProvider] = []
-        for uri in dict.fromkeys([settings.kek, *settings.kek_previous]):
-            provider = await _open(uri, settings, may_create=False)
+        for ref in dict.fromkeys(settings.kek_refs):
+            provider = await _open(ref, settings, may_create=False)
             stack.push_async_callback(provider.close)
             providers.append(provider)
         yield KekRing(providers[0], providers[1:])

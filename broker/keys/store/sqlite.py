@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
-from broker.core.errors import ConfigError, Conflict, ErrorCode, UpstreamError
+from broker.core.errors import Conflict, ErrorCode, UpstreamError
 from broker.core.protocol import Algorithm
 from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
 
@@ -40,18 +40,6 @@ COLUMNS = (
     "public_key"
 )
 SELECT = f"SELECT {COLUMNS} FROM key_versions"  # noqa: S608 - constant column list
-
-
-def sqlite_path(uri: str) -> Path:
-    """The file path of a ``sqlite:///PATH`` URI.
-
-    Raises:
-        ConfigError: ``keys.store`` for another form.
-    """
-    prefix = "sqlite:///"
-    if not uri.startswith(prefix) or len(uri) == len(prefix):
-        raise ConfigError("keys.store", "expected sqlite:///PATH")
-    return Path("/" + uri[len(prefix) :].lstrip("/"))
 
 
 class SqliteKeyStore:
