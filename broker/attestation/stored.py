@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from broker.core.errors import ErrorCode, UpstreamError
@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 ACTIVE = "active"
 REVOKED = "revoked"
 MAX_REASON_CHARS = 512
+# A revocation's record is written by whoever revoked it within this; after it, anyone re-deciding
+# may write it (``claim_record``). Far longer than an append takes, so two writers are unlikely.
+RECORD_GRACE = timedelta(seconds=60)
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,12 @@ class AttestationEntry:
     status: str = ACTIVE
     reason: str | None = None
     log_index: int | None = None  # its ``attestation`` record's index, once appended
+    # revoked, and its ``attestation_revoked`` record not written yet: due then (None: written,
+    # or revoked before this field existed, when the record was written after the revocation)
+    record_due: datetime | None = None
 
     def to_json(self) -> str:
+        due = {} if self.record_due is None else {"record_due": self.record_due.timestamp()}
         return json.dumps(
             {
                 "jti": self.jti,
@@ -38,6 +45,7 @@ class AttestationEntry:
                 "status": self.status,
                 "reason": self.reason,
                 "log_index": self.log_index,
+                **due,
             },
             separators=(",", ":"),
             sort_keys=True,
@@ -46,6 +54,7 @@ class AttestationEntry:
     @classmethod
     def from_json(cls, text: str | bytes) -> AttestationEntry:
         value = json.loads(text)
+        due = value.get("record_due")
         return cls(
             jti=value["jti"],
             expires_at=datetime.fromtimestamp(value["expires_at"], UTC),
@@ -54,6 +63,7 @@ class AttestationEntry:
             status=value["status"],
             reason=value.get("reason"),
             log_index=value.get("log_index"),
+            record_due=None if due is None else datetime.fromtimestamp(due, UTC),
         )
 
 
@@ -77,8 +87,9 @@ class AttestationStore(Protocol):
         when unknown or expired."""
         ...
 
-    async def active(self, now: datetime) -> list[AttestationEntry]:
-        """Every unexpired entry still active (a policy reload re-decides them)."""
+    async def unexpired(self, now: datetime) -> list[AttestationEntry]:
+        """Every unexpired entry, active or revoked (a policy reload re-decides the active
+        ones and writes the revocation records still owed)."""
         ...
 
     async def close(self) -> None: ...
@@ -93,11 +104,14 @@ def unavailable(kind: str, exc: BaseException) -> UpstreamError:
     return error
 
 
-def revoked_entry(entry: AttestationEntry, reason: str) -> AttestationEntry:
-    """Revoked with ``reason``; one already revoked keeps its first reason."""
+def revoked_entry(entry: AttestationEntry, reason: str, now: datetime) -> AttestationEntry:
+    """Revoked with ``reason``, its record due within ``RECORD_GRACE``; one already revoked
+    keeps its first reason."""
     if entry.status == REVOKED:
         return entry
-    return replace(entry, status=REVOKED, reason=reason[:MAX_REASON_CHARS])
+    return replace(
+        entry, status=REVOKED, reason=reason[:MAX_REASON_CHARS], record_due=now + RECORD_GRACE
+    )
 
 
 @dataclass(frozen=True)
@@ -110,11 +124,30 @@ async def revoke(
     store: AttestationStore, jti: str, reason: str, now: datetime
 ) -> Revocation | None:
     """Revoke for every worker and replica; ``None`` when unknown or expired."""
-    changed = await store.update(jti, now, lambda entry: revoked_entry(entry, reason))
+    changed = await store.update(jti, now, lambda entry: revoked_entry(entry, reason, now))
     if changed is None:
         return None
     before, after = changed
     return Revocation(after, newly=before.status != REVOKED)
+
+
+async def claim_record(store: AttestationStore, jti: str, now: datetime) -> bool:
+    """Take over writing a revocation record overdue at ``now`` (its revoker stopped before
+    writing it): the record falls due again ``RECORD_GRACE`` later, so one writer at a time
+    has it, and a claimant that stops too hands it on. Whether this call claimed it."""
+
+    def take(entry: AttestationEntry) -> AttestationEntry:
+        if entry.record_due is None or entry.record_due > now:
+            return entry
+        return replace(entry, record_due=now + RECORD_GRACE)
+
+    changed = await store.update(jti, now, take)
+    return changed is not None and changed[0].record_due != changed[1].record_due
+
+
+async def record_written(store: AttestationStore, jti: str, now: datetime) -> None:
+    """The revocation's record is in the log: no one owes it any more."""
+    await store.update(jti, now, lambda entry: replace(entry, record_due=None))
 
 
 async def note_log_index(store: AttestationStore, jti: str, index: int, now: datetime) -> None:

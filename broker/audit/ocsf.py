@@ -42,6 +42,7 @@ KEY_ACTIVITIES = {
     "restore": CREATE,
     "enable": UPDATE,
     "disable": UPDATE,
+    "rewrap-start": UPDATE,
     "rewrap": UPDATE,
     "migrate-store": UPDATE,
     "destroy": DELETE,
@@ -271,10 +272,11 @@ def _key_admin(envelope: Envelope) -> list[Event]:
         _event(
             envelope,
             activity=KEY_ACTIVITIES.get(action, OTHER),
-            result=None,
+            result=envelope.result,  # "error": recorded, then not made (keys/service.py)
             resources=_keys(envelope.key, envelope.body.get("version")),
             actor=_who(envelope),
-            message=action,
+            code=envelope.code,
+            message=action if envelope.message is None else f"{action}: {envelope.message}",
             unmapped={"action": action, "state": envelope.body.get("state")},
         )
     ]

@@ -15,19 +15,25 @@ Lifecycle: ``create`` (version 1), ``rotate`` (a new version; older ones stay us
 disabled), ``disable`` / ``enable``, ``destroy`` (the wrapped material is deleted for good; the
 metadata and the log history stay), ``import`` (bring your own 32-byte DEK), ``rewrap`` (move
 every DEK to the primary KEK, one atomic compare-and-swap per DEK, so it can be killed and re-run
-at any moment). Every change is appended to the decision log when one is attached.
+at any moment). Every change is appended to the decision log when one is attached, and the
+record comes first (as for a policy change): a change that cannot be recorded is not made; a
+change recorded and then not made (a race, the store down, a bug) is followed by a record of the
+same action with ``result: error`` and its code, so a log never lacks a change the store holds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from broker.core.errors import (
+    BrokerError,
     Conflict,
     ErrorCode,
     InputError,
@@ -59,6 +65,7 @@ from broker.keys.store.base import KeyStore, KeyVersionRecord, Purpose, VersionS
 KEY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*$")
 MAX_KEY_NAME = 128
 ChangeLogger = Callable[[Mapping[str, Any]], Awaitable[object]]
+log = logging.getLogger(__name__)
 
 
 def validate_key_name(name: str) -> str:
@@ -151,8 +158,7 @@ class KeyService:
         record = await self._new_version(
             name, 1, purpose, now=now, material=material, algorithm=algorithm
         )
-        self._invalidate(name)
-        await self._log("create", record, now, who)
+        await self._recorded("create", record, now, who, self._store.add_version(record))
         return record
 
     async def import_key(
@@ -174,8 +180,7 @@ class KeyService:
         """A new version with fresh material; earlier versions stay as they are."""
         latest = await self._require_latest(name)
         record = await self._next_version(name, latest, latest.purpose, now=now)
-        self._invalidate(name)
-        await self._log("rotate", record, now, who)
+        await self._recorded("rotate", record, now, who, self._add_next(record))
         return record
 
     async def import_version(
@@ -204,8 +209,7 @@ class KeyService:
         if latest is not None and latest.purpose is not purpose:
             raise InputError(f"key {name!r} is a {latest.purpose.value} key, not {purpose.value}")
         record = await self._next_version(name, latest, purpose, now=now, material=material)
-        self._invalidate(name)
-        await self._log("import", record, now, who)
+        await self._recorded("import", record, now, who, self._add_next(record))
         return record
 
     async def set_enabled(
@@ -216,9 +220,8 @@ class KeyService:
             raise KeyUnavailable(f"key {name!r} version {version} is destroyed")
         state = VersionState.ENABLED if enabled else VersionState.DISABLED
         updated = record.evolve(state=state, updated_at=now)
-        await self._replace(updated, record)
-        self._invalidate(name)
-        await self._log("enable" if enabled else "disable", updated, now, who)
+        action = "enable" if enabled else "disable"
+        await self._recorded(action, updated, now, who, self._replace(updated, record))
         return updated
 
     async def destroy(
@@ -227,9 +230,7 @@ class KeyService:
         """Delete the wrapped material for good; metadata and history remain."""
         record = await self._require(name, version)
         updated = record.evolve(state=VersionState.DESTROYED, wrapped_dek=b"", updated_at=now)
-        await self._replace(updated, record)
-        self._invalidate(name)
-        await self._log("destroy", updated, now, who)
+        await self._recorded("destroy", updated, now, who, self._replace(updated, record))
         return updated
 
     async def list_versions(self, name: str | None = None) -> list[KeyVersionRecord]:
@@ -384,7 +385,11 @@ class KeyService:
         """
         target = self._keks.primary
         rewrapped = current = destroyed = 0
-        for record in await self._store.list_versions():
+        versions = await self._store.list_versions()
+        moving = [r for r in versions if r.state is not VersionState.DESTROYED]
+        if any(r.kek_ref != target.reference for r in moving):  # recorded before any moves
+            await self._log_event("rewrap-start", {"kek": target.reference}, now, who)
+        for record in versions:
             if record.state is VersionState.DESTROYED:
                 destroyed += 1
                 continue
@@ -433,6 +438,8 @@ class KeyService:
         material: bytes | None = None,
         algorithm: Algorithm | None = None,
     ) -> KeyVersionRecord:
+        """A new version's record, its material made (or imported) and wrapped; not stored yet
+        (``_recorded`` stores it after its record)."""
         kek = self._keks.primary
         aad = dek_aad(name, version)
         custody = custody_of(kek, purpose)
@@ -443,7 +450,7 @@ class KeyService:
             algorithm, public = aes_algorithm(purpose, algorithm), b""
             making = custody.generate(aad) if material is None else custody.import_(material, aad)
             wrapped = await making
-        record = KeyVersionRecord(
+        return KeyVersionRecord(
             name=name,
             version=version,
             purpose=purpose,
@@ -455,8 +462,6 @@ class KeyService:
             algorithm=algorithm,
             public_key=public,
         )
-        await self._store.add_version(record)
-        return record
 
     async def _next_version(
         self,
@@ -467,19 +472,24 @@ class KeyService:
         now: datetime,
         material: bytes | None = None,
     ) -> KeyVersionRecord:
-        """The version after ``latest`` (version 1 when there is none), as ``latest`` was made.
+        """The version after ``latest`` (version 1 when there is none), as ``latest`` was made;
+        not stored yet (``_add_next``)."""
+        version, algorithm = (1, None) if latest is None else (latest.version + 1, latest.algorithm)
+        return await self._new_version(
+            name, version, purpose, now=now, material=material, algorithm=algorithm
+        )
+
+    async def _add_next(self, record: KeyVersionRecord) -> None:
+        """Store a version ``_next_version`` made.
 
         Raises:
             Conflict: ``conflict`` when another change took that version number first.
         """
-        version, algorithm = (1, None) if latest is None else (latest.version + 1, latest.algorithm)
         try:
-            return await self._new_version(
-                name, version, purpose, now=now, material=material, algorithm=algorithm
-            )
+            await self._store.add_version(record)
         except Conflict as exc:  # another rotation (or import) took this version number first
             raise Conflict(
-                f"key {name!r} was rotated concurrently; retry", code=ErrorCode.CONFLICT
+                f"key {record.name!r} was rotated concurrently; retry", code=ErrorCode.CONFLICT
             ) from exc
 
     async def _require(self, name: str, version: int) -> KeyVersionRecord:
@@ -501,20 +511,52 @@ class KeyService:
                 code=ErrorCode.CONFLICT,
             )
 
-    async def _log(self, action: str, record: KeyVersionRecord, now: datetime, who: str) -> None:
-        await self._log_event(
-            action,
-            {
-                "key": record.name,
-                "version": record.version,
-                "purpose": record.purpose.value,
-                "state": record.state.value,
-                "algorithm": record.algorithm.value,
-                "kek": record.kek_ref,
-            },
-            now,
-            who,
-        )
+    async def _recorded(
+        self,
+        action: str,
+        record: KeyVersionRecord,
+        now: datetime,
+        who: str,
+        commit: Coroutine[Any, Any, None],
+    ) -> None:
+        """Record the change, then make it (``commit``), shielded from the caller's
+        cancellation (an admin hanging up cannot leave a change half done): a change the log
+        cannot take is not made (the append's error is raised, the store untouched). A commit
+        that fails after its record is followed by the same action with ``result: error`` and
+        the code (best effort: if the log fails again, the first record stands alone and the
+        store shows the change was not made); the commit's error is raised either way.
+        """
+        await asyncio.shield(self._record_then_commit(action, record, now, who, commit))
+
+    async def _record_then_commit(
+        self,
+        action: str,
+        record: KeyVersionRecord,
+        now: datetime,
+        who: str,
+        commit: Coroutine[Any, Any, None],
+    ) -> None:
+        fields = _fields(record)
+        try:
+            await self._log_event(action, fields, now, who)
+        except BaseException:
+            commit.close()  # never awaited: nothing runs it
+            raise
+        try:
+            await commit
+        except Exception as exc:
+            code = exc.code if isinstance(exc, BrokerError) else ErrorCode.INTERNAL
+            message = exc.message if isinstance(exc, BrokerError) else "the change failed"
+            failed = {**fields, "result": "error", "code": code.value, "message": message}
+            try:
+                await self._log_event(action, failed, now, who)
+            except Exception:  # the first record stands; the store says it was not made
+                log.exception(
+                    "key %s %s: not made, and not recorded as failed", record.name, action
+                )
+            raise
+        finally:
+            self._invalidate(record.name)
 
     async def _log_event(
         self, action: str, fields: Mapping[str, Any], now: datetime, who: str
@@ -529,3 +571,15 @@ class KeyService:
                     **fields,
                 }
             )
+
+
+def _fields(record: KeyVersionRecord) -> dict[str, Any]:
+    """What a ``key_admin`` record says about a version (never its material)."""
+    return {
+        "key": record.name,
+        "version": record.version,
+        "purpose": record.purpose.value,
+        "state": record.state.value,
+        "algorithm": record.algorithm.value,
+        "kek": record.kek_ref,
+    }

@@ -20,7 +20,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from broker.attestation.stored import (
-    ACTIVE,
     AttestationEntry,
     AttestationStore,
     Change,
@@ -55,8 +54,8 @@ class MemoryAttestations:
         self._entries[jti] = after = change(entry)
         return entry, after
 
-    async def active(self, now: datetime) -> list[AttestationEntry]:
-        return [e for e in self._entries.values() if e.expires_at > now and e.status == ACTIVE]
+    async def unexpired(self, now: datetime) -> list[AttestationEntry]:
+        return [e for e in self._entries.values() if e.expires_at > now]
 
     async def close(self) -> None:
         self._entries.clear()
@@ -120,15 +119,14 @@ class SqliteAttestations:
         result: tuple[AttestationEntry, AttestationEntry] | None = await self._db.run(rewrite)
         return result
 
-    async def active(self, now: datetime) -> list[AttestationEntry]:
+    async def unexpired(self, now: datetime) -> list[AttestationEntry]:
         def select(db: sqlite3.Connection) -> list[str]:
             rows = db.execute(
                 "SELECT body FROM attestations WHERE expires_at > ?", (now.timestamp(),)
             ).fetchall()
             return [str(row[0]) for row in rows]
 
-        entries = [AttestationEntry.from_json(body) for body in await self._db.run(select)]
-        return [entry for entry in entries if entry.status == ACTIVE]
+        return [AttestationEntry.from_json(body) for body in await self._db.run(select)]
 
     async def close(self) -> None:
         await self._db.close()

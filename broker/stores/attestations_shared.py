@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 from redis.exceptions import RedisError, WatchError
 
-from broker.attestation.stored import ACTIVE, AttestationEntry, Change, unavailable
+from broker.attestation.stored import AttestationEntry, Change, unavailable
 from broker.stores.clients_shared import PostgresPool, redis_client
 
 SCAN_BATCH = 500
@@ -69,7 +69,7 @@ class RedisAttestations:
         except (RedisError, OSError) as exc:
             raise unavailable("redis", exc) from exc
 
-    async def active(self, now: datetime) -> list[AttestationEntry]:
+    async def unexpired(self, now: datetime) -> list[AttestationEntry]:
         entries: list[AttestationEntry] = []
         try:
             async for batch in _batches(
@@ -80,7 +80,7 @@ class RedisAttestations:
                         entries.append(AttestationEntry.from_json(body))
         except (RedisError, OSError) as exc:
             raise unavailable("redis", exc) from exc
-        return [e for e in entries if e.expires_at > now and e.status == ACTIVE]
+        return [e for e in entries if e.expires_at > now]
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -157,12 +157,11 @@ class PostgresAttestations:
         result: tuple[AttestationEntry, AttestationEntry] | None = await self._pool.run(rewrite)
         return result
 
-    async def active(self, now: datetime) -> list[AttestationEntry]:
+    async def unexpired(self, now: datetime) -> list[AttestationEntry]:
         async def select(db: asyncpg.Connection) -> Any:
             return await db.fetch("SELECT body FROM broker_attestations WHERE expires_at > $1", now)
 
-        entries = [AttestationEntry.from_json(row["body"]) for row in await self._pool.run(select)]
-        return [entry for entry in entries if entry.status == ACTIVE]
+        return [AttestationEntry.from_json(row["body"]) for row in await self._pool.run(select)]
 
     async def close(self) -> None:
         await self._pool.close()

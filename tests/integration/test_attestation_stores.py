@@ -17,10 +17,13 @@ import pytest
 
 from broker.attestation.stored import (
     ACTIVE,
+    RECORD_GRACE,
     REVOKED,
     AttestationEntry,
     AttestationStore,
+    claim_record,
     note_log_index,
+    record_written,
     revoke,
 )
 from broker.core.errors import ErrorCode, UpstreamError
@@ -100,7 +103,7 @@ async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore])
     assert got == live
     assert got is not None
     assert got.status == ACTIVE
-    assert live.jti in {e.jti for e in await store.active(NOW)}  # short may be gone already
+    assert live.jti in {e.jti for e in await store.unexpired(NOW)}  # short may be gone already
     revoked = await revoke(store, live.jti, "policy v2 denies it", NOW)
     assert revoked is not None
     assert (revoked.entry.status, revoked.entry.reason, revoked.newly) == (
@@ -111,7 +114,22 @@ async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore])
     again = await revoke(store, live.jti, "a later reason", NOW)
     assert again is not None
     assert (again.entry.reason, again.newly) == ("policy v2 denies it", False)  # the first stays
-    assert live.jti not in {e.jti for e in await store.active(NOW)}  # revoked: not re-decided
+    listed = {e.jti: e for e in await store.unexpired(NOW)}
+    assert listed[live.jti].status == REVOKED  # revoked: listed, not re-decided
+    # its record is owed until it is written; after the grace, one claimant at a time takes it
+    assert listed[live.jti].record_due == NOW + RECORD_GRACE
+    assert not await claim_record(store, live.jti, NOW)  # the revoker's to write, for now
+    due = NOW + RECORD_GRACE
+    assert await claim_record(store, live.jti, due)
+    assert not await claim_record(store, live.jti, due)  # taken: due again a grace later
+    taken = await store.get(live.jti, due)
+    assert taken is not None
+    assert taken.record_due == due + RECORD_GRACE
+    await record_written(store, live.jti, NOW)
+    written = await store.get(live.jti, NOW)
+    assert written is not None
+    assert written.record_due is None
+    assert not await claim_record(store, live.jti, due + 2 * RECORD_GRACE)  # none owed
     await note_log_index(store, live.jti, 41, NOW)
     kept = await store.get(live.jti, NOW)
     assert kept is not None
@@ -120,7 +138,8 @@ async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore])
     assert await revoke(store, "unknown", "x", NOW) is None
     assert await store.get(short.jti, NOW + timedelta(seconds=2)) is None  # expired
     assert await revoke(store, short.jti, "x", NOW + timedelta(seconds=2)) is None
-    assert await store.active(NOW + timedelta(seconds=2)) == []
+    later = await store.unexpired(NOW + timedelta(seconds=2))
+    assert [(e.jti, e.status) for e in later] == [(live.jti, REVOKED)]
 
 
 async def test_a_revocation_is_seen_by_every_client(shared_uri: str) -> None:

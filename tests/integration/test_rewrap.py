@@ -60,6 +60,12 @@ async def originals(config: Path) -> dict[str, bytes]:
     return deks
 
 
+def key_actions(log: Path) -> list[str]:
+    """The ``key_admin`` actions in the decision log after the keys were made."""
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return [r["action"] for r in records if r["type"] == "key_admin" and r["action"] != "create"]
+
+
 def kill_midway(config: Path, target: str) -> None:
     """Start the rewrap, wait until it has moved at least 100 DEKs, SIGKILL it."""
     process = subprocess.Popen(
@@ -98,12 +104,19 @@ async def test_rewrap_killed_midway_then_finished_then_every_key_released(
         assert 100 <= moved < COUNT
         for record in records:
             assert await keys.unwrap(record) == deks[record.name]
+    # the moves the kill cut short were recorded before the first one
+    assert await asyncio.to_thread(key_actions, settings.audit.log) == ["rewrap-start"]
 
     finished = await asyncio.to_thread(run, *rewrap_command(config, softhsm)[3:])
     assert finished.returncode == 0, finished.stderr
     report = json.loads(finished.stdout)
     assert report["rewrapped"] == COUNT - moved
     assert report["already_current"] == moved
+    assert await asyncio.to_thread(key_actions, settings.audit.log) == [
+        "rewrap-start",
+        "rewrap-start",
+        "rewrap",
+    ]
 
     # A broker that knows only the HSM KEK releases every key, unchanged.
     broker: RunningBroker = await start_broker(
