@@ -154,7 +154,7 @@ async def _serve_demo(  # noqa: PLR0917 - the demo's state, passed on once
     await change_log.open()
     try:
         async with open_key_service(
-            settings.keys, create_missing_kek=True, change_log=change_log.append
+            settings.keys, create_missing_kek=True, change_log=change_log.append_entry
         ) as keys:
             await keys.create(DEMO_KEY, Purpose.MODEL_WEIGHTS, now=utc_now())
             await keys.create(DEMO_QUERY_KEY, Purpose.QUERY, now=utc_now())
@@ -500,11 +500,13 @@ async def _prove_through_api(
                 break
             await asyncio.sleep(0.1)
         assert checkpoint is not None  # noqa: S101 - the loop ran
-        index = 4  # the allowed release (after the keys' creation, encryption, policy_change)
         async with session.get(
-            f"{base}/v1/log/entries?start={index}&end={index + 1}", ssl=tls
+            f"{base}/v1/log/entries?start=0&end={checkpoint.size}", ssl=tls
         ) as reply:
-            record = (await reply.read()).split(b"\n")[0]
+            lines = (await reply.read()).splitlines()
+        # the allowed release (after the keys' creation, encryption, policy_change)
+        index = next(i for i, line in enumerate(lines) if b'"type":"release"' in line)
+        record = lines[index]
         url = f"{base}/v1/log/proof/inclusion?index={index}&tree_size={checkpoint.size}"
         async with session.get(url, ssl=tls) as reply:
             proof = [base64.b64decode(h) for h in (await reply.json())["hashes"]]
@@ -540,6 +542,8 @@ def _label(record: dict[str, Any]) -> str:
     kind = str(record.get("type"))
     if kind in ("attestation", "attested_release"):
         return f"{kind} {record.get('result')}"
+    if kind == "key_admin":  # a change: its intent, then its outcome ("create ok")
+        return " ".join(str(part) for part in (record.get("action"), record.get("result")) if part)
     return str(record.get("result") or record.get("action") or kind)
 
 
@@ -550,7 +554,8 @@ def _audit(log_path: Path) -> bool:
     results = [_label(record) for record in records]
     # the policy that went live at start-up is logged before the first decision
     expected = [
-        "create", "create", "weights-encrypt", "policy_change", "allow", "deny",
+        "create", "create ok", "create", "create ok", "weights-encrypt", "policy_change", "allow",
+        "deny",
         "attestation allow", "attested_release allow", "policy_change", "attestation_revoked",
         "deny", "attested_release deny",
     ]  # fmt: skip

@@ -28,7 +28,7 @@ import aiohttp
 from broker.audit.envelope import Envelope, RecordError, parse_record
 from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL
 from broker.core.metrics import Metrics
-from broker.core.records import RecordType
+from broker.core.records import ChangeResult, RecordType
 
 log = logging.getLogger(__name__)
 QUEUE_RECORDS = 10_000
@@ -36,6 +36,12 @@ BATCH_RECORDS = 200
 SYSLOG_FACILITY_AUTH = 4
 ERR, WARNING, NOTICE, INFO = 3, 4, 5, 6  # RFC 5424 severities
 SEVERITIES = {ALLOW: INFO, PARTIAL: NOTICE, DENY: WARNING, ERROR: ERR}
+# a key change's outcome (keys/changes.py): made notice, not made error, may be made warning
+CHANGE_SEVERITIES: dict[str, int] = {
+    ChangeResult.OK: NOTICE,
+    ChangeResult.ERROR: ERR,
+    ChangeResult.UNKNOWN: WARNING,
+}
 # records without a result that an operator must look at
 ATTENTION = frozenset({RecordType.POLICY_RELOAD_FAILED, RecordType.LOG_REPAIR})
 
@@ -96,13 +102,16 @@ class AuditSink:
 
 def syslog_severity(record: Envelope | Mapping[str, Any]) -> int:
     """RFC 5424 severity of a record (its envelope): decisions by their outcome (per key,
-    ``Envelope.outcome``), changes notice, what an operator must look at warning.
+    ``Envelope.outcome``), changes notice, a key change's outcome by its ``result`` (``ok``
+    notice, ``unknown`` warning, ``error`` error), what an operator must look at warning.
 
     Raises:
         RecordError: ``record`` is not a record (not an object).
     """
     envelope = record if isinstance(record, Envelope) else parse_record(record)
     result = envelope.outcome
+    if result is not None and envelope.kind is RecordType.KEY_ADMIN:
+        return CHANGE_SEVERITIES.get(result, WARNING)
     if result is not None:
         return SEVERITIES.get(result, WARNING)
     return WARNING if envelope.kind in ATTENTION else NOTICE

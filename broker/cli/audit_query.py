@@ -27,7 +27,10 @@ from broker.audit.outcomes import RESULTS
 from broker.audit.records import LogCorrupt
 from broker.audit.segments import log_files
 from broker.core.errors import ConfigError, FileFormatError
-from broker.core.records import RecordType
+from broker.core.records import ChangeResult, RecordType
+
+# results only a key change's outcome has (``error`` is a release's too)
+CHANGE_ONLY = (ChangeResult.OK.value, ChangeResult.UNKNOWN.value)
 
 
 def add_parsers(audit: Any) -> None:
@@ -44,7 +47,11 @@ def add_parsers(audit: Any) -> None:
     query.add_argument(
         "--who", help="who made a change (key and policy records): token:…, user@host, broker"
     )
-    query.add_argument("--result", choices=RESULTS)
+    query.add_argument(
+        "--result",
+        choices=(*RESULTS, *CHANGE_ONLY),
+        help="a release's result; ok or unknown: a key change's outcome (error: with --who too)",
+    )
     query.add_argument("--since", type=instant, help="RFC 3339 with a zone: at or after")
     query.add_argument("--until", type=instant, help="RFC 3339 with a zone: at or before")
     query.add_argument("--table", action="store_true")
@@ -238,6 +245,8 @@ def _query(args: argparse.Namespace) -> int:
     wanted: frozenset[RecordType] | None = (
         frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE}) if args.who is None else None
     )
+    if args.who is None and args.result in CHANGE_ONLY:  # what only a key change's outcome says
+        wanted = frozenset({RecordType.KEY_ADMIN})
     if args.attestation is not None:
         wanted = ATTESTATION_TYPES
     selected = [

@@ -132,7 +132,7 @@ def run_keys(
                 settings.keys,
                 create_missing_kek=create_missing_kek,
                 kek_uri=kek_uri,
-                change_log=audit.append,
+                change_log=audit.append_entry,
             ) as keys:
                 return await work(keys, datetime.now(UTC))
         finally:

@@ -1,7 +1,10 @@
 """``broker keys migrate --from --to``, ``backup`` and ``restore``: wrapped keys between stores.
 
-Each logs one ``key_admin`` record (who, what, how many, the verified digest) in the configured
-decision log. See ``broker.keys.transfer`` for the guarantees and docs/keys.md for the workflow.
+Each is recorded in the configured decision log as ``key_admin`` records (who, what, how many,
+the verified digest): ``backup`` (a read) once it is written; ``restore`` and ``migrate-store``
+(changes to a store) as every key change is, an intent before the copy and an outcome after it
+(``broker.keys.changes``). See ``broker.keys.transfer`` for the guarantees and docs/keys.md for
+the workflow.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import argparse
 import asyncio
 import json
 import os
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,12 +27,12 @@ from broker.config import Settings, key_store_ref, load_settings
 from broker.config.tables import resolve_sqlite_uri
 from broker.core.errors import ConfigError, FileFormatError, InputError
 from broker.core.jsonsafe import loads_bounded
-from broker.core.records import RecordType
 from broker.core.refs import PostgresRef, StoreRef
 from broker.keys.admin import cli_actor
+from broker.keys.changes import Recorder, key_admin_entry, recorded
 from broker.keys.factory import open_store
 from broker.keys.store.base import KeyStore, KeyVersionRecord
-from broker.keys.transfer import backup_document, copy_versions, read_backup
+from broker.keys.transfer import backup_document, copy_versions, read_backup, record_json
 
 MAX_BACKUP_BYTES = 1024 * 1024 * 1024
 NOT_A_BACKUP = "name a file `broker keys backup -o FILE` wrote"
@@ -52,21 +57,46 @@ async def _open(settings: Settings, uri: str | None = None) -> KeyStore:
     return await open_store(settings.keys if uri is None else replace(settings.keys, store=uri))
 
 
-async def _log(settings: Settings, action: str, detail: dict[str, Any]) -> None:
+@asynccontextmanager
+async def _decision_log(settings: Settings) -> AsyncIterator[DecisionLog]:
     audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
     await audit.open()
     try:
-        await audit.append(
-            {
-                "type": RecordType.KEY_ADMIN,
-                "action": action,
-                "time": datetime.now(UTC).isoformat(),
-                "who": cli_actor(),
-                **detail,
-            }
-        )
+        yield audit
     finally:
         await audit.close()
+
+
+async def _log(settings: Settings, action: str, detail: dict[str, Any]) -> None:
+    async with _decision_log(settings) as audit:
+        entry = key_admin_entry(action, detail, now=datetime.now(UTC), who=cli_actor())
+        await audit.append_entry(entry)
+
+
+async def _recorded_copy(
+    settings: Settings,
+    action: str,
+    fields: Mapping[str, Any],
+    records: list[KeyVersionRecord],
+    target: KeyStore,
+) -> dict[str, Any]:
+    """Copy ``records`` into ``target``: the intent recorded first (a copy the log cannot take
+    is not made), then the outcome with the copy's report. A copy that fails in a way that may
+    have reached the store is re-read: ``ok`` only when every version is there."""
+
+    async def commit() -> Mapping[str, Any]:
+        return (await copy_versions(records, target)).describe()
+
+    async def check() -> bool:
+        for record in records:
+            found = await target.get_version(record.name, record.version)
+            if found is None or record_json(found) != record_json(record):
+                return False  # not made, or not completed (re-run it: the copy is idempotent)
+        return True
+
+    async with _decision_log(settings) as audit:
+        recorder = Recorder(audit.append_entry, action, fields, datetime.now(UTC), cli_actor())
+        return {**fields, **await recorded(recorder, commit, check)}
 
 
 def store_argument(option: str, uri: str | None, settings: Settings) -> str:
@@ -106,13 +136,12 @@ def migrate_stores(args: argparse.Namespace) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         source_store, target = await _open(settings, source), await _open(settings, to)
         try:
-            report = await copy_versions(await source_store.list_versions(), target)
+            records = await source_store.list_versions()
+            fields = {"from": _kind(source_ref), "to": _kind(to_ref), "versions": len(records)}
+            return await _recorded_copy(settings, "migrate-store", fields, records, target)
         finally:
             await source_store.close()
             await target.close()
-        detail = {"from": _kind(source_ref), "to": _kind(to_ref), **report.describe()}
-        await _log(settings, "migrate-store", detail)
-        return detail
 
     return asyncio.run(run())
 
@@ -149,12 +178,10 @@ def _restore(args: argparse.Namespace) -> int:
     async def run() -> dict[str, Any]:
         store = await _open(settings)
         try:
-            report = await copy_versions(records, store)
+            fields = {"file": str(args.file), "versions": len(records), "digest": digest}
+            return await _recorded_copy(settings, "restore", fields, records, store)
         finally:
             await store.close()
-        detail = {"file": str(args.file), **report.describe()}
-        await _log(settings, "restore", detail)
-        return detail
 
     print(json.dumps(asyncio.run(run()), indent=2))
     return 0

@@ -251,7 +251,7 @@ def _stored_dek(args: argparse.Namespace, plan: list[Path], total: int) -> tuple
     async def dek() -> tuple[str, bytes]:
         audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
         await audit.open()
-        async with open_key_service(settings.keys, change_log=audit.append) as keys:
+        async with open_key_service(settings.keys, change_log=audit.append_entry) as keys:
             try:
                 detail = {"files": len(plan), "bytes": total, "source": str(args.source)}
                 record, material = await keys.owner_material(
@@ -376,7 +376,7 @@ def _decrypt(args: argparse.Namespace) -> int:
     async def run() -> list[dict[str, Any]]:
         audit = DecisionLog(settings.audit.log, replica=settings.server.replica_id)
         await audit.open()
-        async with open_key_service(settings.keys, change_log=audit.append) as keys:
+        async with open_key_service(settings.keys, change_log=audit.append_entry) as keys:
             try:
                 detail = {"files": len(jobs), "source": str(args.source)}
                 who = cli_actor()

@@ -30,6 +30,16 @@ class RecordType(StrEnum):
     UNKNOWN = "unknown"  # a type this version does not know (a newer broker's log)
 
 
+class ChangeResult(StrEnum):
+    """``result`` of a key change's outcome record (``keys/changes.py``): the change was made,
+    was not made, or may have been (the store could not be read back). A change's intent record
+    has no ``result``; an intent without an outcome is unknown too (the store says)."""
+
+    OK = "ok"
+    ERROR = "error"
+    UNKNOWN = "unknown"
+
+
 KNOWN_TYPES = frozenset(t.value for t in RecordType if t is not RecordType.UNKNOWN)
 # records of a policy decision (``broker policy replay`` re-decides them)
 DECISION_TYPES = frozenset(

@@ -5,17 +5,21 @@ revocation is one ``attestation_revoked`` record; the shared store makes it ever
 replica's at once. Issuing a result is the attestation plan (``attest.py``).
 
 A revocation takes effect before its record is written (a log that does not answer must not
-keep a revoked result usable), so the store entry says the record is owed (``record_due``)
-until it is written. Whoever revoked writes it; if that one stops first (a crash, the log
-down), the next re-decision after ``RECORD_GRACE`` writes it (``_write_owed``), and a
-re-decision that finds a record owed but not yet due is not done: ``redecide.py`` runs it
-again until every record is written (docs/decisions.md, "Revocations are recorded after
-they take effect")."""
+keep a revoked result usable), so the store entry holds the whole record (who, when, why) as
+owed, in the same atomic update, until it is written; the store keeps the entry that long,
+past its expiry if need be. Whoever revoked writes it. If the log does not take it, the
+record is handed to the owed-record pass (``write_owed``, run every ``PASS_INTERVAL`` by each
+process: ``owed.py``) and this process's pass is woken; if the revoker stops first (a crash),
+any pass writes it once ``RECORD_GRACE`` has gone by. A record written so is the revoker's,
+marked ``written_late`` (docs/decisions.md, "Revocations are recorded after they take
+effect")."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,28 +29,20 @@ from broker.attestation.stored import (
     AttestationEntry,
     AttestationStore,
     claim_record,
+    hand_over,
+    late_record,
     record_written,
     revoke,
     revoked_sightings,
     used_by,
 )
 from broker.audit.log import DecisionLog
-from broker.core.errors import BrokerError, ErrorCode, NotFound, UpstreamError
+from broker.core.errors import BrokerError, NotFound, UpstreamError
 from broker.core.records import RecordType
 from broker.policy.engine import PolicyEngine
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL = timedelta(seconds=30)  # a revoked device's results are looked for once per this
-
-
-class RecordsOwed(UpstreamError):
-    """Revocation records another writer still has time to write: look again later."""
-
-    def __init__(self, owed: int) -> None:
-        super().__init__(
-            f"{owed} revocation record(s) not written yet by whoever revoked them",
-            code=ErrorCode.AUDIT_LOG_UNAVAILABLE,
-        )
 
 
 class AttestationResults:
@@ -57,6 +53,12 @@ class AttestationResults:
         self._audit = audit
         self._policy = policy
         self._swept: dict[str, datetime] = {}  # revoked device/RIM -> when results were swept
+        self._owed_listeners: list[Callable[[], None]] = []
+
+    def on_owed(self, listener: Callable[[], None]) -> None:
+        """``listener()`` whenever a record this process revoked could not be written (an
+        owed-record pass soon)."""
+        self._owed_listeners.append(listener)
 
     async def status(self, jti: str, now: datetime) -> AttestationEntry:
         """Raises: NotFound when unknown or expired; UpstreamError when the store is down."""
@@ -67,13 +69,26 @@ class AttestationResults:
 
     async def revoke(self, jti: str, *, reason: str, who: str, now: datetime) -> AttestationEntry:
         """Revoke in the shared store (every worker and replica refuses it from now on), then
-        log who did it and why (the first revocation's reason stays).
+        log who did it and why (the first revocation's reason stays; revoking again is logged
+        with that reason too).
 
-        Raises: NotFound, UpstreamError."""
-        revocation = await revoke(self.store, jti, reason, now)
+        Raises: NotFound, UpstreamError (the store; or the log, when the revocation is in
+        effect and its record owed: an owed-record pass writes it)."""
+        revocation = await revoke(self.store, jti, reason, now, who=who)
         if revocation is None:
             raise NotFound("no such attestation (unknown or expired)")
-        await self._log_revocation(jti, revocation.entry, now, who=who)
+        if revocation.newly:
+            await self._record(revocation.entry, now)
+        else:  # nothing changed, so nothing is owed: this record only says who asked again
+            await self._audit.append_entry(
+                {
+                    "type": RecordType.ATTESTATION_REVOKED,
+                    "jti": jti,
+                    "time": now.isoformat(),
+                    "who": who,
+                    "reason": revocation.entry.reason,
+                }
+            )
         return revocation.entry
 
     async def revalidate(self, *, who: str, now: datetime, trigger: str = "policy_change") -> int:
@@ -81,17 +96,14 @@ class AttestationResults:
         force, on its stored input at ``now``; revoke (for every worker and replica, one record
         each, naming ``trigger``) those it no longer allows. Several workers re-deciding at
         once log each revocation once (the store says who revoked first). Run after each policy
-        change, at start-up and again until a failed run succeeds (``redecide.py``).
+        change, at start-up and again until a failed run succeeds (``redecide.py``). A record
+        the log does not take is owed, not a failure: the revocation is in effect.
 
-        Revoked results whose record is overdue get it written here (``trigger`` ``record``).
-
-        Returns the number revoked here. Raises: UpstreamError (store or policy down, or
-        ``RecordsOwed``: records not due yet, so this run is not done)."""
-        revoked = owed = 0
+        Returns the number revoked here. Raises: UpstreamError (store or policy down)."""
+        revoked = 0
         for entry in await self.store.unexpired(now):
             await asyncio.sleep(0)  # thousands of results: let requests run between decisions
             if entry.status != ACTIVE:
-                owed += await self._write_owed(entry, now)
                 continue
             policy_input = {**entry.policy_input, "time": now.isoformat()}
             decision = await self._policy.evaluate(policy_input)
@@ -108,9 +120,34 @@ class AttestationResults:
                 policy_digest=decision.policy_digest,
                 reasons=list(decision.reasons),
             )
-        if owed:
-            raise RecordsOwed(owed)
         return revoked
+
+    async def write_owed(self, now: datetime) -> int:
+        """One owed-record pass: write each revocation record owed and due at ``now`` (its
+        revoker stopped, or handed it over), claimed first so that one process writes it, as
+        its revoker made it plus ``written_late`` and ``written_at``. A record the log does not
+        take is handed back and the pass stops: the next one tries again.
+
+        Returns the number written here. Raises: UpstreamError (the store)."""
+        written = 0
+        for listed in await self.store.owed():
+            if listed.record_due is None or listed.record_due > now:
+                continue
+            claimed = await claim_record(self.store, listed.jti, now)
+            if claimed is None:  # not due any more, another process's, or written
+                continue
+            try:
+                await self._write(claimed.jti, late_record(claimed, now), now)
+            except UpstreamError as exc:
+                log.warning(
+                    "the revocation record owed for %s was not written; the next pass "
+                    "tries again: %s",
+                    claimed.jti,
+                    exc.message,
+                )
+                break
+            written += 1
+        return written
 
     async def seen(self, evidence: VerifiedEvidence, now: datetime) -> None:
         """Evidence any request verified (a release or an attestation) showed a GPU
@@ -139,39 +176,47 @@ class AttestationResults:
     async def _revoke_logged(
         self, jti: str, reason: str, now: datetime, *, who: str, **facts: Any
     ) -> int:
-        """Revoke; log it when this call revoked it (1), not when it already was (0)."""
-        revocation = await revoke(self.store, jti, reason, now)
+        """Revoke; log it when this call revoked it (1), not when it already was (0). A record
+        the log does not take is owed (a pass writes it); the revocation stands and counts."""
+        revocation = await revoke(self.store, jti, reason, now, who=who, facts=facts)
         if revocation is None or not revocation.newly:
             return 0
-        await self._log_revocation(jti, revocation.entry, now, who=who, **facts)
+        try:
+            await self._record(revocation.entry, now)
+        except UpstreamError as exc:
+            log.warning("revoked %s; its record is owed, not written: %s", jti, exc.message)
         return 1
 
-    async def _write_owed(self, entry: AttestationEntry, now: datetime) -> int:
-        """Write a revoked result's record its revoker did not write: 0 when none is owed or it
-        is written here, 1 when its revoker may still write it (not due yet) or another
-        process just took it over."""
-        if entry.record_due is None:
-            return 0
-        if entry.record_due > now or not await claim_record(self.store, entry.jti, now):
-            return 1
-        await self._log_revocation(entry.jti, entry, now, who="broker", trigger="record")
-        return 0
+    async def _record(self, entry: AttestationEntry, now: datetime) -> None:
+        """Its revoker writes the record the revocation left owed. One the log does not take
+        is handed to the passes, and this process's pass woken.
 
-    async def _log_revocation(
-        self, jti: str, entry: AttestationEntry, now: datetime, *, who: str, **facts: Any
-    ) -> None:
-        """The ``attestation_revoked`` record, then the store told it is written."""
-        await self._audit.append_entry(
-            {
-                "type": RecordType.ATTESTATION_REVOKED,
-                "jti": jti,
-                "time": now.isoformat(),
-                "who": who,
-                "reason": entry.reason,
-                **facts,
-            }
-        )
+        Raises: UpstreamError (the log)."""
+        if entry.pending_record is None:  # not owed
+            return
+        try:
+            await self._write(entry.jti, entry.pending_record, now)
+        except UpstreamError:
+            for listener in self._owed_listeners:
+                listener()
+            raise
+
+    async def _write(self, jti: str, record: Mapping[str, Any], now: datetime) -> None:
+        """Append ``record``, then clear what the entry owes; a caller cancelled in between
+        cuts neither short (a record written and still owed would be written twice). The log
+        not taking it: handed over (due at once), then raised.
+
+        Raises: UpstreamError (the log)."""
+        await asyncio.shield(self._append_then_clear(jti, record, now))
+
+    async def _append_then_clear(self, jti: str, record: Mapping[str, Any], now: datetime) -> None:
+        try:
+            await self._audit.append_entry(record)
+        except UpstreamError:
+            with contextlib.suppress(BrokerError):  # the store down too: due when its grace ends
+                await hand_over(self.store, jti, now)
+            raise
         try:
             await record_written(self.store, jti, now)
-        except BrokerError as exc:  # written, not noted: a later run may write it once more
+        except BrokerError as exc:  # written, not noted: a later pass may write it once more
             log.warning("revocation of %s recorded; noting that failed: %s", jti, exc.message)

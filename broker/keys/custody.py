@@ -66,7 +66,8 @@ class DekCustody(Protocol):
 def custody_of(kek: KekProvider, purpose: Purpose) -> DekCustody | None:
     """The token that keeps the DEKs ``kek`` wraps, or None (query keys are never in custody)."""
     found = getattr(kek, "dek_custody", None)
-    if purpose is Purpose.QUERY or not isinstance(found, DekCustody):
+    # ``found is None`` first: a runtime protocol check costs ~20 µs, and most KEKs keep none
+    if found is None or purpose is Purpose.QUERY or not isinstance(found, DekCustody):
         return None
     return found
 

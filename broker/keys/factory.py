@@ -24,10 +24,11 @@ from broker.core.refs import (
     kek_ref,
 )
 from broker.keys.caches import DekCache, MetadataCache
+from broker.keys.changes import ChangeLogger
 from broker.keys.kek.base import KekProvider
 from broker.keys.kek.local import LocalKek, create_kek_file
 from broker.keys.kek.ring import KekRing
-from broker.keys.service import ChangeLogger, KeyService
+from broker.keys.service import KeyService
 from broker.keys.store.base import KeyStore
 from broker.keys.store.sqlite import SqliteKeyStore
 
@@ -82,7 +83,8 @@ async def open_key_service(
         kek_uri: make this KEK the primary (``keys rewrap --to``); the configured ``kek`` and
             ``kek_previous`` stay available for unwrapping. Not a setting, so it is parsed here,
             once, by the same parser (``core/refs.py``) under the same name (``keys.kek``).
-        change_log: where key changes are recorded (the decision log's ``append``); without
+        change_log: where key changes are recorded (the decision log's ``append_entry``: the
+            outcome names its intent's leaf index); without
             it, changes are not recorded (read-only commands).
 
     Raises:

@@ -15,25 +15,24 @@ Lifecycle: ``create`` (version 1), ``rotate`` (a new version; older ones stay us
 disabled), ``disable`` / ``enable``, ``destroy`` (the wrapped material is deleted for good; the
 metadata and the log history stay), ``import`` (bring your own 32-byte DEK), ``rewrap`` (move
 every DEK to the primary KEK, one atomic compare-and-swap per DEK, so it can be killed and re-run
-at any moment). Every change is appended to the decision log when one is attached, and the
-record comes first (as for a policy change): a change that cannot be recorded is not made; a
-change recorded and then not made (a race, the store down, a bug) is followed by a record of the
-same action with ``result: error`` and its code, so a log never lacks a change the store holds.
+at any moment). Every change is two ``key_admin`` records in the decision log when one is
+attached (``keys/changes.py``): its intent, before the store is touched (a change that cannot be
+recorded is not made), then its outcome (``result`` ok, error or unknown, and the intent's
+index). A change rests on the row it was read as: the store writes it only over that exact row,
+never over a destroyed one (``KeyStore.replace``), so a stale read never undoes a newer change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 import re
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from broker.core.errors import (
-    BrokerError,
     Conflict,
     ErrorCode,
     InputError,
@@ -42,9 +41,17 @@ from broker.core.errors import (
     UpstreamError,
 )
 from broker.core.protocol import Algorithm
-from broker.core.records import RecordType
 from broker.crypto.jwk import RunnerKey
 from broker.keys.caches import DekCache, MetadataCache, dek_cache_key
+from broker.keys.changes import (
+    ERROR,
+    OK,
+    UNKNOWN,
+    ChangeLogger,
+    Recorder,
+    key_admin_entry,
+    recorded,
+)
 from broker.keys.custody import (
     DekCustody,
     check_release_wrap,
@@ -60,12 +67,16 @@ from broker.keys.material import (
     new_material,
     query_public_of,
 )
-from broker.keys.store.base import KeyStore, KeyVersionRecord, Purpose, VersionState
+from broker.keys.store.base import (
+    KeyStore,
+    KeyVersionRecord,
+    Purpose,
+    VersionState,
+    same_row,
+)
 
 KEY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*$")
 MAX_KEY_NAME = 128
-ChangeLogger = Callable[[Mapping[str, Any]], Awaitable[object]]
-log = logging.getLogger(__name__)
 
 
 def validate_key_name(name: str) -> str:
@@ -87,6 +98,7 @@ class RewrapReport:
     rewrapped: int
     already_current: int
     skipped_destroyed: int
+    lost: int = 0  # changed by another writer meanwhile (left as they are: the next run moves them)
 
 
 MAX_CHECKED_PUBLIC = 4096  # query-key versions remembered as checked (then checked afresh)
@@ -158,7 +170,7 @@ class KeyService:
         record = await self._new_version(
             name, 1, purpose, now=now, material=material, algorithm=algorithm
         )
-        await self._recorded("create", record, now, who, self._store.add_version(record))
+        await self._add("create", record, now, who)
         return record
 
     async def import_key(
@@ -180,7 +192,7 @@ class KeyService:
         """A new version with fresh material; earlier versions stay as they are."""
         latest = await self._require_latest(name)
         record = await self._next_version(name, latest, latest.purpose, now=now)
-        await self._recorded("rotate", record, now, who, self._add_next(record))
+        await self._add("rotate", record, now, who)
         return record
 
     async def import_version(
@@ -209,7 +221,7 @@ class KeyService:
         if latest is not None and latest.purpose is not purpose:
             raise InputError(f"key {name!r} is a {latest.purpose.value} key, not {purpose.value}")
         record = await self._next_version(name, latest, purpose, now=now, material=material)
-        await self._recorded("import", record, now, who, self._add_next(record))
+        await self._add("import", record, now, who)
         return record
 
     async def set_enabled(
@@ -220,17 +232,22 @@ class KeyService:
             raise KeyUnavailable(f"key {name!r} version {version} is destroyed")
         state = VersionState.ENABLED if enabled else VersionState.DISABLED
         updated = record.evolve(state=state, updated_at=now)
-        action = "enable" if enabled else "disable"
-        await self._recorded(action, updated, now, who, self._replace(updated, record))
+        await self._replace("enable" if enabled else "disable", updated, record, now, who)
         return updated
 
     async def destroy(
         self, name: str, version: int, *, now: datetime, who: str = SYSTEM_ACTOR
     ) -> KeyVersionRecord:
-        """Delete the wrapped material for good; metadata and history remain."""
+        """Delete the wrapped material for good; metadata and history remain.
+
+        Raises:
+            KeyUnavailable: the version is destroyed already.
+        """
         record = await self._require(name, version)
+        if record.state is VersionState.DESTROYED:
+            raise KeyUnavailable(f"key {name!r} version {version} is destroyed")
         updated = record.evolve(state=VersionState.DESTROYED, wrapped_dek=b"", updated_at=now)
-        await self._recorded("destroy", updated, now, who, self._replace(updated, record))
+        await self._replace("destroy", updated, record, now, who)
         return updated
 
     async def list_versions(self, name: str | None = None) -> list[KeyVersionRecord]:
@@ -380,39 +397,48 @@ class KeyService:
         """Move every DEK under the primary KEK. Safe to kill and re-run at any point.
 
         Each DEK is unwrapped with the KEK that wrapped it, wrapped with the primary, and written
-        back only if its ``kek_ref`` did not change meanwhile (one atomic compare-and-swap), so
-        every DEK is at every moment wrapped by exactly one KEK that its record names.
+        back only over the exact row it was read from (one atomic compare-and-swap: only the
+        wrapped DEK and its KEK change), so every DEK is at every moment wrapped by exactly one
+        KEK that its record names, and no other change is undone; a DEK changed meanwhile is
+        left as it is and counted (``lost``): the next run moves it. Recorded as
+        ``rewrap-start`` before the first move and ``rewrap`` (``result`` ok, error with the
+        code, or unknown when interrupted; the counts so far and the intent's index) at the end.
         """
         target = self._keks.primary
-        rewrapped = current = destroyed = 0
+        counts = {"rewrapped": 0, "lost": 0}
         versions = await self._store.list_versions()
         moving = [r for r in versions if r.state is not VersionState.DESTROYED]
-        if any(r.kek_ref != target.reference for r in moving):  # recorded before any moves
-            await self._log_event("rewrap-start", {"kek": target.reference}, now, who)
-        for record in versions:
-            if record.state is VersionState.DESTROYED:
-                destroyed += 1
-                continue
-            if record.kek_ref == target.reference:
-                current += 1
-                continue
-            updated = record.evolve(
-                wrapped_dek=await rewrap_to(record, self._keks.for_ref(record.kek_ref), target),
-                kek_ref=target.reference,
-                updated_at=now,
-            )
-            if await self._store.replace(updated, expect_kek_ref=record.kek_ref):
-                self._invalidate(record.name)
-                rewrapped += 1
-                if on_progress is not None:
-                    on_progress(rewrapped)
-        if rewrapped or current:
-            await self._log_event(
-                "rewrap", {"kek": target.reference, "rewrapped": rewrapped}, now, who
-            )
-        return RewrapReport(
-            rewrapped=rewrapped, already_current=current, skipped_destroyed=destroyed
-        )
+        current = sum(1 for r in moving if r.kek_ref == target.reference)
+        report = RewrapReport(0, current, len(versions) - len(moving))
+        if current == len(moving):
+            return report
+        fields = {"kek": target.reference}
+        intent = await Recorder(self._change_log, "rewrap-start", fields, now, who).intent()
+        closing = Recorder(self._change_log, "rewrap", fields, now, who)
+        try:
+            for record in moving:
+                if record.kek_ref != target.reference:
+                    moved = await self._rewrap_one(record, now)
+                    counts["rewrapped" if moved else "lost"] += 1
+                    if moved and on_progress is not None:
+                        on_progress(counts["rewrapped"])
+        except Exception as exc:
+            await closing.outcome(intent, ERROR, counts, failure=exc)
+            raise
+        except asyncio.CancelledError:  # Ctrl-C: the DEK in flight may or may not have moved
+            await closing.outcome(intent, UNKNOWN, {**counts, "message": "interrupted"})
+            raise
+        await closing.outcome(intent, OK, counts)
+        return RewrapReport(counts["rewrapped"], current, report.skipped_destroyed, counts["lost"])
+
+    async def _rewrap_one(self, record: KeyVersionRecord, now: datetime) -> bool:
+        """Move one DEK to the primary KEK over its exact row; False when that row changed."""
+        target = self._keks.primary
+        wrapped = await rewrap_to(record, self._keks.for_ref(record.kek_ref), target)
+        updated = record.evolve(wrapped_dek=wrapped, kek_ref=target.reference, updated_at=now)
+        moved = await self._store.replace(updated, expected=record)
+        self._invalidate(record.name)
+        return moved
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -439,7 +465,7 @@ class KeyService:
         algorithm: Algorithm | None = None,
     ) -> KeyVersionRecord:
         """A new version's record, its material made (or imported) and wrapped; not stored yet
-        (``_recorded`` stores it after its record)."""
+        (``_add`` stores it after its intent is recorded)."""
         kek = self._keks.primary
         aad = dek_aad(name, version)
         custody = custody_of(kek, purpose)
@@ -473,24 +499,36 @@ class KeyService:
         material: bytes | None = None,
     ) -> KeyVersionRecord:
         """The version after ``latest`` (version 1 when there is none), as ``latest`` was made;
-        not stored yet (``_add_next``)."""
+        not stored yet (``_add``)."""
         version, algorithm = (1, None) if latest is None else (latest.version + 1, latest.algorithm)
         return await self._new_version(
             name, version, purpose, now=now, material=material, algorithm=algorithm
         )
 
-    async def _add_next(self, record: KeyVersionRecord) -> None:
-        """Store a version ``_next_version`` made.
+    async def _add(self, action: str, record: KeyVersionRecord, now: datetime, who: str) -> None:
+        """Store a new version, recorded (intent, then outcome).
 
         Raises:
             Conflict: ``conflict`` when another change took that version number first.
         """
-        try:
-            await self._store.add_version(record)
-        except Conflict as exc:  # another rotation (or import) took this version number first
-            raise Conflict(
-                f"key {record.name!r} was rotated concurrently; retry", code=ErrorCode.CONFLICT
-            ) from exc
+
+        async def commit() -> Mapping[str, Any]:
+            try:
+                await self._store.add_version(record)
+            except Conflict as exc:  # another rotation (or import) took this version number
+                message = f"key {record.name!r} was rotated concurrently; retry"
+                if record.version == 1:
+                    message = f"key {record.name!r} was created concurrently"
+                raise Conflict(message, code=ErrorCode.CONFLICT) from exc
+            return {}
+
+        async def check() -> bool | None:
+            stored = await self._store.get_version(record.name, record.version)
+            if stored is None:
+                return False
+            return True if same_row(stored, record) else None
+
+        await self._recorded(action, record, now=now, who=who, commit=commit, check=check)
 
     async def _require(self, name: str, version: int) -> KeyVersionRecord:
         record = await self._store.get_version(name, version)
@@ -504,73 +542,63 @@ class KeyService:
             raise NotFound(f"no key {name!r}", code=ErrorCode.KEY_UNKNOWN)
         return record
 
-    async def _replace(self, updated: KeyVersionRecord, current: KeyVersionRecord) -> None:
-        if not await self._store.replace(updated, expect_kek_ref=current.kek_ref):
-            raise Conflict(
-                f"key {updated.name!r} version {updated.version} changed meanwhile; retry",
-                code=ErrorCode.CONFLICT,
-            )
+    async def _replace(
+        self,
+        action: str,
+        updated: KeyVersionRecord,
+        current: KeyVersionRecord,
+        now: datetime,
+        who: str,
+    ) -> None:
+        """Write ``updated`` over the exact row ``current`` was read as, recorded.
+
+        Raises:
+            Conflict: ``conflict`` when that row changed meanwhile (or was destroyed).
+        """
+
+        async def commit() -> Mapping[str, Any]:
+            if not await self._store.replace(updated, expected=current):
+                raise Conflict(
+                    f"key {updated.name!r} version {updated.version} changed meanwhile; retry",
+                    code=ErrorCode.CONFLICT,
+                )
+            return {}
+
+        async def check() -> bool | None:
+            stored = await self._store.get_version(updated.name, updated.version)
+            if stored is not None and same_row(stored, updated):
+                return True
+            return False if stored is not None and same_row(stored, current) else None
+
+        await self._recorded(action, updated, now=now, who=who, commit=commit, check=check)
 
     async def _recorded(
         self,
         action: str,
         record: KeyVersionRecord,
+        *,
         now: datetime,
         who: str,
-        commit: Coroutine[Any, Any, None],
+        commit: Callable[[], Awaitable[Mapping[str, Any]]],
+        check: Callable[[], Awaitable[bool | None]],
     ) -> None:
-        """Record the change, then make it (``commit``), shielded from the caller's
-        cancellation (an admin hanging up cannot leave a change half done): a change the log
-        cannot take is not made (the append's error is raised, the store untouched). A commit
-        that fails after its record is followed by the same action with ``result: error`` and
-        the code (best effort: if the log fails again, the first record stands alone and the
-        store shows the change was not made); the commit's error is raised either way.
-        """
-        await asyncio.shield(self._record_then_commit(action, record, now, who, commit))
+        """``changes.recorded`` for one version; the caches are invalidated once the store is
+        written (or not), inside the shielded change: a caller gone does not skip it."""
 
-    async def _record_then_commit(
-        self,
-        action: str,
-        record: KeyVersionRecord,
-        now: datetime,
-        who: str,
-        commit: Coroutine[Any, Any, None],
-    ) -> None:
-        fields = _fields(record)
-        try:
-            await self._log_event(action, fields, now, who)
-        except BaseException:
-            commit.close()  # never awaited: nothing runs it
-            raise
-        try:
-            await commit
-        except Exception as exc:
-            code = exc.code if isinstance(exc, BrokerError) else ErrorCode.INTERNAL
-            message = exc.message if isinstance(exc, BrokerError) else "the change failed"
-            failed = {**fields, "result": "error", "code": code.value, "message": message}
+        async def committed() -> Mapping[str, Any]:
             try:
-                await self._log_event(action, failed, now, who)
-            except Exception:  # the first record stands; the store says it was not made
-                log.exception(
-                    "key %s %s: not made, and not recorded as failed", record.name, action
-                )
-            raise
-        finally:
-            self._invalidate(record.name)
+                return await commit()
+            finally:
+                self._invalidate(record.name)
+
+        recorder = Recorder(self._change_log, action, _fields(record), now, who)
+        await recorded(recorder, committed, check)
 
     async def _log_event(
         self, action: str, fields: Mapping[str, Any], now: datetime, who: str
     ) -> None:
         if self._change_log is not None:
-            await self._change_log(
-                {
-                    "type": RecordType.KEY_ADMIN,
-                    "action": action,
-                    "time": now.isoformat(),
-                    "who": who,
-                    **fields,
-                }
-            )
+            await self._change_log(key_admin_entry(action, fields, now=now, who=who))
 
 
 def _fields(record: KeyVersionRecord) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """An in-memory Secret Manager speaking the real gRPC API (SecretManagerService).
 
-Implements CreateSecret, AddSecretVersion, AccessSecretVersion (with the ``latest`` alias),
+Implements CreateSecret, GetSecret, UpdateSecret (``version_aliases`` and ``annotations``, with
+the etag check), AddSecretVersion, AccessSecretVersion (by number, ``latest`` or a version alias),
 ListSecrets (``labels.K=V`` filters, pagination), ListSecretVersions and DestroySecretVersion, with
-Google's error codes (ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION for destroyed versions,
-INVALID_ARGUMENT for a payload whose ``data_crc32c`` does not match).
+Google's error codes (ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION for destroyed versions and
+for a stale etag, INVALID_ARGUMENT for a payload whose ``data_crc32c`` does not match).
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ def crc(data: bytes) -> int:
 class FakeSecret:
     labels: dict[str, str]
     versions: list[bytes | None] = field(default_factory=list)  # None = destroyed
+    aliases: dict[str, int] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    revision: int = 1  # the etag is '"<revision>"'; every update changes it
+
+    def resource(self, name: str) -> sm.Secret:
+        return sm.Secret(
+            name=name,
+            labels=self.labels,
+            version_aliases=self.aliases,
+            annotations=self.annotations,
+            etag=f'"{self.revision}"',
+        )
 
 
 class FakeSecretManager:
@@ -43,6 +56,8 @@ class FakeSecretManager:
     async def start(self) -> str:
         methods: dict[str, tuple[Any, Any, Any]] = {
             "CreateSecret": (self._create, sm.CreateSecretRequest, sm.Secret),
+            "GetSecret": (self._get, sm.GetSecretRequest, sm.Secret),
+            "UpdateSecret": (self._update, sm.UpdateSecretRequest, sm.Secret),
             "AddSecretVersion": (self._add, sm.AddSecretVersionRequest, sm.SecretVersion),
             "AccessSecretVersion": (
                 self._access,
@@ -87,7 +102,30 @@ class FakeSecretManager:
         if name in self.secrets:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"Secret [{name}] already exists")
         self.secrets[name] = FakeSecret(labels=dict(request.secret.labels))
-        return sm.Secret(name=name, labels=request.secret.labels)
+        return self.secrets[name].resource(name)
+
+    async def _get(self, request: sm.GetSecretRequest, context: Any) -> sm.Secret:
+        await self._enter(context, "GetSecret")
+        return (await self._secret(context, request.name)).resource(request.name)
+
+    async def _update(self, request: sm.UpdateSecretRequest, context: Any) -> sm.Secret:
+        await self._enter(context, "UpdateSecret")
+        name = request.secret.name
+        secret = await self._secret(context, name)
+        if request.secret.etag and request.secret.etag != f'"{secret.revision}"':
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "etag mismatch")
+        for path in request.update_mask.paths:
+            if path == "version_aliases":
+                aliases = {k: int(v) for k, v in request.secret.version_aliases.items()}
+                if any(not 1 <= v <= len(secret.versions) for v in aliases.values()):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such version")
+                secret.aliases = aliases
+            elif path == "annotations":
+                secret.annotations = dict(request.secret.annotations)
+            else:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot update {path}")
+        secret.revision += 1
+        return secret.resource(name)
 
     async def _add(self, request: sm.AddSecretVersionRequest, context: Any) -> sm.SecretVersion:
         await self._enter(context, "AddSecretVersion")
@@ -109,7 +147,14 @@ class FakeSecretManager:
         secret = await self._secret(context, secret_name)
         if not secret.versions:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no versions")
-        number = len(secret.versions) if version == "latest" else int(version)
+        if version == "latest":
+            number = len(secret.versions)
+        elif version.isdigit() and 1 <= int(version) <= len(secret.versions):
+            number = int(version)
+        elif version in secret.aliases:
+            number = secret.aliases[version]
+        else:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no version {version}")
         data = secret.versions[number - 1]
         if data is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "version is destroyed")
@@ -133,7 +178,7 @@ class FakeSecretManager:
         page = names[start : start + size]
         token = str(start + size) if start + size < len(names) else ""
         return sm.ListSecretsResponse(
-            secrets=[sm.Secret(name=n, labels=self.secrets[n].labels) for n in page],
+            secrets=[self.secrets[n].resource(n) for n in page],
             next_page_token=token,
             total_size=len(names),
         )

@@ -19,6 +19,7 @@ from broker.crypto.query import StatementError, open_query, seal_query, verify_s
 from broker.keys.factory import open_store
 from tests.integration.conftest import RunningBroker, write_statement_key
 from tests.support.constants import KEY, QUERY_KEY
+from tests.support.key_changes import outcomes
 
 TOKEN = "admin-test-token-5f2c"
 ADMIN_ROUTES = [
@@ -106,8 +107,15 @@ async def test_lifecycle_over_the_admin_api(admin_broker: RunningBroker) -> None
         (1, "destroyed"),
         (2, "enabled"),
     ]
-    actions = [r.get("action") for r in admin_broker.records() if r.get("type") == "key_admin"]
-    assert actions == ["create", "rotate", "disable", "enable", "destroy"]
+    changes = [r for r in admin_broker.records() if r.get("type") == "key_admin"]
+    assert outcomes(changes) == [  # each change: its intent, then its outcome naming it
+        ("create", 1, "ok", None),
+        ("rotate", 2, "ok", None),
+        ("disable", 2, "ok", None),
+        ("enable", 2, "ok", None),
+        ("destroy", 1, "ok", None),
+    ]
+    assert len(changes) == 10
     assert "wrapped" not in json.dumps(listing)
 
 
@@ -236,7 +244,7 @@ async def test_a_public_half_edited_in_the_store_is_never_signed(
         assert record is not None
         edited = x25519.X25519PrivateKey.generate().public_key().public_bytes_raw()
         public = record.public_key[: -len(edited)] + edited  # the classic half: the operator's
-        assert await store.replace(record.evolve(public_key=public), expect_kek_ref=record.kek_ref)
+        assert await store.replace(record.evolve(public_key=public), expected=record)
     finally:
         await store.close()
     async with (

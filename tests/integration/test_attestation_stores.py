@@ -1,11 +1,13 @@
 """The attestation store's contract on every backend, against real servers where there is one
 (redis-server and PostgreSQL on loopback): put, get, revoke (the first reason stays), expiry,
-two clients of one store (replicas) seeing each other's revocation, and 503 when the store is
+two clients of one store (replicas) seeing each other's revocation, an entry whose revocation
+record is owed kept past its expiry until the record is written, and 503 when the store is
 down — never an attestation treated as active."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
@@ -14,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from redis.asyncio import Redis
 
 from broker.attestation.stored import (
     ACTIVE,
@@ -22,6 +25,7 @@ from broker.attestation.stored import (
     AttestationEntry,
     AttestationStore,
     claim_record,
+    hand_over,
     note_log_index,
     record_written,
     revoke,
@@ -29,6 +33,7 @@ from broker.attestation.stored import (
 from broker.core.errors import ErrorCode, UpstreamError
 from broker.core.refs import store_ref
 from broker.stores.attestations import open_attestation_store
+from broker.stores.attestations_shared import RedisAttestations
 
 NOW = datetime.now(UTC)
 
@@ -91,7 +96,15 @@ async def stores(uri: str) -> AsyncIterator[Callable[[], AttestationStore]]:
 
     yield open_one
     for store in opened:
+        await settle(store)
         await store.close()
+
+
+async def settle(store: AttestationStore) -> None:
+    """Every record still owed taken as written: an owed entry never expires, and the brokers
+    of later tests sharing this Redis would write its record into their logs."""
+    for owed in await store.owed():
+        await record_written(store, owed.jti, NOW)
 
 
 async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore]) -> None:
@@ -104,40 +117,51 @@ async def test_put_get_revoke_and_expiry(stores: Callable[[], AttestationStore])
     assert got is not None
     assert got.status == ACTIVE
     assert live.jti in {e.jti for e in await store.unexpired(NOW)}  # short may be gone already
-    revoked = await revoke(store, live.jti, "policy v2 denies it", NOW)
+    revoked = await revoke(store, live.jti, "policy v2 denies it", NOW, who="admin")
     assert revoked is not None
     assert (revoked.entry.status, revoked.entry.reason, revoked.newly) == (
         REVOKED,
         "policy v2 denies it",
         True,
     )
-    again = await revoke(store, live.jti, "a later reason", NOW)
+    again = await revoke(store, live.jti, "a later reason", NOW, who="someone else")
     assert again is not None
     assert (again.entry.reason, again.newly) == ("policy v2 denies it", False)  # the first stays
     listed = {e.jti: e for e in await store.unexpired(NOW)}
     assert listed[live.jti].status == REVOKED  # revoked: listed, not re-decided
     # its record is owed until it is written; after the grace, one claimant at a time takes it
     assert listed[live.jti].record_due == NOW + RECORD_GRACE
-    assert not await claim_record(store, live.jti, NOW)  # the revoker's to write, for now
+    assert listed[live.jti].pending_record == {
+        "type": "attestation_revoked",
+        "jti": live.jti,
+        "time": NOW.isoformat(),
+        "who": "admin",  # the first revoker's, as the reason
+        "reason": "policy v2 denies it",
+    }
+    assert [e.jti for e in await store.owed()] == [live.jti]
+    assert await claim_record(store, live.jti, NOW) is None  # the revoker's to write, for now
     due = NOW + RECORD_GRACE
-    assert await claim_record(store, live.jti, due)
-    assert not await claim_record(store, live.jti, due)  # taken: due again a grace later
+    assert await claim_record(store, live.jti, due) is not None
+    assert await claim_record(store, live.jti, due) is None  # taken: due again a grace later
     taken = await store.get(live.jti, due)
     assert taken is not None
     assert taken.record_due == due + RECORD_GRACE
+    await hand_over(store, live.jti, due)  # its claimant could not write it: due at once
+    assert await claim_record(store, live.jti, due) is not None
     await record_written(store, live.jti, NOW)
     written = await store.get(live.jti, NOW)
     assert written is not None
-    assert written.record_due is None
-    assert not await claim_record(store, live.jti, due + 2 * RECORD_GRACE)  # none owed
+    assert (written.record_due, written.pending_record) == (None, None)
+    assert await store.owed() == []
+    assert await claim_record(store, live.jti, due + 2 * RECORD_GRACE) is None  # none owed
     await note_log_index(store, live.jti, 41, NOW)
     kept = await store.get(live.jti, NOW)
     assert kept is not None
     assert (kept.log_index, kept.status) == (41, REVOKED)  # the index noted, the status kept
     assert await store.get("unknown", NOW) is None
-    assert await revoke(store, "unknown", "x", NOW) is None
+    assert await revoke(store, "unknown", "x", NOW, who="admin") is None
     assert await store.get(short.jti, NOW + timedelta(seconds=2)) is None  # expired
-    assert await revoke(store, short.jti, "x", NOW + timedelta(seconds=2)) is None
+    assert await revoke(store, short.jti, "x", NOW + timedelta(seconds=2), who="admin") is None
     later = await store.unexpired(NOW + timedelta(seconds=2))
     assert [(e.jti, e.status) for e in later] == [(live.jti, REVOKED)]
 
@@ -148,12 +172,15 @@ async def test_a_revocation_is_seen_by_every_client(shared_uri: str) -> None:
     shared = entry()
     await first.put(shared)
     assert (await second.get(shared.jti, NOW)) == shared
-    await revoke(second, shared.jti, "revoked by an admin", NOW)
+    await revoke(second, shared.jti, "revoked by an admin", NOW, who="admin")
     seen = await first.get(shared.jti, NOW)
+    owed = await first.owed()
+    await settle(first)
     await first.close()
     await second.close()
     assert seen is not None
     assert seen.status == REVOKED
+    assert [e.jti for e in owed] == [shared.jti]  # any replica's pass may write its record
 
 
 async def test_concurrent_revocations_keep_one_reason(
@@ -164,7 +191,10 @@ async def test_concurrent_revocations_keep_one_reason(
     await store.put(shared)
     clients = [store] * 8 if uri == "memory" else [stores() for _ in range(8)]  # replicas
     results = await asyncio.gather(
-        *(revoke(client, shared.jti, f"reason {i}", NOW) for i, client in enumerate(clients))
+        *(
+            revoke(client, shared.jti, f"reason {i}", NOW, who=f"admin {i}")
+            for i, client in enumerate(clients)
+        )
     )
     reasons = {r.entry.reason for r in results if r is not None}
     assert [r.newly for r in results if r is not None].count(True) == 1  # one logs it
@@ -172,6 +202,76 @@ async def test_concurrent_revocations_keep_one_reason(
     assert final is not None
     assert final.reason in reasons
     assert len(reasons) == 1  # whoever won, everyone read the same first reason
+    assert final.pending_record is not None
+    i = final.pending_record["who"].removeprefix("admin ")
+    assert final.pending_record["reason"] == final.reason == f"reason {i}"  # the winner's record
+
+
+async def test_an_entry_owing_its_record_is_kept_past_its_expiry(
+    stores: Callable[[], AttestationStore],
+) -> None:
+    """Revoked in the last second of its life, its record not written: the entry outlives its
+    expiry through each backend's own clean-up (SQL rows deleted at the next put, Redis
+    ``EXAT``) until the record is written, listed only as owed; a release or a status asking
+    for it still finds it expired. An entry owing nothing goes at its expiry, as before."""
+    store = stores()
+    owing, plain = entry(expires_in=1), entry(expires_in=1)
+    await store.put(owing)
+    await store.put(plain)
+    facts = {"trigger": "policy_change", "policy_digest": "sha256:" + "d" * 64, "reasons": ["x"]}
+    revoked = await revoke(store, owing.jti, "no longer allowed", NOW, who="broker", facts=facts)
+    assert revoked is not None
+    await asyncio.sleep(2.2)  # past both expiries by every clock (Redis's EXAT is whole seconds)
+    now = datetime.now(UTC)
+    await store.put(entry())  # where the SQL stores delete expired rows
+    assert await store.get(owing.jti, now) is None  # expired, for a release or a status
+    assert await revoke(store, owing.jti, "again", now, who="admin") is None
+    assert owing.jti not in {e.jti for e in await store.unexpired(now)}  # nor re-decided
+    assert await store.update(plain.jti, now, lambda e: e, expired_too=True) is None  # gone
+    kept = {e.jti: e for e in await store.owed()}
+    assert kept[owing.jti].pending_record == {
+        "type": "attestation_revoked",
+        "jti": owing.jti,
+        "time": NOW.isoformat(),
+        "who": "broker",
+        "reason": "no longer allowed",
+        **facts,
+    }
+    claimed = await claim_record(store, owing.jti, NOW + RECORD_GRACE)
+    assert claimed is not None
+    assert claimed.pending_record == kept[owing.jti].pending_record
+    await record_written(store, owing.jti, now)
+    assert owing.jti not in {e.jti for e in await store.owed()}
+    await store.put(entry())
+    assert await store.update(owing.jti, now, lambda e: e, expired_too=True) is None  # gone now
+
+
+async def test_an_owed_entry_redis_dropped_is_logged(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing of ours deletes an entry whose record is owed (its key has no expiry); a Redis
+    that evicts keys anyway (``allkeys-*``) loses the record, and the next listing says so, at
+    error, once."""
+    store = open_attestation_store(store_ref(redis_url, "nonces.store"), timeout=5)
+    raw = Redis.from_url(redis_url)
+    dropped, kept = entry(), entry()
+    for owing in (dropped, kept):
+        await store.put(owing)
+        assert await revoke(store, owing.jti, "stolen", NOW, who="admin") is not None
+    assert await raw.ttl(RedisAttestations.PREFIX + kept.jti) == -1  # kept until written
+    await raw.delete(RedisAttestations.PREFIX + dropped.jti)  # as an eviction would
+    with caplog.at_level(logging.ERROR, logger="broker.stores.attestations_shared"):
+        listed = {e.jti for e in await store.owed()}
+        assert {dropped.jti, kept.jti} & listed == {kept.jti}
+        assert {dropped.jti, kept.jti} & {e.jti for e in await store.owed()} == {kept.jti}
+    (lost,) = [r for r in caplog.records if dropped.jti in r.getMessage()]  # once
+    assert lost.levelno == logging.ERROR
+    assert "lost" in lost.getMessage()
+    await record_written(store, kept.jti, NOW)
+    assert await raw.ttl(RedisAttestations.PREFIX + kept.jti) > 0  # expires with the result again
+    assert not await raw.sismember(RedisAttestations.OWED, kept.jti)  # type: ignore[misc]
+    await raw.aclose()
+    await store.close()
 
 
 async def test_a_store_that_does_not_answer_is_503(tmp_path: Path) -> None:

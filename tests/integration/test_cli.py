@@ -31,6 +31,7 @@ from tests.integration.conftest import write_config, write_statement_key
 from tests.support.cli import run
 from tests.support.health import HEALTH_ENV, readyz_blocking
 from tests.support.issuers import dev_issuer
+from tests.support.key_changes import outcomes
 from tests.support.processes import wait_ready
 from tests.unit.test_audit_log import write_log
 
@@ -184,7 +185,8 @@ def test_demo_runs_end_to_end(demo: tuple[Path, str]) -> None:
     _, stdout = demo
     assert "denied 403 policy_denied" in stdout
     assert (
-        "decision log verified: 12 records (create, create, weights-encrypt, policy_change, "
+        "decision log verified: 14 records (create, create ok, create, create ok, "
+        "weights-encrypt, policy_change, "
         "allow, deny, attestation allow, attested_release allow, policy_change, "
         "attestation_revoked, deny, attested_release deny)" in stdout
     )
@@ -401,9 +403,11 @@ def test_key_lifecycle_commands_log_every_change(tmp_path: Path) -> None:
     assert {v["algorithm"] for v in listed} == {"AES-256", "HPKE-X25519"}
     log = tmp_path / "b" / "decisions.log"
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["action"] for r in records] == [
-        "create", "rotate", "disable", "enable", "destroy", "create"
+    assert outcomes(records) == [  # each change: its intent, then its outcome naming it
+        ("create", 1, "ok", None), ("rotate", 2, "ok", None), ("disable", 1, "ok", None),
+        ("enable", 1, "ok", None), ("destroy", 1, "ok", None), ("create", 1, "ok", None),
     ]  # fmt: skip
+    assert len(records) == 12
     assert {r["who"] for r in records} == {cli_actor()}  # user@host of whoever ran them
     assert run("audit", "verify", str(log)).returncode == 0
 

@@ -48,8 +48,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
         )  # fmt: skip
         assert created.returncode == 0, created.stderr
     log = torn_workspace / "decisions.log"
-    assert log.read_bytes().count(b"\n") == 3
-    log.write_bytes(log.read_bytes()[:-30])  # a crash in the middle of the third record
+    assert log.read_bytes().count(b"\n") == 6  # each change: its intent, then its outcome
+    log.write_bytes(log.read_bytes()[:-30])  # a crash in the middle of the sixth record
     torn = base / "torn.log"
     torn.write_bytes(log.read_bytes())
     junk = base / "junk.bin"
@@ -145,14 +145,14 @@ def test_a_wrong_file_is_one_line_naming_it_with_the_fix_and_exit_2(
 
 
 def test_a_torn_last_record_names_its_record_number_not_record_0(files: Files) -> None:
-    """Three records, the third cut: "record 3", at start-up and in ``audit query``."""
+    """Six records, the sixth cut: "record 6", at start-up and in ``audit query``."""
     for command in (
         ["serve", "--config", config(files.torn_workspace)],
         ["audit", "query", str(files.torn_log)],
     ):
         done = run(*command)
         assert done.returncode == 2
-        assert ": record 3: " in done.stderr, done.stderr
+        assert ": record 6: " in done.stderr, done.stderr
         assert "record 0" not in done.stderr
 
 

@@ -34,6 +34,7 @@ from tests.integration.conftest import write_config, write_statement_key
 from tests.support.cli import Ran, run
 from tests.support.constants import KEY
 from tests.support.issuers import dev_issuer
+from tests.support.key_changes import outcomes
 from tests.support.processes import (
     free_port,
     release_body,
@@ -140,10 +141,18 @@ async def test_replace_is_a_compare_and_swap(database: str) -> None:
         )
         await first.add_version(record)
         moved = record.evolve(wrapped_dek=b"w2", kek_ref="kek-b", updated_at=NOW)
-        assert await first.replace(moved, expect_kek_ref="kek-a")
+        assert await first.replace(moved, expected=record)
         stale = record.evolve(wrapped_dek=b"w3", kek_ref="kek-c", updated_at=NOW)
-        assert not await second.replace(stale, expect_kek_ref="kek-a")  # lost the race
+        assert not await second.replace(stale, expected=record)  # lost the race
         assert (await second.get_version("k", 1)) == moved
+        # the whole row is compared, not only its KEK: a stale state is refused too
+        disabled = moved.evolve(state=VersionState.DISABLED)
+        assert await first.replace(disabled, expected=moved)
+        assert not await second.replace(moved.evolve(wrapped_dek=b"w4"), expected=moved)
+        destroyed = disabled.evolve(state=VersionState.DESTROYED, wrapped_dek=b"")
+        assert await first.replace(destroyed, expected=disabled)
+        assert not await second.replace(disabled, expected=destroyed)  # destroyed is terminal
+        assert (await second.get_version("k", 1)) == destroyed
     finally:
         await first.close()
         await second.close()
@@ -309,8 +318,27 @@ async def test_keys_move_from_sqlite_to_postgresql_and_through_a_backup(
     assert (restored["copied"], restored["already_present"]) == (0, 3)
     log_text = await asyncio.to_thread(settings.audit.log.read_text)
     records = [json.loads(line) for line in log_text.splitlines()]
-    actions = [r["action"] for r in records if r.get("type") == "key_admin"]
-    assert actions[-4:] == ["migrate-store", "migrate-store", "backup", "restore"]
+    actions = [(r["action"], r.get("result")) for r in records if r.get("type") == "key_admin"]
+    assert actions[-7:] == [  # a copy into a store: its intent, then its outcome
+        ("migrate-store", None),
+        ("migrate-store", "ok"),
+        ("migrate-store", None),
+        ("migrate-store", "ok"),
+        ("backup", None),  # a read: one record
+        ("restore", None),
+        ("restore", "ok"),
+    ]
+    (restore,) = [r for r in records if r.get("action") == "restore" and "result" in r]
+    assert (restore["copied"], restore["already_present"], restore["digest"]) == (
+        0,
+        3,
+        made["digest"],
+    )
+    assert outcomes([r for r in records if r.get("type") == "key_admin"])[-3:] == [
+        ("migrate-store", None, "ok", None),
+        ("migrate-store", None, "ok", None),
+        ("restore", None, "ok", None),
+    ]
 
     # A fresh broker restores the file only with the digest its operator trusts ...
     fresh = await asyncio.to_thread(write_config, tmp_path / "c", dev_issuer())

@@ -58,7 +58,10 @@ SEVERITY = {
     ("attested_release", "error"): 3,
     ("attestation_revoked", None): 5,
     ("policy_change", None): 5,
-    ("key_admin", None): 5,
+    ("key_admin", None): 5,  # a key change's intent (or a read: backup, weights-*)
+    ("key_admin", "ok"): 5,  # its outcome: made
+    ("key_admin", "error"): 3,  # not made
+    ("key_admin", "unknown"): 4,  # may be made: look at the store
     ("log_key_rotation", None): 5,
     ("policy_reload_failed", None): 4,
     ("log_repair", None): 4,

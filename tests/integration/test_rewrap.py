@@ -22,6 +22,7 @@ from tests.integration.conftest import RunningBroker, write_config
 from tests.support.cli import run
 from tests.support.constants import ALLOWED
 from tests.support.issuers import dev_issuer
+from tests.support.key_changes import unanswered
 
 ROOT = Path(__file__).parents[2]
 COUNT = 300  # enough to kill it midway (progress is printed every 100); a few hundred at most
@@ -60,10 +61,10 @@ async def originals(config: Path) -> dict[str, bytes]:
     return deks
 
 
-def key_actions(log: Path) -> list[str]:
-    """The ``key_admin`` actions in the decision log after the keys were made."""
+def key_records(log: Path) -> list[dict[str, Any]]:
+    """The ``key_admin`` records in the decision log after the keys were made."""
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    return [r["action"] for r in records if r["type"] == "key_admin" and r["action"] != "create"]
+    return [r for r in records if r["type"] == "key_admin" and r["action"] != "create"]
 
 
 def kill_midway(config: Path, target: str) -> None:
@@ -104,19 +105,22 @@ async def test_rewrap_killed_midway_then_finished_then_every_key_released(
         assert 100 <= moved < COUNT
         for record in records:
             assert await keys.unwrap(record) == deks[record.name]
-    # the moves the kill cut short were recorded before the first one
-    assert await asyncio.to_thread(key_actions, settings.audit.log) == ["rewrap-start"]
+    # the moves the kill cut short were recorded before the first one; no outcome: unknown,
+    # the store says (every DEK under the KEK its record names)
+    killed = await asyncio.to_thread(key_records, settings.audit.log)
+    assert [(r["action"], r.get("result")) for r in killed] == [("rewrap-start", None)]
 
     finished = await asyncio.to_thread(run, *rewrap_command(config, softhsm)[3:])
     assert finished.returncode == 0, finished.stderr
     report = json.loads(finished.stdout)
     assert report["rewrapped"] == COUNT - moved
     assert report["already_current"] == moved
-    assert await asyncio.to_thread(key_actions, settings.audit.log) == [
-        "rewrap-start",
-        "rewrap-start",
-        "rewrap",
-    ]
+    logged = await asyncio.to_thread(key_records, settings.audit.log)
+    assert [r["action"] for r in logged] == ["rewrap-start", "rewrap-start", "rewrap"]
+    assert unanswered(logged) == logged[:1]  # the killed run's intent stands alone
+    closing = logged[2]
+    assert (closing["result"], closing["intent"]) == ("ok", logged[1]["index"])
+    assert (closing["rewrapped"], closing["lost"]) == (COUNT - moved, 0)
 
     # A broker that knows only the HSM KEK releases every key, unchanged.
     broker: RunningBroker = await start_broker(

@@ -216,9 +216,11 @@ def test_owner_encrypts_for_the_attested_broker_and_a_runner_decrypts(
     assert (sealed / "config.json").read_bytes() == MODEL["config.json"]
     new = remote.records()[records:]
     assert [(r["type"], r["action"], r["key"], r["version"], r["who"]) for r in new] == [
-        ("key_admin", "import", KEY, version, WHO)
+        ("key_admin", "import", KEY, version, WHO),  # the intent
+        ("key_admin", "import", KEY, version, WHO),  # its outcome
     ]
-    assert {"dek", "material"}.isdisjoint(new[0])
+    assert (new[1]["result"], new[1]["intent"]) == ("ok", new[0]["index"])
+    assert all({"dek", "material"}.isdisjoint(r) for r in new)
 
     released = asyncio.run(release(remote, version))
     assert (released.key, released.version) == (KEY, version)

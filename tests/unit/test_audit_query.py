@@ -28,10 +28,15 @@ def log(tmp_path: Path) -> Path:
                 {"type": "release", "time": when, "result": result, "key": "models/a",
                  "decision_id": f"d{index}"}
             )  # fmt: skip
-        await decisions.append(
+        rotate = await decisions.append_entry(
             {"type": "key_admin", "time": "2026-11-22T08:00:00+00:00", "action": "rotate",
              "key": "models/a",
              "who": "token:0123456789ab"}
+        )  # fmt: skip
+        await decisions.append(
+            {"type": "key_admin", "time": "2026-11-22T08:00:00+00:00", "action": "rotate",
+             "key": "models/a", "who": "token:0123456789ab", "result": "unknown",
+             "code": "key_store_unavailable", "intent": rotate.index}
         )  # fmt: skip
         await decisions.close()
 
@@ -92,6 +97,10 @@ def test_filters_by_result_decision_replica_and_who(
     _, none = query(capsys, "query", str(log), "--replica", "broker-1")
     assert none == []
     _, by_token = query(capsys, "query", str(log), "--who", "token:0123456789ab")
-    assert [(r["type"], r["action"]) for r in by_token] == [("key_admin", "rotate")]
+    assert [(r["type"], r["action"]) for r in by_token] == [("key_admin", "rotate")] * 2
+    _, unknown = query(capsys, "query", str(log), "--result", "unknown")  # key changes only
+    assert [(r["action"], r["result"], r["code"]) for r in unknown] == [
+        ("rotate", "unknown", "key_store_unavailable")
+    ]
     _, nobody = query(capsys, "query", str(log), "--who", "alice@host")
     assert nobody == []

@@ -58,6 +58,19 @@ class KeyVersionRecord:
         }
 
 
+def same_row(stored: KeyVersionRecord, expected: KeyVersionRecord) -> bool:
+    """Whether ``stored`` is still the row ``expected`` was read as: what a change may rest on
+    (``KeyStore.replace`` compares exactly these; timestamps are not compared)."""
+    return (
+        stored.name == expected.name
+        and stored.version == expected.version
+        and stored.state is expected.state
+        and stored.wrapped_dek == expected.wrapped_dek
+        and stored.kek_ref == expected.kek_ref
+        and stored.public_key == expected.public_key
+    )
+
+
 class KeyStore(Protocol):
     async def add_version(self, record: KeyVersionRecord) -> None:
         """Store a new version; raise ``Conflict`` if that (name, version) exists."""
@@ -79,9 +92,11 @@ class KeyStore(Protocol):
         ``key_store_unavailable``)."""
         ...
 
-    async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
-        """Write ``record`` over its (name, version) atomically if the stored ``kek_ref`` still
-        equals ``expect_kek_ref``; False when it changed meanwhile or the version is gone."""
+    async def replace(self, record: KeyVersionRecord, *, expected: KeyVersionRecord) -> bool:
+        """Write ``record`` over its (name, version) in one atomic compare-and-swap: only if
+        the stored row is still ``expected`` (``same_row``: state, wrapped DEK, KEK reference,
+        public half), and never over a destroyed row (destruction is terminal). False when the
+        row changed meanwhile, is destroyed, or is gone; nothing is written then."""
         ...
 
     async def close(self) -> None: ...

@@ -2,8 +2,9 @@
 
 The same contract as the SQLite store: one row per key version, wrapped material only; every
 write is one statement (atomic, durable on commit); ``replace`` is a compare-and-swap on the
-version's ``kek_ref`` (``UPDATE … WHERE kek_ref = $expected``), so a ``rewrap`` racing another
-rewrap or a lifecycle change on another replica never loses a write.
+whole row it was read as (``UPDATE … WHERE`` state, wrapped DEK, ``kek_ref``, public half, and
+not destroyed), so a ``rewrap`` or a lifecycle change racing another one on another replica
+never writes a stale row back over a newer change (a destroyed version stays destroyed).
 
 The schema is created and migrated only by ``broker keys migrate`` (under an advisory lock, one
 transaction per step, the reached version recorded in ``broker_schema``). Opening the store
@@ -221,12 +222,13 @@ class PostgresKeyStore:
 
         return await self._run(exists)
 
-    async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
+    async def replace(self, record: KeyVersionRecord, *, expected: KeyVersionRecord) -> bool:
         async def update(db: asyncpg.Connection) -> bool:
             status: str = await db.execute(
                 "UPDATE broker_key_versions SET state = $1, wrapped_dek = $2, kek_ref = $3, "
                 "updated_at = $4, public_key = $5 "
-                "WHERE name = $6 AND version = $7 AND kek_ref = $8",
+                "WHERE name = $6 AND version = $7 AND state = $8 AND wrapped_dek = $9 "
+                "AND kek_ref = $10 AND public_key = $11 AND state <> 'destroyed'",
                 record.state.value,
                 record.wrapped_dek,
                 record.kek_ref,
@@ -234,7 +236,10 @@ class PostgresKeyStore:
                 record.public_key,
                 record.name,
                 record.version,
-                expect_kek_ref,
+                expected.state.value,
+                expected.wrapped_dek,
+                expected.kek_ref,
+                expected.public_key,
             )
             return status == "UPDATE 1"
 

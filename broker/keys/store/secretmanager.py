@@ -4,15 +4,21 @@ URI: ``secretmanager:projects/P``. One secret per key version, id
 ``broker-dek-<first 40 hex of SHA-256(key name)>-v<version>``, labelled ``broker=dek``,
 ``broker-key=<the same 40 hex>`` and ``broker-purpose=<purpose>`` (``/readyz`` asks for query
 keys with one filtered list, never reading payloads); each secret version's payload is the
-record as JSON (the wrapped DEK in base64, never plaintext). A change adds a secret version; the
-newest one is the record. ``destroy`` adds a record without wrapped material and then destroys
-every earlier secret version, so the wrapped DEK is gone for good (crypto-shredding) while
-metadata remains.
+record as JSON (the wrapped DEK in base64, never plaintext).
 
-Payloads are sent and read with their CRC32C (``data_crc32c``), checked on every read.
-``replace`` compares the stored ``kek_ref`` before writing; Secret Manager offers no
-compare-and-swap on payloads, so run one ``broker keys rewrap`` at a time (the SQLite store is
-atomic per DEK without that restriction). Errors become ``key_store_unavailable``.
+The record in force is the secret version its ``current`` version alias names (``latest`` for a
+secret no change has touched yet). A change is a compare-and-swap on that alias: read the
+record the alias names and compare it with the one the change was read as (``same_row``; never
+a destroyed one), add the new record as a secret version, then move the alias to it with the
+secret's etag (``UpdateSecret`` refuses a stale etag with FAILED_PRECONDITION). A change that
+loses the race destroys the version it added; until then no reader sees it (readers follow the
+alias). ``destroy`` moves the alias to a record without wrapped material and then destroys every
+other secret version, so the wrapped DEK is gone for good (crypto-shredding) while metadata
+remains; if that shredding is cut short, the next read of the destroyed record finishes it
+(the secret's ``broker-shredded`` annotation names the version shredding completed for).
+
+Payloads are sent and read with their CRC32C (``data_crc32c``), checked on every read. Errors
+become ``key_store_unavailable``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -34,11 +42,25 @@ from google.cloud.secretmanager_v1.services.secret_manager_service.transports im
 from broker.cloud.google_api import call, close_client, crc32c, grpc_transport
 from broker.core.errors import ConfigError, Conflict, ErrorCode, UpstreamError
 from broker.core.protocol import Algorithm
-from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
+from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState, same_row
 
 PROJECT = re.compile(r"^projects/[a-z0-9-]+$")
 RPC_TIMEOUT_SECONDS = 10.0
 PAGE_SIZE = 250
+CURRENT = "current"  # the version alias naming the record in force
+SHREDDED = "broker-shredded"  # annotation: the destroyed record every other payload is gone for
+READ_ATTEMPTS = 3  # a record re-read when a destroy moved the alias and shredded it meanwhile
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Found:
+    number: int  # the secret version holding it
+    record: KeyVersionRecord
+
+
+class _Moved(Exception):
+    """The secret version read was destroyed meanwhile (a change moved past it)."""
 
 
 def parse_project(uri: str) -> str:
@@ -111,7 +133,8 @@ class SecretManagerKeyStore:
         await self._write(record)
 
     async def get_version(self, name: str, version: int) -> KeyVersionRecord | None:
-        return await self._read(f"{self._project}/secrets/{_secret_id(name, version)}")
+        found = await self._current(_parent(self._project, name, version))
+        return None if found is None else found.record
 
     async def latest_version(self, name: str, *, enabled_only: bool) -> KeyVersionRecord | None:
         versions = await self.list_versions(name)
@@ -131,9 +154,9 @@ class SecretManagerKeyStore:
                 ),
             )
             for secret in page.secrets:
-                record = await self._read(secret.name)
-                if record is not None and (name is None or record.name == name):
-                    records.append(record)
+                found = await self._current(secret.name, secret)
+                if found is not None and (name is None or found.record.name == name):
+                    records.append(found.record)
             token = page.next_page_token
             if not token:
                 break
@@ -152,52 +175,188 @@ class SecretManagerKeyStore:
         )
         return len(page.secrets) > 0
 
-    async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
-        current = await self.get_version(record.name, record.version)
-        if current is None or current.kek_ref != expect_kek_ref:
+    async def replace(self, record: KeyVersionRecord, *, expected: KeyVersionRecord) -> bool:
+        if expected.state is VersionState.DESTROYED:
             return False
-        await self._write(record)
+        parent = _parent(self._project, record.name, record.version)
+        current = await self._in_force(parent)
+        if current is None or current.record.state is VersionState.DESTROYED:
+            return False
+        if not same_row(current.record, expected):
+            return False
+        added = await self._write(record)
+        if not await self._switch(parent, current.number, added):
+            await self._discard(parent, added)
+            return False
         if record.state is VersionState.DESTROYED:
-            await self._shred_older(record)
+            await self._shred(parent, added)
         return True
 
-    async def _write(self, record: KeyVersionRecord) -> None:
+    async def _in_force(self, parent: str) -> _Found | None:
+        """The record in force and its version, for a change (the alias set first if absent)."""
+        secret = await self._secret(parent)
+        number = None if secret is None else await self._aliased(parent, secret)
+        if number is None:
+            return None
+        try:
+            return await self._access(parent, number)
+        except _Moved:
+            return None
+
+    async def _current(self, parent: str, secret: sm.Secret | None = None) -> _Found | None:
+        """The record in force (the version ``current`` names, else ``latest``)."""
+        for _ in range(READ_ATTEMPTS):
+            if secret is None:
+                secret = await self._secret(parent)
+                if secret is None:
+                    return None
+            number = secret.version_aliases.get(CURRENT)
+            try:
+                found = await self._access(parent, number or None)
+            except _Moved:  # a destroy moved the alias and shredded this one: read it again
+                secret = None
+                continue
+            if (
+                found is not None
+                and found.record.state is VersionState.DESTROYED
+                and secret.annotations.get(SHREDDED) != str(found.number)
+            ):
+                await self._shred(parent, found.number)  # a destroy cut short: finish it
+            return found
+        raise _unavailable("a key record kept changing while it was read")
+
+    async def _secret(self, parent: str) -> sm.Secret | None:
+        try:
+            secret: sm.Secret = await self._call("get_secret", sm.GetSecretRequest(name=parent))
+        except api_exceptions.NotFound:
+            return None
+        return secret
+
+    async def _aliased(self, parent: str, secret: sm.Secret) -> int | None:
+        """The number of the version in force; a secret without the alias (made by ``add_version``
+        or by an older broker) first gets it, naming ``latest``, so that every change, its own
+        included, moves the alias and no reader ever follows ``latest`` to a change in flight."""
+        number = secret.version_aliases.get(CURRENT)
+        if number:
+            return int(number)
+        try:
+            latest = await self._access(parent, None)
+        except _Moved:
+            return None
+        if latest is None:
+            return None
+        await self._move_alias(secret, latest.number)  # lost: another change named it first
+        again = await self._secret(parent)
+        number = None if again is None else again.version_aliases.get(CURRENT)
+        return int(number) if number else None
+
+    async def _switch(self, parent: str, base: int, added: int) -> bool:
+        """Move ``current`` from ``base`` to ``added`` if nothing moved it meanwhile."""
+        secret = await self._secret(parent)
+        if secret is None or secret.version_aliases.get(CURRENT) != base:
+            return False
+        try:
+            if await self._move_alias(secret, added):
+                return True
+        except UpstreamError:
+            pass  # perhaps moved (a retried call): the secret says
+        secret = await self._secret(parent)
+        return secret is not None and secret.version_aliases.get(CURRENT) == added
+
+    async def _move_alias(self, secret: sm.Secret, number: int) -> bool:
+        """``current`` → ``number`` with ``secret``'s etag; False when the secret changed."""
+        aliases = {**dict(secret.version_aliases), CURRENT: number}
+        request = sm.UpdateSecretRequest(
+            secret=sm.Secret(name=secret.name, etag=secret.etag, version_aliases=aliases),
+            update_mask={"paths": ["version_aliases"]},
+        )
+        try:
+            await self._call("update_secret", request)
+        except UpstreamError as exc:
+            if isinstance(exc.__cause__, api_exceptions.FailedPrecondition):
+                return False
+            raise
+        return True
+
+    async def _discard(self, parent: str, number: int) -> None:
+        """Destroy a version whose change lost the race (best effort: no reader follows it)."""
+        try:
+            await self._call(
+                "destroy_secret_version",
+                sm.DestroySecretVersionRequest(name=f"{parent}/versions/{number}"),
+            )
+        except UpstreamError:
+            log.warning("could not destroy %s/versions/%d (a change that lost)", parent, number)
+
+    async def _write(self, record: KeyVersionRecord) -> int:
+        """Add ``record`` as a new secret version; its number."""
         data = json.dumps(_to_json(record), sort_keys=True).encode()
-        await self._call(
+        added = await self._call(
             "add_secret_version",
             sm.AddSecretVersionRequest(
-                parent=f"{self._project}/secrets/{_secret_id(record.name, record.version)}",
+                parent=_parent(self._project, record.name, record.version),
                 payload=sm.SecretPayload(data=data, data_crc32c=crc32c(data)),
             ),
         )
+        return _number(added.name)
 
-    async def _read(self, secret_name: str) -> KeyVersionRecord | None:
+    async def _access(self, parent: str, number: int | None) -> _Found | None:
+        """The record in version ``number`` (``latest`` when None); None when there is none.
+
+        Raises:
+            _Moved: that version is destroyed.
+        """
+        name = f"{parent}/versions/{'latest' if number is None else number}"
         try:
             response = await self._call(
-                "access_secret_version",
-                sm.AccessSecretVersionRequest(name=f"{secret_name}/versions/latest"),
+                "access_secret_version", sm.AccessSecretVersionRequest(name=name)
             )
         except api_exceptions.NotFound:
             return None
+        except UpstreamError as exc:
+            if isinstance(exc.__cause__, api_exceptions.FailedPrecondition):
+                raise _Moved from exc
+            raise
         data = bytes(response.payload.data)
         if crc32c(data) != response.payload.data_crc32c:
             raise _unavailable("a secret payload was corrupted in transit")
         try:
-            return _from_json(json.loads(data))
+            return _Found(_number(response.name), _from_json(json.loads(data)))
         except (ValueError, KeyError, TypeError) as exc:
             raise _unavailable("a secret payload is not a broker key record") from exc
 
-    async def _shred_older(self, record: KeyVersionRecord) -> None:
-        parent = f"{self._project}/secrets/{_secret_id(record.name, record.version)}"
-        page = await self._call(
-            "list_secret_versions", sm.ListSecretVersionsRequest(parent=parent, page_size=PAGE_SIZE)
-        )
-        ordered = sorted(page.versions, key=lambda v: int(v.name.rsplit("/", 1)[1]))
-        for version in ordered[:-1]:  # every payload but the new, material-free one
-            if version.state != sm.SecretVersion.State.DESTROYED:
-                await self._call(
-                    "destroy_secret_version", sm.DestroySecretVersionRequest(name=version.name)
+    async def _shred(self, parent: str, keep: int) -> None:
+        """Destroy every secret version but ``keep`` (a destroyed record), then note it done.
+        Best effort: a failure is logged and the next read of the record tries again."""
+        try:
+            token = ""
+            while True:
+                page = await self._call(
+                    "list_secret_versions",
+                    sm.ListSecretVersionsRequest(
+                        parent=parent, page_size=PAGE_SIZE, page_token=token
+                    ),
                 )
+                for version in page.versions:
+                    if _number(version.name) == keep:
+                        continue
+                    if version.state != sm.SecretVersion.State.DESTROYED:
+                        await self._call(
+                            "destroy_secret_version",
+                            sm.DestroySecretVersionRequest(name=version.name),
+                        )
+                token = page.next_page_token
+                if not token:
+                    break
+            await self._call(
+                "update_secret",
+                sm.UpdateSecretRequest(
+                    secret=sm.Secret(name=parent, annotations={SHREDDED: str(keep)}),
+                    update_mask={"paths": ["annotations"]},
+                ),
+            )
+        except UpstreamError:
+            log.warning("%s: earlier payloads not all destroyed yet (retried on read)", parent)
 
     async def _call(self, method: str, request: Any) -> Any:
         return await call(
@@ -207,6 +366,15 @@ class SecretManagerKeyStore:
 
 def _secret_id(name: str, version: int) -> str:
     return f"broker-dek-{key_hash(name)}-v{version}"
+
+
+def _parent(project: str, name: str, version: int) -> str:
+    return f"{project}/secrets/{_secret_id(name, version)}"
+
+
+def _number(version_name: str) -> int:
+    """The number of ``…/versions/N``."""
+    return int(version_name.rsplit("/", 1)[1])
 
 
 def _to_json(record: KeyVersionRecord) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 All database work runs on one dedicated thread that owns the connection, so the event loop never
 blocks on disk and the connection is never shared between threads. Each write is one statement
-in autocommit mode: atomic, and durable when it returns.
+in autocommit mode: atomic, and durable when it returns. ``replace`` is a compare-and-swap on the
+whole row it was read as (``UPDATE … WHERE`` state, wrapped DEK, KEK, public half, and not
+destroyed).
 """
 
 from __future__ import annotations
@@ -113,11 +115,12 @@ class SqliteKeyStore:
 
         return await self._run(exists)
 
-    async def replace(self, record: KeyVersionRecord, *, expect_kek_ref: str) -> bool:
+    async def replace(self, record: KeyVersionRecord, *, expected: KeyVersionRecord) -> bool:
         def update() -> bool:
             cursor = self._db().execute(
                 "UPDATE key_versions SET state = ?, wrapped_dek = ?, kek_ref = ?, updated_at = ?, "
-                "public_key = ? WHERE name = ? AND version = ? AND kek_ref = ?",
+                "public_key = ? WHERE name = ? AND version = ? AND state = ? AND wrapped_dek = ? "
+                "AND kek_ref = ? AND public_key = ? AND state <> 'destroyed'",
                 (
                     record.state.value,
                     record.wrapped_dek,
@@ -126,7 +129,10 @@ class SqliteKeyStore:
                     record.public_key,
                     record.name,
                     record.version,
-                    expect_kek_ref,
+                    expected.state.value,
+                    expected.wrapped_dek,
+                    expected.kek_ref,
+                    expected.public_key,
                 ),
             )
             return cursor.rowcount == 1
