@@ -105,6 +105,7 @@ pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) postgres
 bench: $(STAMP) $(OPA) $(FAKE_GCS)
 	$(BIN)/python bench/release_bench.py
 	$(BIN)/python bench/attest_bench.py
+	$(BIN)/python bench/attested_bench.py
 	$(BIN)/python bench/policy_bench.py
 	$(BIN)/python bench/audit_bench.py
 	$(BIN)/python bench/weights_bench.py

@@ -70,12 +70,13 @@ from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
-from broker.core.refs import CloudKmsRef, Pkcs11Ref, SignerRef
+from broker.core.refs import CloudKmsRef, Pkcs11Ref, PostgresRef, RedisRef, SignerRef
 from broker.crypto.jwks import JwksError
 from broker.crypto.keyfiles import p256_private_key_file
 from broker.decisions.attest import AttestPlan
 from broker.decisions.attested_release import AttestedReleasePlan
 from broker.decisions.kernel import Kernel
+from broker.decisions.owed import OwedRecordPass
 from broker.decisions.policy import PolicyGate
 from broker.decisions.redecide import Redecider
 from broker.decisions.release import ReleasePlan
@@ -142,7 +143,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             audit.add_listener(sink.offer)
             stack.callback(sink.close)
         keys = await stack.enter_async_context(
-            open_key_service(settings.keys, change_log=audit.append)
+            open_key_service(settings.keys, change_log=audit.append_entry)
         )
         policies = PolicyManager(
             settings.policy,
@@ -250,9 +251,14 @@ async def _redecided(
 ) -> None:
     """Attestation results re-decided now (start-up: the policy may be another than the one
     they were decided under), after each policy change, and again until a failed run succeeds
-    (``decisions/redecide.py``)."""
+    (``decisions/redecide.py``); apart from that, revocation records owed written by this
+    process's periodic pass (``decisions/owed.py``)."""
     if service is None:
         return
+    owed = OwedRecordPass(service.write_owed, clock)
+    service.on_owed(owed.wake)
+    owed.start()
+    stack.push_async_callback(owed.close)
     redecider = Redecider(service.revalidate, clock)
     stack.push_async_callback(redecider.close)
     policies.on_change(lambda who: redecider.now(who, "policy_change"))
@@ -472,6 +478,8 @@ async def _attestations(
         policy=policy,
         require_nonce=settings.attest.dpop_nonce,
         public_urls=settings.server.public_base_urls,
+        timed=settings.server.server_timing,
+        networked_store=isinstance(settings.nonces.store_ref, RedisRef | PostgresRef),
     )
     return Attestations(results, attest, releases, verifying)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from aiohttp import web
 
@@ -17,7 +17,7 @@ from broker.attestation.ear import MEDIA_TYPE
 from broker.attestation.stored import AttestationEntry
 from broker.core.errors import BrokerError, ErrorCode, Unauthorized
 from broker.decisions.attest import ATTEST_FIELDS
-from broker.decisions.attested_release import AttestedRelease, ReleasedOnResult
+from broker.decisions.attested_release import TIMED_STAGES, AttestedRelease, ReleasedOnResult
 from broker.decisions.attested_request import ATTESTED_FIELDS, ATTESTED_OPTIONAL, Presented
 from broker.decisions.release import RELEASE_FIELDS, RELEASE_OPTIONAL
 
@@ -117,10 +117,23 @@ async def _release_on_result(request: web.Request) -> web.Response:
         if challenge is not None:
             exc.headers["WWW-Authenticate"] = f'DPoP algs="ES256", error="{challenge}"'
         raise
+    headers = {"DPoP-Nonce": plan.server_nonce(clock()), "Cache-Control": "no-store"}
+    if released.stages:  # [server] server_timing: each stage's milliseconds, summed over keys
+        headers["Server-Timing"] = server_timing(released.stages, TIMED_STAGES)
     return web.json_response(
         _describe_release(released) | {"log_origin": request.app[SETTINGS].audit.origin},
-        headers={"DPoP-Nonce": plan.server_nonce(clock()), "Cache-Control": "no-store"},
+        headers=headers,
     )
+
+
+def server_timing(stages: Iterable[tuple[str, float]], names: Sequence[str]) -> str:
+    """W3C ``Server-Timing`` of ``names``, in this order: each the sum of its laps, in
+    milliseconds (3 decimals); a stage with no lap is ``0.000``."""
+    totals = dict.fromkeys(names, 0.0)
+    for stage, seconds in stages:
+        if stage in totals:
+            totals[stage] += seconds
+    return ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in totals.items())
 
 
 _CHALLENGES = {

@@ -56,6 +56,7 @@ VECTOR_CLAIMS = (
     "sourced-data",
 )
 MAX_TTL = timedelta(seconds=900)
+LEEWAY = timedelta(seconds=5)  # clock skew tolerated on a presented result's times
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,7 @@ class PresentedEar:
     pop_thumbprint: str  # RFC 7638 thumbprint of ``cnf.jwk``: DPoP proofs must be by this key
     expires_at: datetime
     claims: Mapping[str, Any]
+    kid: str = ""  # the result key it verified with (one of ``verify_ear``'s ``keys``)
 
 
 def verify_ear(
@@ -241,7 +243,7 @@ def verify_ear(
         header,
         key,
         now=now,
-        leeway=timedelta(seconds=5),
+        leeway=LEEWAY,
         required_claims=("exp", "iat", "jti", "iss", "aud", "cnf"),
         max_lifetime=MAX_TTL,
     ).claims
@@ -262,7 +264,18 @@ def verify_ear(
         pop_thumbprint=thumbprint(members),
         expires_at=datetime.fromtimestamp(float(claims["exp"]), UTC),
         claims=claims,
+        kid=str(header.kid),
     )
+
+
+def check_ear_times(ear: PresentedEar, now: datetime) -> None:
+    """``verify_ear``'s time checks (``exp``, ``nbf``, ``iat``, with ``LEEWAY``) again at
+    ``now``, for a result that verified at an earlier request (``decisions/attested_cache.py``).
+
+    Raises:
+        AttestationError: ``token_expired``, ``token_not_yet_valid``, ``token_issued_in_future``.
+    """
+    jose.check_times(ear.claims, now=now, leeway=LEEWAY)
 
 
 def _segment(value: Mapping[str, Any]) -> str:

@@ -1,5 +1,10 @@
 """A stored attestation (issue 19): what a release on an EAR is decided from, and its status.
-Pure data; the stores are ``broker/stores/attestations.py``."""
+Pure data; the stores are ``broker/stores/attestations.py``.
+
+A revocation takes effect before its ``attestation_revoked`` record is written, so the entry
+holds that record (``pending_record``: who revoked, when, why) until it is written, and a store
+keeps such an entry past its expiry until then (``kept_until``; docs/decisions.md,
+"Revocations are recorded after they take effect")."""
 
 from __future__ import annotations
 
@@ -11,14 +16,19 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from broker.core.errors import ErrorCode, UpstreamError
+from broker.core.records import RecordType
 
 log = logging.getLogger(__name__)
 ACTIVE = "active"
 REVOKED = "revoked"
 MAX_REASON_CHARS = 512
-# A revocation's record is written by whoever revoked it within this; after it, anyone re-deciding
-# may write it (``claim_record``). Far longer than an append takes, so two writers are unlikely.
+# A revocation's record is written by whoever revoked it within this; after it, any process's
+# owed-record pass may write it (``claim_record``). Far longer than an append takes, so two
+# writers are unlikely.
 RECORD_GRACE = timedelta(seconds=60)
+# An entry whose record is owed is kept until the record is written, whatever its expiry: the SQL
+# stores' ``expires_at`` column (when the row may be deleted) holds this for it.
+KEPT_WHILE_OWED = datetime(9999, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -33,9 +43,27 @@ class AttestationEntry:
     # revoked, and its ``attestation_revoked`` record not written yet: due then (None: written,
     # or revoked before this field existed, when the record was written after the revocation)
     record_due: datetime | None = None
+    # that record, exactly as it is to be written (None: none owed, or owed by a broker that
+    # did not keep it: ``late_record``)
+    pending_record: Mapping[str, Any] | None = None
+
+    @property
+    def owed(self) -> bool:
+        """Its revocation record is not written yet."""
+        return self.record_due is not None
+
+    @property
+    def kept_until(self) -> datetime:
+        """How long a store keeps it: until it expires, and while its record is owed, until the
+        record is written (``get`` still answers ``None`` once it expired)."""
+        return KEPT_WHILE_OWED if self.owed else self.expires_at
 
     def to_json(self) -> str:
-        due = {} if self.record_due is None else {"record_due": self.record_due.timestamp()}
+        owed: dict[str, Any] = {}
+        if self.record_due is not None:
+            owed["record_due"] = self.record_due.timestamp()
+        if self.pending_record is not None:
+            owed["pending_record"] = dict(self.pending_record)
         return json.dumps(
             {
                 "jti": self.jti,
@@ -45,7 +73,7 @@ class AttestationEntry:
                 "status": self.status,
                 "reason": self.reason,
                 "log_index": self.log_index,
-                **due,
+                **owed,
             },
             separators=(",", ":"),
             sort_keys=True,
@@ -64,10 +92,34 @@ class AttestationEntry:
             reason=value.get("reason"),
             log_index=value.get("log_index"),
             record_due=None if due is None else datetime.fromtimestamp(due, UTC),
+            pending_record=value.get("pending_record"),
         )
 
 
 Change = Callable[["AttestationEntry"], "AttestationEntry"]
+PARSED_ENTRIES = 1024  # entries a shared store's reader keeps parsed, by their text
+
+
+class ParsedEntries:
+    """Entries as a shared store's text reads, parsed once per text: equal text gives the same
+    entry object (never changed: entries are frozen, their input only read), so what a worker
+    prepared from an entry is found again by identity (``decisions/attested_cache.py``) while
+    a rewritten entry, other text, is parsed and checked anew. At most ``max_entries``, the
+    oldest forgotten first."""
+
+    def __init__(self, max_entries: int = PARSED_ENTRIES) -> None:
+        self._max = max(1, max_entries)
+        self._parsed: dict[str | bytes, AttestationEntry] = {}
+
+    def parse(self, text: str | bytes) -> AttestationEntry:
+        """``AttestationEntry.from_json(text)``, or the entry equal text gave before."""
+        entry = self._parsed.get(text)
+        if entry is None:
+            entry = AttestationEntry.from_json(text)
+            if len(self._parsed) >= self._max:
+                del self._parsed[next(iter(self._parsed))]
+            self._parsed[text] = entry
+        return entry
 
 
 class AttestationStore(Protocol):
@@ -80,16 +132,23 @@ class AttestationStore(Protocol):
         ...
 
     async def update(
-        self, jti: str, now: datetime, change: Change
+        self, jti: str, now: datetime, change: Change, *, expired_too: bool = False
     ) -> tuple[AttestationEntry, AttestationEntry] | None:
         """Replace the entry by ``change(entry)`` atomically across every client of the store
-        (a concurrent update is read again, never overwritten); ``(before, after)``, or ``None``
-        when unknown or expired."""
+        (a concurrent update is read again, never overwritten), kept as long as the new entry's
+        ``kept_until`` says; ``(before, after)``, or ``None`` when unknown or expired (with
+        ``expired_too``, only when gone: an expired entry kept for its owed record is changed
+        too)."""
         ...
 
     async def unexpired(self, now: datetime) -> list[AttestationEntry]:
         """Every unexpired entry, active or revoked (a policy reload re-decides the active
-        ones and writes the revocation records still owed)."""
+        ones)."""
+        ...
+
+    async def owed(self) -> list[AttestationEntry]:
+        """Every entry whose revocation record is owed, expired or not (the owed-record pass
+        writes them). A store that finds it dropped one logs that at error."""
         ...
 
     async def close(self) -> None: ...
@@ -104,13 +163,34 @@ def unavailable(kind: str, exc: BaseException) -> UpstreamError:
     return error
 
 
-def revoked_entry(entry: AttestationEntry, reason: str, now: datetime) -> AttestationEntry:
-    """Revoked with ``reason``, its record due within ``RECORD_GRACE``; one already revoked
-    keeps its first reason."""
+def revoked_entry(
+    entry: AttestationEntry,
+    reason: str,
+    now: datetime,
+    *,
+    who: str,
+    facts: Mapping[str, Any] | None = None,
+) -> AttestationEntry:
+    """Revoked with ``reason``, holding its ``attestation_revoked`` record (``who``, ``now``,
+    the reason and ``facts``), due within ``RECORD_GRACE``; one already revoked keeps its first
+    reason and record."""
     if entry.status == REVOKED:
         return entry
+    reason = reason[:MAX_REASON_CHARS]
+    record = {
+        "type": RecordType.ATTESTATION_REVOKED,
+        "jti": entry.jti,
+        "time": now.isoformat(),
+        "who": who,
+        "reason": reason,
+        **(facts or {}),
+    }
     return replace(
-        entry, status=REVOKED, reason=reason[:MAX_REASON_CHARS], record_due=now + RECORD_GRACE
+        entry,
+        status=REVOKED,
+        reason=reason,
+        record_due=now + RECORD_GRACE,
+        pending_record=record,
     )
 
 
@@ -121,33 +201,80 @@ class Revocation:
 
 
 async def revoke(
-    store: AttestationStore, jti: str, reason: str, now: datetime
+    store: AttestationStore,
+    jti: str,
+    reason: str,
+    now: datetime,
+    *,
+    who: str,
+    facts: Mapping[str, Any] | None = None,
 ) -> Revocation | None:
-    """Revoke for every worker and replica; ``None`` when unknown or expired."""
-    changed = await store.update(jti, now, lambda entry: revoked_entry(entry, reason, now))
+    """Revoke for every worker and replica, the record owed in the same update; ``None`` when
+    unknown or expired."""
+    changed = await store.update(
+        jti, now, lambda entry: revoked_entry(entry, reason, now, who=who, facts=facts)
+    )
     if changed is None:
         return None
     before, after = changed
     return Revocation(after, newly=before.status != REVOKED)
 
 
-async def claim_record(store: AttestationStore, jti: str, now: datetime) -> bool:
+async def claim_record(store: AttestationStore, jti: str, now: datetime) -> AttestationEntry | None:
     """Take over writing a revocation record overdue at ``now`` (its revoker stopped before
-    writing it): the record falls due again ``RECORD_GRACE`` later, so one writer at a time
-    has it, and a claimant that stops too hands it on. Whether this call claimed it."""
+    writing it, or handed it over): the record falls due again ``RECORD_GRACE`` later, so one
+    writer at a time has it, and a claimant that stops too hands it on. The entry as claimed,
+    or ``None`` when this call did not claim it (not due, taken, written, or gone)."""
 
     def take(entry: AttestationEntry) -> AttestationEntry:
         if entry.record_due is None or entry.record_due > now:
             return entry
         return replace(entry, record_due=now + RECORD_GRACE)
 
-    changed = await store.update(jti, now, take)
-    return changed is not None and changed[0].record_due != changed[1].record_due
+    changed = await store.update(jti, now, take, expired_too=True)
+    if changed is None or changed[0].record_due == changed[1].record_due:
+        return None
+    return changed[1]
 
 
 async def record_written(store: AttestationStore, jti: str, now: datetime) -> None:
-    """The revocation's record is in the log: no one owes it any more."""
-    await store.update(jti, now, lambda entry: replace(entry, record_due=None))
+    """The revocation's record is in the log: no one owes it any more (an expired entry may
+    go now)."""
+    await store.update(
+        jti,
+        now,
+        lambda entry: replace(entry, record_due=None, pending_record=None),
+        expired_too=True,
+    )
+
+
+async def hand_over(store: AttestationStore, jti: str, now: datetime) -> None:
+    """Its writer could not write the record (the log did not take it): due at once, for
+    whichever pass comes first."""
+
+    def due_now(entry: AttestationEntry) -> AttestationEntry:
+        if entry.record_due is None or entry.record_due <= now:
+            return entry
+        return replace(entry, record_due=now)
+
+    await store.update(jti, now, due_now, expired_too=True)
+
+
+def late_record(entry: AttestationEntry, now: datetime) -> dict[str, Any]:
+    """The owed record as a pass writes it at ``now``: its revoker's record (who, when, why),
+    marked ``written_late`` with ``written_at``. An entry owed by a broker that did not keep
+    the record says only its reason: ``who`` is then ``broker`` and ``trigger`` ``record``."""
+    record = entry.pending_record
+    if record is None:
+        record = {
+            "type": RecordType.ATTESTATION_REVOKED,
+            "jti": entry.jti,
+            "time": now.isoformat(),
+            "who": "broker",
+            "reason": entry.reason,
+            "trigger": "record",
+        }
+    return {**record, "written_late": True, "written_at": now.isoformat()}
 
 
 async def note_log_index(store: AttestationStore, jti: str, index: int, now: datetime) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from broker.audit.envelope import Envelope, KeyDecision, parse_record
 from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL
-from broker.core.records import RecordType
+from broker.core.records import ChangeResult, RecordType
 
 CLASS_UID = 6003  # API Activity (Application Activity category)
 CATEGORY_UID = 6
@@ -35,6 +35,13 @@ STATUS = {ALLOW: 1, DENY: 2, ERROR: 2, PARTIAL: 99}
 STATUS_NAMES = {0: "Unknown", 1: "Success", 2: "Failure", 99: "Other"}
 # severity_id: 1 Informational, 2 Low, 3 Medium, 4 High
 SEVERITY = {ALLOW: 1, PARTIAL: 2, DENY: 3, ERROR: 4}
+# a key change's ``result`` (keys/changes.py) → (status_id, severity_id); its intent has none
+CHANGE_STATUS: dict[str | None, tuple[int, int]] = {
+    None: (1, 1),
+    ChangeResult.OK: (1, 1),
+    ChangeResult.ERROR: (2, 4),
+    ChangeResult.UNKNOWN: (0, 3),
+}
 KEY_ACTIVITIES = {
     "create": CREATE,
     "rotate": CREATE,  # a new version
@@ -217,6 +224,8 @@ def _attestation(envelope: Envelope) -> list[Event]:
 
 def _attestation_revoked(envelope: Envelope) -> list[Event]:
     jti = None if envelope.attestation is None else envelope.attestation.jti
+    # written by an owed-record pass after its revoker could not: ``time`` is the revocation's
+    late = envelope.body.get("written_late") is True
     return [
         _event(
             envelope,
@@ -225,6 +234,11 @@ def _attestation_revoked(envelope: Envelope) -> list[Event]:
             resources=[{"type": "attestation", "uid": jti}],
             actor=_who(envelope),
             message=envelope.body.get("reason"),
+            unmapped=(
+                {"written_late": True, "written_at": envelope.body.get("written_at")}
+                if late
+                else None
+            ),
         )
         | {"severity_id": 2}
     ]
@@ -267,19 +281,25 @@ def _policy_reload_failed(envelope: Envelope) -> list[Event]:
 
 
 def _key_admin(envelope: Envelope) -> list[Event]:
+    """A key change is an intent (no ``result``) then its outcome (``ok`` Success, ``error``
+    Failure, ``unknown`` Unknown; ``unmapped.intent`` the intent's index); reads, one record."""
     action = str(envelope.body.get("action"))
-    return [
-        _event(
-            envelope,
-            activity=KEY_ACTIVITIES.get(action, OTHER),
-            result=envelope.result,  # "error": recorded, then not made (keys/service.py)
-            resources=_keys(envelope.key, envelope.body.get("version")),
-            actor=_who(envelope),
-            code=envelope.code,
-            message=action if envelope.message is None else f"{action}: {envelope.message}",
-            unmapped={"action": action, "state": envelope.body.get("state")},
-        )
-    ]
+    status, severity = CHANGE_STATUS.get(envelope.result, (0, 3))
+    event = _event(
+        envelope,
+        activity=KEY_ACTIVITIES.get(action, OTHER),
+        result=None,
+        resources=_keys(envelope.key, envelope.body.get("version")),
+        actor=_who(envelope),
+        code=envelope.code,
+        message=action if envelope.message is None else f"{action}: {envelope.message}",
+        unmapped={
+            "action": action,
+            "state": envelope.body.get("state"),
+            "intent": envelope.body.get("intent"),
+        },
+    )
+    return [event | {"status_id": status, "status": STATUS_NAMES[status], "severity_id": severity}]
 
 
 def _log_repair(envelope: Envelope) -> list[Event]:

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from broker.core.encoding import canonical
+from broker.core.encoding import canonical, canonical_members
 
 GENESIS = "0" * 64
 
@@ -41,9 +41,11 @@ def sealed_line(body: Mapping[str, Any]) -> tuple[str, bytes]:
     canonical pass: the members sorting before ``"hash"`` and those after it are dumped apart,
     so the hashed text and the line are the two halves joined without and with the hash member
     (what ``json.dumps(sort_keys=True)`` writes, member for member). Byte-identical to the two
-    calls (a property test compares them); the log writer thread saves two of three dumps."""
-    before = canonical({k: v for k, v in body.items() if k < "hash"})[1:-1]
-    after = canonical({k: v for k, v in body.items() if k > "hash"})[1:-1]
+    calls (a property test compares them); the log writer thread saves two of three dumps. A
+    member holding an ``Encoded`` value (a record part encoded once, issue 31) is spliced, not
+    encoded again (``canonical_members``)."""
+    before = canonical_members({k: v for k, v in body.items() if k < "hash"})
+    after = canonical_members({k: v for k, v in body.items() if k > "hash"})
     digest = hashlib.sha256(b"{" + b",".join(m for m in (before, after) if m) + b"}").hexdigest()
     member = b'"hash":"' + digest.encode("ascii") + b'"'
     return digest, b"{" + b",".join(m for m in (before, member, after) if m) + b"}"

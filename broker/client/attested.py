@@ -9,6 +9,11 @@ returned ``Attestation`` then releases keys on it::
         weights = await attestation.release("models/llama")
         keys = await attestation.release_many(["models/llama", "queries/chat"])
 
+``BrokerClient.release_many_for(files, token_source)`` and ``BrokerClient.release_many(keys,
+token_source)`` do the same in one call: attest once, then every distinct key in one request
+(``MAX_KEYS_PER_REQUEST`` a request), with full-evidence releases where the broker issues no
+attestation results (``broker/client/several.py``).
+
 Each release sends the EAR as ``Authorization: DPoP <EAR>`` with a fresh DPoP proof (RFC 9449,
 signed with PyJWT) carrying the broker's latest ``DPoP-Nonce``. The private halves of both keys
 stay inside the ``Attestation`` (no attribute, accessor or repr shows them). It attests again
@@ -133,14 +138,36 @@ class Attestation:
     async def release_many(
         self, keys: Sequence[str | tuple[str, int]]
     ) -> dict[str, ReleasedDek | BrokerClientError]:
-        """Several keys in one request (one proof, one record); each key's DEK or its error.
+        """Several keys in one request (one proof, one record); each key's DEK or its error,
+        by name (a name asked for at two versions keeps one: use ``release_versions``). A key
+        listed twice is asked for once; more than ``MAX_KEYS_PER_REQUEST`` distinct keys go in
+        one request per ``MAX_KEYS_PER_REQUEST``.
 
         Raises:
-            BrokerClientError: when none is released (the first key's error).
+            BrokerClientError: a request as a whole was refused (when none of its keys is
+                released, the first key's error).
         """
         asks = [(k, None) if isinstance(k, str) else (k[0], k[1]) for k in keys]
-        results = await self._release_all(asks)
+        results = await self.release_versions(asks)
         return {name: result for (name, _), result in zip(asks, results, strict=True)}
+
+    async def release_versions(
+        self, asks: Sequence[tuple[str, int | None]]
+    ) -> list[ReleasedDek | BrokerClientError]:
+        """Each ``(key, version)`` asked (``None``: the newest enabled version), in the order
+        given: every distinct one is asked for once, ``MAX_KEYS_PER_REQUEST`` a request (one
+        proof and one record each), and its answer is returned for each place it was asked.
+
+        Raises:
+            BrokerClientError: a request as a whole was refused.
+            jwe.JweError: a wrapped key does not open for this release.
+        """
+        distinct = list(dict.fromkeys(asks))
+        answers: dict[tuple[str, int | None], ReleasedDek | BrokerClientError] = {}
+        for start in range(0, len(distinct), MAX_KEYS_PER_REQUEST):
+            batch = distinct[start : start + MAX_KEYS_PER_REQUEST]
+            answers.update(zip(batch, await self._release_all(batch), strict=True))
+        return [answers[ask] for ask in asks]
 
     async def release_for(
         self,
@@ -182,19 +209,10 @@ class Attestation:
             SourceError: a file cannot be read.
             BrokerClientError: the request as a whole was refused.
         """
-        options = source_options or {}
-        kids = await asyncio.gather(
-            *(asyncio.to_thread(key_of_file, source, options) for source in sources)
+        kids = await keys_of_files(
+            sources, expected_key=expected_key, source_options=source_options
         )
-        for source, (name, _) in zip(sources, kids, strict=True):
-            if expected_key is not None and name != expected_key:
-                raise WeightsFormatError(f"{source} is for key {name!r}, not {expected_key!r}")
-        asks: list[tuple[str, int | None]] = list(dict.fromkeys(kids))
-        answers: dict[tuple[str, int | None], ReleasedDek | BrokerClientError] = {}
-        for start in range(0, len(asks), MAX_KEYS_PER_REQUEST):
-            batch = asks[start : start + MAX_KEYS_PER_REQUEST]
-            answers.update(zip(batch, await self._release_all(batch), strict=True))
-        return [answers[kid] for kid in kids]
+        return await self.release_versions(kids)
 
     async def renew(self) -> None:
         """Attest again now (new keys, new result); the old result is left to expire."""
@@ -274,6 +292,29 @@ class Attestation:
             policy_digest=str(entry.get("policy_digest", "")),
             expected_wrap=keys.wrap,
         )
+
+
+async def keys_of_files(
+    sources: Sequence[str | Path],
+    *,
+    expected_key: str | None = None,
+    source_options: dict[str, Any] | None = None,
+) -> list[tuple[str, int | None]]:
+    """``(key, version)`` of each encrypted file, in order, from the headers (read in parallel,
+    all of them before anything is asked of the broker).
+
+    Raises:
+        WeightsFormatError: a file is not encrypted, or not for ``expected_key``.
+        SourceError: a file cannot be read.
+    """
+    options = source_options or {}
+    kids = await asyncio.gather(
+        *(asyncio.to_thread(key_of_file, source, options) for source in sources)
+    )
+    for source, (name, _) in zip(sources, kids, strict=True):
+        if expected_key is not None and name != expected_key:
+            raise WeightsFormatError(f"{source} is for key {name!r}, not {expected_key!r}")
+    return list(kids)
 
 
 def _code(answer: Any) -> str | None:

@@ -7,7 +7,7 @@ import base64
 import contextlib
 import json
 import ssl
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -336,6 +336,8 @@ class BrokerClient:
         so that files made before a rotation keep opening. ``expected_key``: refuse a file made
         for another key (checked on the header that names the key released: one read).
         ``release_options`` go to ``release`` (``gpu_source``, ``key_type``, ``wrap``).
+        One file, one full-evidence release; for several files, ``release_many_for`` (one
+        attestation, one request for all their keys).
 
         Raises:
             WeightsFormatError: not an encrypted weights file, its key id is malformed, or it
@@ -347,6 +349,70 @@ class BrokerClient:
         if expected_key is not None and name != expected_key:
             raise WeightsFormatError(f"{source} is for key {name!r}, not {expected_key!r}")
         return await self.release(name, token_source, version=version, **release_options)
+
+    async def release_many_for(
+        self,
+        sources: Sequence[str | Path],
+        token_source: TokenSource,
+        *,
+        expected_key: str | None = None,
+        source_options: dict[str, Any] | None = None,
+        attest: bool = True,
+        **release_options: Any,
+    ) -> list[ReleasedDek | BrokerClientError]:
+        """Each file's key, in the order given, from the files' headers (as ``release_for``):
+        every header is read (and checked against ``expected_key``) before the broker is asked
+        anything; then the runner attests once and every distinct key and version goes in one
+        request on the result (16 a request, ``Attestation.release_versions``). Where the broker
+        issues no attestation results (404), or with ``attest=False``, each distinct key gets
+        one full-evidence release. ``release_options``: ``gpu_source``, ``key_type``, ``wrap``.
+
+        Returns:
+            Per file, its ``ReleasedDek`` or the ``BrokerClientError`` refusing its key.
+
+        Raises:
+            WeightsFormatError: a file is not encrypted, or not for ``expected_key``.
+            SourceError: a file cannot be read.
+            BrokerClientError: the attestation, or a request as a whole, was refused; or no
+                answer came (``TRANSPORT_CODES``).
+        """
+        from broker.client.attested import keys_of_files  # noqa: PLC0415 - a cycle
+        from broker.client.several import release_asks  # noqa: PLC0415 - a cycle
+
+        kids = await keys_of_files(
+            sources, expected_key=expected_key, source_options=source_options
+        )
+        return await release_asks(
+            self, kids, token_source, attest=attest, release_options=release_options
+        )
+
+    async def release_many(
+        self,
+        keys: Sequence[str | tuple[str, int]],
+        token_source: TokenSource,
+        *,
+        attest: bool = True,
+        **release_options: Any,
+    ) -> dict[str, ReleasedDek | BrokerClientError]:
+        """A runner's start-up keys (the weights key, a query key, …) in one call: attest once
+        and release them all in one request on the result (``Attestation.release_many``), or
+        one full-evidence release each where the broker issues no results (404) or with
+        ``attest=False``. ``release_options``: ``gpu_source``, ``key_type``, ``wrap``.
+
+        Returns:
+            By key name, its ``ReleasedDek`` or the ``BrokerClientError`` refusing it.
+
+        Raises:
+            BrokerClientError: the attestation, or a request as a whole, was refused; or no
+                answer came (``TRANSPORT_CODES``).
+        """
+        from broker.client.several import release_asks  # noqa: PLC0415 - a cycle
+
+        asks = [(k, None) if isinstance(k, str) else (k[0], k[1]) for k in keys]
+        results = await release_asks(
+            self, asks, token_source, attest=attest, release_options=release_options
+        )
+        return {name: result for (name, _), result in zip(asks, results, strict=True)}
 
     async def prove(
         self, released: ReleasedDek, log_key: str, *, wait_seconds: float = 10.0

@@ -69,8 +69,10 @@ class ServerSettings:
     replica_id: str = field(default_factory=default_replica_id)
     # Processes serving the same port (SO_REUSEPORT) under one supervisor; 1: no supervisor.
     workers: int = 1
-    # A Server-Timing header on each release answer: where its time went, stage by stage
-    # (bench/release_bench.py --single). Off by default: timings are for the operator.
+    # A Server-Timing header on each release answer, full evidence or on an attestation
+    # result: where its time went, stage by stage (bench/release_bench.py --single,
+    # bench/attested_bench.py). Off by default: a client must not learn where a decision spends
+    # its time (a side channel); timings are for the operator.
     server_timing: bool = False
     # The base URLs runners reach this broker at (behind a proxy: the proxy's). A DPoP proof's
     # htu must name one of them (+ the route's path); the request's own Host header is never

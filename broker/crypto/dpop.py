@@ -23,6 +23,7 @@ cases.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ REFUSED_HEADERS = frozenset({"jku", "x5u", "x5c", "kid", "crit"})  # the key is 
 # (1e20 used to overflow into a 500)
 MIN_IAT, MAX_IAT = 0, 253402300799  # 9999-12-31T23:59:59Z
 DEFAULT_PORTS = {"https": 443, "http": 80}
+# Headers (and htu values) seen lately, parsed once: a runner sends the same proof header, its
+# key, with every proof. Pure functions of the text, so a hit concludes what parsing would;
+# failures are never kept. Bounded (a flood of distinct ones only evicts).
+PARSED_HEADERS = 1024
+PARSED_URLS = 256
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class DpopNonceRequired(AttestationError):
     default_code = ErrorCode.DPOP_NONCE_REQUIRED
 
 
+@functools.lru_cache(maxsize=PARSED_URLS)
 def target_uri(url: str) -> str:
     """``htu`` as compared (§4.3): scheme and host lowercased, the default port dropped, the
     path kept as is (``/`` when empty); no query, no fragment.
@@ -135,7 +142,7 @@ def verify_dpop_proof(
     parts = proof.split(".")
     if len(parts) != 3 or not all(parts):
         raise DpopError("DPoP proof is not a compact JWS")
-    alg, key = _header_key(_object(parts[0], "header"))
+    alg, key = _header_key(parts[0])
     if bound_to is not None and key.thumbprint != bound_to:
         raise DpopError(
             "the DPoP proof is not signed by the key the result is bound to",
@@ -169,9 +176,11 @@ def verify_dpop_proof(
     return DpopProof(thumbprint=key.thumbprint, jti=jti, issued_at=issued_at, nonce=nonce)
 
 
-def _header_key(header: dict[str, Any]) -> tuple[str, RunnerKey]:
+@functools.lru_cache(maxsize=PARSED_HEADERS)
+def _header_key(segment: str) -> tuple[str, RunnerKey]:
     """The header's rules: ``typ``, an allowed ``alg``, no other way to name a key than a
     public P-256 ``jwk``."""
+    header = _object(segment, "header")
     if header.get("typ") != DPOP_TYP:
         raise DpopError(f"DPoP proof typ must be {DPOP_TYP}")
     alg = header.get("alg")

@@ -7,14 +7,17 @@ Order, for every request whose body parsed:
 0. the ``Host`` header is a host[:port] (``host_invalid`` otherwise; it is used for nothing
    else); the body's shape (``keys``: 1..``MAX_KEYS`` names, optionally with versions; ``wrap``)
    (``attested_request.py``);
-1. the EAR: this broker's result key, ``iss``/``aud``, times (``ear.verify_ear``);
+1. the EAR: this broker's result key, ``iss``/``aud``, times (``ear.verify_ear``; once per
+   worker and token while its key holds, its times at every request: ``attested_cache.py``);
 2. the DPoP proof: its key is the EAR's ``cnf.jwk`` (checked before anything else of it), then
    ``htm``, ``htu`` (one of ``[server] public_urls`` + this route, never the request's ``Host``),
    ``iat``, ``ath`` of this EAR, the server's ``DPoP-Nonce`` (when required)
    (``dpop.verify_dpop_proof``);
-3. the stored attestation: known, unexpired, not revoked (the shared store: every worker and
-   replica sees a revocation at once), and the one the result was signed for;
+3. the stored attestation: known, unexpired, not revoked (the shared store, read on every
+   fetch: every worker and replica sees a revocation at once), and the one the result was
+   signed for (matched once per stored entry: ``attested_cache.prepare``);
 4. the proof's ``jti`` spent in the shared store (a replayed proof: ``dpop_proof_reused``);
+   over the network (Redis, PostgreSQL) asked together with step 3, its errors reported after;
 5. per key: resolve the version, run the **current** release policy on the attestation's
    stored input with this request's facts, unwrap the DEK and wrap it to the EAR's encryption
    key with the release id, key version and policy digest in the AAD; a key's failure is that
@@ -27,8 +30,8 @@ Order, for every request whose body parsed:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,19 +41,17 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.attestation.claims import RequestFacts, build_input
-from broker.attestation.ear import CLAIM, PresentedEar, verify_ear
+from broker.attestation.ear import PresentedEar
 from broker.attestation.stored import REVOKED, AttestationEntry, AttestationStore
 from broker.audit.log import Appended
 from broker.audit.outcomes import overall
-from broker.core.encoding import canonical
+from broker.core.encoding import Encoded, canonical_members
 from broker.core.errors import (
     AttestationError,
     BrokerError,
     ErrorCode,
     InternalFailure,
     PolicyDenied,
-    UpstreamError,
 )
 from broker.core.records import RecordType
 from broker.crypto.dpop import (
@@ -60,8 +61,9 @@ from broker.crypto.dpop import (
     DpopProof,
     verify_dpop_proof,
 )
-from broker.crypto.jwk import RunnerKey, parse_runner_key
+from broker.crypto.jwk import RunnerKey
 from broker.crypto.wrap import check_wrap_mode, key_id
+from broker.decisions.attested_cache import PreparedAttestation, ResultCache, prepare
 from broker.decisions.attested_request import (
     RELEASE_PATH,
     AttestedRequest,
@@ -80,6 +82,10 @@ from broker.stores.nonces import NonceStore
 
 log = logging.getLogger(__name__)
 RECORD_TYPE = RecordType.ATTESTED_RELEASE
+# What ``Server-Timing`` names, in this order, when ``[server] server_timing`` is on: the DPoP
+# proof, the EAR, the attestation store (entry read, proof jti spent), the release policy, the
+# key (version and DEK), the wrap, building the record, the durable append (docs/configuration.md)
+TIMED_STAGES = ("proof", "ear", "store", "policy", "unwrap", "wrap", "record", "log")
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class AttestedRelease:
     keys: tuple[ReleasedOnResult | RefusedOnResult, ...]
     log_index: int = -1
     leaf_hash: bytes = b""
+    stages: tuple[tuple[str, float], ...] = ()  # (stage, seconds) laps, when timed
 
 
 @dataclass
@@ -127,6 +134,7 @@ class AttestedFacts:
     proof: DpopProof | None = None
     entry: AttestationEntry | None = None
     encryption_key: RunnerKey | None = None
+    prepared: PreparedAttestation | None = None  # the entry, matched to the result: reused
     keys: list[KeyOnResult] = field(default_factory=list)
 
 
@@ -148,6 +156,12 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
     policy: PolicyGate
     public_urls: Sequence[str] = ()
     require_nonce: bool = True
+    timed: bool = False  # stages lapped for Server-Timing ([server] server_timing)
+    # the stores answer over the network (Redis, PostgreSQL): the entry is read and the proof's
+    # jti spent at once, two round trips in the time of one (SQLite's thread: measured slower)
+    networked_store: bool = False
+    # results this worker verified, and the entries prepared on them (attested_cache.py)
+    results: ResultCache = field(default_factory=ResultCache)
 
     @cached_property
     def release_urls(self) -> tuple[str, ...]:
@@ -178,11 +192,16 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
             keys=tuple(_answer(k) for k in case.facts.keys),
         )
 
+    def _lap(self, case: AttestedCase) -> Callable[[str], None]:
+        return case.watch.lap if self.timed else _untimed
+
     async def _admit(self, case: AttestedCase, request: AttestedRequest) -> PresentedEar:
         """Steps 1 to 4: the result, its proof, its stored state; the proof spent."""
-        facts, now, presented = case.facts, case.now, case.unverified[1]
+        facts, now, presented, lap = case.facts, case.now, case.unverified[1], self._lap(case)
         token = presented_token(presented.authorization)
-        facts.ear = ear = verify_ear(token, keys=self.result_keys(), audience=self.issuer, now=now)
+        held = self.results.verify(token, keys=self.result_keys(), audience=self.issuer, now=now)
+        facts.ear = ear = held.ear
+        lap("ear")
         facts.proof = checked = verify_dpop_proof(
             presented.proof,
             method="POST",
@@ -194,7 +213,18 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
             else None,
             bound_to=ear.pop_thumbprint,
         )
-        entry = await self.store.get(ear.jti, now)
+        lap("proof")
+        # the stored entry, and the proof's jti spent: at once over the network; else the entry
+        # first, then the spend (no task for what needs no wait); errors in the same order
+        if self.networked_store:
+            read, spent = await asyncio.gather(
+                self.store.get(ear.jti, now), self._spend(ear, checked, now), return_exceptions=True
+            )
+            if isinstance(read, BaseException):
+                raise read
+            entry = read
+        else:
+            entry, spent = await self.store.get(ear.jti, now), None
         if entry is None:
             raise AttestationError(
                 "this attestation result is unknown here or expired; attest again",
@@ -207,12 +237,29 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
                 code=ErrorCode.ATTESTATION_REVOKED,
                 reason=entry.reason,
             )
-        facts.encryption_key = signed_content(ear, entry)
+        prepared = held.prepared_for(entry)
+        if prepared is None:  # first use of this entry here (or it changed): checked in full
+            held.prepared = prepared = prepare(ear, entry)
+        facts.prepared, facts.encryption_key = prepared, prepared.encryption_key
         check_wrap_mode(request.wrap, facts.encryption_key)
-        try:  # good once, in the store every worker and replica shares
+        if not self.networked_store:
+            await self._spend(ear, checked, now)
+        elif isinstance(spent, BaseException):
+            raise spent
+        lap("store")
+        return ear
+
+    async def _spend(self, ear: PresentedEar, proof: DpopProof, now: datetime) -> None:
+        """Step 4: the proof's ``jti`` spent (good once, in the store every worker and replica
+        shares).
+
+        Raises:
+            DpopError: ``dpop_proof_reused``; UpstreamError: the store's.
+        """
+        try:
             await self.nonces.spend_jti(
-                f"dpop:{ear.pop_thumbprint}:{checked.jti}",
-                checked.issued_at + MAX_PROOF_AGE + FUTURE_LEEWAY,
+                f"dpop:{ear.pop_thumbprint}:{proof.jti}",
+                proof.issued_at + MAX_PROOF_AGE + FUTURE_LEEWAY,
                 now,
             )
         except AttestationError as exc:
@@ -222,23 +269,28 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
                 "this DPoP proof was already used; sign a new one per request",
                 code=ErrorCode.DPOP_PROOF_REUSED,
             ) from exc
-        return ear
 
     async def _decide_key(
         self, case: AttestedCase, request: AttestedRequest, ask: KeyAsk
     ) -> KeyOnResult:
         """Step 5 for one key; its failure is this key's, the others are still decided."""
         key = KeyOnResult(ask)
-        entry, encryption_key = case.facts.entry, case.facts.encryption_key
-        if entry is None or encryption_key is None:
+        prepared = case.facts.prepared
+        if prepared is None:
             raise RuntimeError("a key decided before its attestation was admitted")
+        encryption_key = prepared.encryption_key
+        lap = self._lap(case)
         try:
             key.record = record = await self.keys.resolve(ask.key, ask.version)
             custody = self.keys.check_release(record, request.wrap, encryption_key)
-            policy_input = release_input(entry, request_facts(record, encryption_key), case.now)
-            decision = await self.policy.allow(
-                key.evaluation, policy_input, decision_id=case.decision_id
+            lap("unwrap")  # the key: its version (and next, its DEK)
+            policy_input, encoded = prepared.stored.release_input(
+                request_facts(record, encryption_key), prepared.attestation, case.now
             )
+            decision = await self.policy.allow(
+                key.evaluation, policy_input, decision_id=case.decision_id, encoded=encoded
+            )
+            lap("policy")
             key.wrapped = await wrap_for_runner(
                 self.keys,
                 record,
@@ -247,6 +299,7 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
                 decision_id=case.decision_id,
                 mode=request.wrap,
                 policy_digest=decision.policy_digest,
+                lap=lap,
             )
         except BrokerError as exc:
             key.error = exc
@@ -255,7 +308,12 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
     async def placed(
         self, case: AttestedCase, answer: AttestedRelease, appended: Appended
     ) -> AttestedRelease:
-        return dataclasses.replace(answer, log_index=appended.index, leaf_hash=appended.leaf_hash)
+        return dataclasses.replace(
+            answer,
+            log_index=appended.index,
+            leaf_hash=appended.leaf_hash,
+            stages=tuple(case.watch.stages) if self.timed else (),
+        )
 
     def withdraw(self, case: AttestedCase) -> None:
         for key in case.facts.keys:  # wrapped but never sent: the record must not say allow
@@ -304,17 +362,30 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
             "wrap": None if request is None else request.wrap,
             # who asked: the attestation's identity, once its stored entry matched the signed
             # result (OCSF's actor, `audit query --image/--project`)
-            "identity": None
-            if entry is None or facts.encryption_key is None
-            else attestation_identity(entry),
+            "identity": None if facts.prepared is None else dict(facts.prepared.identity),
             "asked": []
             if request is None
             else [{"key": a.key, "version": a.version} for a in request.keys],
-            "keys": [self._key_record(k) for k in facts.keys],
+            "keys": self._keys_record(facts),
         }
 
-    def _key_record(self, key: KeyOnResult) -> dict[str, Any]:
-        record, error = key.record, key.error
+    def _keys_record(self, facts: AttestedFacts) -> Encoded:
+        """Each key's part of the record, encoded: its input's stored claims spliced from
+        their encoding (made once per attestation), never encoded again per release."""
+        parts = [b"{" + canonical_members(self._key_record(k, facts)) + b"}" for k in facts.keys]
+        return Encoded(b"[" + b",".join(parts) + b"]")
+
+    def _key_record(self, key: KeyOnResult, facts: AttestedFacts) -> dict[str, Any]:
+        record, error, evaluation = key.record, key.error, key.evaluation
+        masked_input, masks = None, self.policy.masks(evaluation)
+        if not masks and evaluation.encoded is not None:  # nothing masked: the evaluated bytes
+            masked_input = Encoded(evaluation.encoded)
+        elif evaluation.policy_input is not None and facts.prepared is not None:
+            masked_input = Encoded(
+                facts.prepared.stored.masked_encoding(
+                    evaluation.policy_input, masks, self.policy.mask_key
+                )
+            )
         return {
             "key": key.ask.key,
             "version": key.ask.version if record is None else record.version,
@@ -322,69 +393,12 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
             "result": outcome_of(error),
             "code": error.code.value if error else None,
             "message": error.message if error else None,
-            **self.policy.record(key.evaluation),
+            **self.policy.record(evaluation, masked_input=masked_input),
         }
 
 
-def signed_content(ear: PresentedEar, entry: AttestationEntry) -> RunnerKey:
-    """The encryption key the signed result names, once the store's entry is shown to be the
-    one the result was made with: its PoP thumbprint, and the digest of its claims (the EAR's
-    ``input_digest``). The shared store is trusted for a result's status, never for what a
-    release is decided on or wrapped to.
-
-    Raises:
-        AttestationError: the result lacks its broker claim (``token_claim_invalid``).
-        UpstreamError: ``attestation_store_mismatch``: the entry is not what was signed.
-    """
-    own = ear.claims.get(CLAIM)
-    if not isinstance(own, Mapping) or not isinstance(own.get("encryption_key"), Mapping):
-        raise AttestationError(
-            "the result lacks this broker's claim", code=ErrorCode.TOKEN_CLAIM_INVALID
-        )
-    stored = "sha256:" + hashlib.sha256(canonical(entry.policy_input)).hexdigest()
-    if entry.pop_thumbprint != ear.pop_thumbprint or own.get("input_digest") != stored:
-        log.error("attestation %s: the stored entry does not match the signed result", ear.jti)
-        raise UpstreamError(
-            "the stored attestation does not match the signed result; attest again",
-            code=ErrorCode.ATTESTATION_STORE_MISMATCH,
-        )
-    return parse_runner_key(dict(own["encryption_key"]))
-
-
-def attestation_identity(entry: AttestationEntry) -> dict[str, Any]:
-    """The attestation a release came through, as records name a runner: its jti, and the
-    workload, project and instance its verified claims named."""
-    tee = entry.policy_input.get("tee")
-    tee = tee if isinstance(tee, Mapping) else {}
-    workload, platform = tee.get("workload"), tee.get("platform")
-    workload = workload if isinstance(workload, Mapping) else {}
-    platform = platform if isinstance(platform, Mapping) else {}
-    return {
-        "attestation": entry.jti,
-        "issuer": tee.get("issuer"),
-        "image_digest": workload.get("image_digest"),
-        "project_id": platform.get("project_id"),
-        "instance_id": platform.get("instance_id"),
-    }
-
-
-def release_input(entry: AttestationEntry, facts: RequestFacts, now: datetime) -> dict[str, Any]:
-    """The release policy's input for a key asked on a stored attestation: the input a
-    full-evidence release would have had (the same claims, normalised when they were verified),
-    at ``now``, with ``request.attestation`` naming the result it came through."""
-    stored = entry.policy_input
-    policy_input = build_input(
-        request=facts,
-        tee=stored.get("tee", {}),
-        raw_claims=stored.get("claims", {}),
-        gpus=stored.get("gpus", []),
-        now=now,
-    )
-    policy_input["request"]["attestation"] = {
-        "jti": entry.jti,
-        "expires_at": entry.expires_at.isoformat(),
-    }
-    return policy_input
+def _untimed(stage: str) -> None:
+    """No lap: ``Server-Timing`` is off."""
 
 
 def _key_summary(key: KeyOnResult) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from prometheus_client import Counter, Histogram
 
 from broker.audit.log import Appended, DecisionLog
-from broker.core.encoding import canonical
+from broker.core.encoding import canonical_members
 from broker.core.errors import BrokerError, InternalFailure
 from broker.core.metrics import Metrics
 from broker.core.records import record_head
@@ -224,10 +224,11 @@ class Kernel:
 
     def _record(self, plan: Plan[U, Q, F, A], case: Case[U, Q, F]) -> dict[str, Any]:
         """The envelope and the plan's body; if building it fails (a bug), or it cannot be
-        encoded as the log writes it (canonical JSON), a minimal record."""
+        encoded as the log writes it (canonical JSON, a part the plan encoded once spliced in:
+        ``canonical_members``), a minimal record."""
         try:
             record = {**self._envelope(plan, case, plan.result(case)), **plan.body(case)}
-            canonical(record)  # encodable: else the log's writer would fail on it, for good
+            canonical_members(record)  # encodable: else the log's writer would fail on it, for good
             return record
         except Exception:
             log.exception("%s %s: building the record failed", plan.record_type, case.decision_id)

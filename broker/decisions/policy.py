@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.audit.mask import masked
-from broker.core.encoding import canonical
+from broker.core.encoding import Encoded, canonical
 from broker.core.errors import PolicyDenied
 from broker.policy.engine import Decision, PolicyEngine
 
@@ -27,6 +27,7 @@ class Evaluation:
     policy_input: dict[str, Any] | None = None
     input_digest: str | None = None
     decision: Decision | None = None
+    encoded: bytes | None = None  # canonical(policy_input): what was digested and evaluated
 
 
 class PolicyGate:
@@ -38,9 +39,16 @@ class PolicyGate:
         self._mask_key = mask_key
 
     async def allow(
-        self, evaluation: Evaluation, policy_input: dict[str, Any], *, decision_id: str
+        self,
+        evaluation: Evaluation,
+        policy_input: dict[str, Any],
+        *,
+        decision_id: str,
+        encoded: bytes | None = None,
     ) -> Decision:
-        """Evaluate ``policy_input``, keeping its progress in ``evaluation``.
+        """Evaluate ``policy_input``, keeping its progress in ``evaluation``. ``encoded``: its
+        canonical JSON when the caller made it already (``canonical(policy_input)``, byte for
+        byte: a release on a result splices the stored claims' encoding, encoded once).
 
         Returns:
             The decision, which allows.
@@ -49,16 +57,31 @@ class PolicyGate:
             PolicyDenied: the policy does not allow it (its reasons, sorted).
             UpstreamError: the engine did not answer (``policy_unavailable``).
         """
-        encoded = canonical(policy_input)  # digested, and the very bytes the policy reads
+        if encoded is None:  # digested, and the very bytes the policy reads
+            encoded = canonical(policy_input)
         evaluation.input_digest = "sha256:" + hashlib.sha256(encoded).hexdigest()
-        evaluation.policy_input = policy_input
+        evaluation.policy_input, evaluation.encoded = policy_input, encoded
         evaluation.decision = decision = await self.engine.evaluate(policy_input, encoded=encoded)
         if not decision.allowed:
             raise PolicyDenied(decision.reasons, decision_id)
         return decision
 
-    def record(self, evaluation: Evaluation) -> dict[str, Any]:
-        """The record's members for ``evaluation``: reasons, policy and input digests, input."""
+    @property
+    def mask_key(self) -> bytes:
+        return self._mask_key
+
+    def masks(self, evaluation: Evaluation) -> tuple[str, ...]:
+        """The pointers masked in ``evaluation``'s recorded input: ``[audit] mask`` and the
+        policy's own ``mask`` rule."""
+        decision = evaluation.decision
+        return (*self._mask, *(decision.mask if decision is not None else ()))
+
+    def record(
+        self, evaluation: Evaluation, *, masked_input: Encoded | None = None
+    ) -> dict[str, Any]:
+        """The record's members for ``evaluation``: reasons, policy and input digests, input
+        (``masked_input``: that input masked and encoded by the caller, who made it from parts
+        encoded once: ``canonical(masked(input, self.masks(evaluation), self.mask_key))``)."""
         decision = evaluation.decision
         return {
             "reasons": [] if decision is None else list(decision.reasons),
@@ -67,11 +90,9 @@ class PolicyGate:
             "policy_digest": self.engine.digest if decision is None else decision.policy_digest,
             "input_digest": evaluation.input_digest,
             # the policy input, masked, so that `broker policy replay` can re-decide it
-            "input": None
+            "input": masked_input
+            if masked_input is not None
+            else None
             if evaluation.policy_input is None
-            else masked(
-                evaluation.policy_input,
-                (*self._mask, *(decision.mask if decision is not None else ())),
-                self._mask_key,
-            ),
+            else masked(evaluation.policy_input, self.masks(evaluation), self._mask_key),
         }

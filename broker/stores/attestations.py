@@ -6,7 +6,9 @@ The store is the nonce store's (``[nonces] store``): ``memory`` (one process), `
 nonce. An entry holds the attestation's policy input (unmasked: the release policy decides on
 it; claims, never evidence or key material), the PoP key thumbprint,
 its expiry, and its status (``active`` or ``revoked`` with a reason). Entries are forgotten when
-they expire. A revocation is one write every replica reads on its next lookup.
+they expire, but one whose revocation record is owed is kept until the record is written
+(``AttestationEntry.kept_until``; once expired, only ``owed`` lists it). A revocation is one
+write every replica reads on its next lookup.
 
 Any failure to get an answer is ``503`` (``nonce_store_unavailable``, the store's code): never an
 attestation treated as active.
@@ -20,9 +22,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from broker.attestation.stored import (
+    KEPT_WHILE_OWED,
     AttestationEntry,
     AttestationStore,
     Change,
+    ParsedEntries,
     unavailable,
 )
 from broker.core.errors import ConfigError
@@ -38,7 +42,7 @@ class MemoryAttestations:
 
     async def put(self, entry: AttestationEntry) -> None:
         now = datetime.now(UTC)
-        self._entries = {k: v for k, v in self._entries.items() if v.expires_at > now}
+        self._entries = {k: v for k, v in self._entries.items() if v.kept_until > now}
         self._entries[entry.jti] = entry
 
     async def get(self, jti: str, now: datetime) -> AttestationEntry | None:
@@ -46,16 +50,19 @@ class MemoryAttestations:
         return entry if entry is not None and entry.expires_at > now else None
 
     async def update(
-        self, jti: str, now: datetime, change: Change
+        self, jti: str, now: datetime, change: Change, *, expired_too: bool = False
     ) -> tuple[AttestationEntry, AttestationEntry] | None:
-        entry = await self.get(jti, now)  # no await between the read and the write below
-        if entry is None:
+        entry = self._entries.get(jti)  # no await between the read and the write below
+        if entry is None or (entry.expires_at <= now and not expired_too):
             return None
         self._entries[jti] = after = change(entry)
         return entry, after
 
     async def unexpired(self, now: datetime) -> list[AttestationEntry]:
         return [e for e in self._entries.values() if e.expires_at > now]
+
+    async def owed(self) -> list[AttestationEntry]:
+        return [e for e in self._entries.values() if e.owed]
 
     async def close(self) -> None:
         self._entries.clear()
@@ -73,6 +80,7 @@ class SqliteAttestations:
             thread_name="attest-sqlite",
             unavailable=unavailable,
         )
+        self._parsed = ParsedEntries()  # a release's read: equal text, the same entry
 
     async def put(self, entry: AttestationEntry) -> None:
         def insert(db: sqlite3.Connection) -> None:
@@ -93,23 +101,28 @@ class SqliteAttestations:
             return None if row is None else str(row[0])
 
         body = await self._db.run(select)
-        return None if body is None else AttestationEntry.from_json(body)
+        entry = None if body is None else self._parsed.parse(body)
+        return (
+            entry if entry is not None and entry.expires_at > now else None
+        )  # kept for its record: expired
 
     async def update(
-        self, jti: str, now: datetime, change: Change
+        self, jti: str, now: datetime, change: Change, *, expired_too: bool = False
     ) -> tuple[AttestationEntry, AttestationEntry] | None:
         def rewrite(db: sqlite3.Connection) -> tuple[AttestationEntry, AttestationEntry] | None:
             db.execute("BEGIN IMMEDIATE")  # the write lock first: no update lost between hosts
             try:
-                row = db.execute(
-                    "SELECT body FROM attestations WHERE jti = ? AND expires_at > ?",
-                    (jti, now.timestamp()),
-                ).fetchone()
+                row = db.execute("SELECT body FROM attestations WHERE jti = ?", (jti,)).fetchone()
                 if row is None:
                     return None
                 before = AttestationEntry.from_json(row[0])
+                if before.expires_at <= now and not expired_too:
+                    return None
                 after = change(before)
-                db.execute("UPDATE attestations SET body = ? WHERE jti = ?", (after.to_json(), jti))
+                db.execute(
+                    "UPDATE attestations SET body = ?, expires_at = ? WHERE jti = ?",
+                    (after.to_json(), after.kept_until.timestamp(), jti),
+                )
                 db.execute("COMMIT")
                 return before, after
             finally:  # whatever failed before the COMMIT, nothing of it stays
@@ -126,15 +139,29 @@ class SqliteAttestations:
             ).fetchall()
             return [str(row[0]) for row in rows]
 
+        entries = [AttestationEntry.from_json(body) for body in await self._db.run(select)]
+        return [entry for entry in entries if entry.expires_at > now]  # not those kept, expired
+
+    async def owed(self) -> list[AttestationEntry]:
+        def select(db: sqlite3.Connection) -> list[str]:
+            rows = db.execute(
+                "SELECT body FROM attestations WHERE expires_at >= ?",
+                (KEPT_WHILE_OWED.timestamp(),),
+            ).fetchall()
+            return [str(row[0]) for row in rows]
+
         return [AttestationEntry.from_json(body) for body in await self._db.run(select)]
 
     async def close(self) -> None:
         await self._db.close()
 
 
+# ``expires_at`` is when the row may be deleted: the entry's expiry, or ``KEPT_WHILE_OWED``
+# while its revocation record is owed (the body holds the expiry itself)
 _SQLITE_SCHEMA = (
     "CREATE TABLE IF NOT EXISTS attestations (jti TEXT PRIMARY KEY, "
     "expires_at REAL NOT NULL, body TEXT NOT NULL) WITHOUT ROWID;"
+    "CREATE INDEX IF NOT EXISTS attestations_expiry ON attestations (expires_at);"
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -20,11 +21,14 @@ from broker.client import ConfidentialSpaceTokenSource
 from broker.client.tokens import TokenSourceError
 from broker.core.errors import ErrorCode, UpstreamError
 from broker.dev.issuer import DevIssuer, Workload
+from broker.keys.factory import open_key_service
+from broker.keys.store.base import Purpose
+from tests.integration.attested import DENIED_KEY
 from tests.integration.conftest import RunningBroker
 from tests.integration.test_attest import ATTEST_TOML, with_result_key
-from tests.support.constants import ALLOWED, KEY
+from tests.support.constants import ALLOWED, GPU_KEY, KEY
 from tests.support.issuers import dev_issuer
-from tests.support.weights import sealed_before_a_rotation
+from tests.support.weights import sealed_before_a_rotation, sealed_with
 
 
 class FakeLauncher:
@@ -109,8 +113,8 @@ async def run_the_runner(broker: RunningBroker, socket_path: str, attest: bool) 
     out, err = await done.communicate()
     assert done.returncode == 0, err.decode()
     assert f"key {KEY}#1 released" in out.decode()
-    assert ("attested once" in out.decode()) is attest
-    kinds = {r["type"] for r in broker.records()}
+    kinds = [r["type"] for r in broker.records()]
+    assert kinds.count("attestation") == int(attest)  # attested once, or not at all
     assert ("attested_release" in kinds, "release" in kinds) == (attest, not attest)
     assert await asyncio.to_thread((broker.workdir / "out.safetensors").read_bytes) == plain
     environ["MODEL_KEY"] = "models/other"  # a file for another model is refused up front
@@ -120,6 +124,81 @@ async def run_the_runner(broker: RunningBroker, socket_path: str, attest: bool) 
     _, err = await refused.communicate()
     assert refused.returncode == 1
     assert "not 'models/other'" in err.decode()
+
+
+@pytest.mark.parametrize("attest", [False, True])
+async def test_the_runner_opens_several_files_with_one_request_for_their_keys(
+    start_broker: Callable[..., Any], tmp_path: Path, attest: bool
+) -> None:
+    """Issue 31: ``WEIGHTS_IN`` lists four files (a shard made before a rotation, two after,
+    one for another key): one attestation and one release for the three distinct keys, or,
+    without results (404), one full-evidence release per distinct key; each file decrypted into
+    the ``WEIGHTS_OUT`` directory. Refusals write no plaintext."""
+    broker: RunningBroker = await start_broker(
+        **({"extra_toml": ATTEST_TOML, "workdir_setup": with_result_key} if attest else {})
+    )
+    old, old_plain = await sealed_before_a_rotation(broker.workdir, "a.safetensors", 50_000)
+    made = [await sealed_with(broker.workdir, n, KEY) for n in ("b.safetensors", "c.safetensors")]
+    made.append(await sealed_with(broker.workdir, "tok.json", GPU_KEY))
+    files = [(old, old_plain), *made]
+    out = tmp_path / "out"
+    await asyncio.to_thread(out.mkdir)
+    broker = broker.from_now_on()
+    environ = {
+        **os.environ,
+        "BROKER_URL": broker.url,
+        "BROKER_AUDIENCE": broker.settings.server.audience,
+        "BROKER_CA": str(broker.workdir / "tls" / "ca.pem"),
+        "WEIGHTS_IN": " , ".join(str(path) for path, _ in files),
+        "WEIGHTS_OUT": f"{out}/",
+        "TEE_LAUNCHER_SOCKET": str(tmp_path / "teeserver.sock"),
+    }
+    async with serve_launcher(broker.issuer, environ["TEE_LAUNCHER_SOCKET"]):
+        code, stdout, stderr = await run_runner(environ)
+        assert code == 0, stderr
+        distinct = [(KEY, 1), (KEY, 2), (GPU_KEY, 1)]
+        records = broker.records()
+        if attest:
+            assert [r["type"] for r in records] == ["attestation", "attested_release"]
+            assert [(k["key"], k["version"]) for k in records[1]["keys"]] == distinct
+        else:
+            assert [(r["type"], r["key"], r["version"]) for r in records] == [
+                ("release", *kid) for kid in distinct
+            ]
+        for path, plain in files:
+            opened = out / path.name.removesuffix(".brkw")
+            assert await asyncio.to_thread(opened.read_bytes) == plain
+        assert "decrypted 4 files" in stdout
+        for name, value, code_wanted, says in (
+            ("MODEL_KEY", KEY, 1, f"is for key {GPU_KEY!r}, not {KEY!r}"),
+            ("WEIGHTS_OUT", str(out / "one.safetensors"), 2, "must list as many targets"),
+            ("WEIGHTS_IN", f"{old},{await denied_file(broker)}", 1, "policy_denied"),
+        ):
+            await asyncio.to_thread(shutil.rmtree, out)
+            await asyncio.to_thread(out.mkdir)
+            broker = broker.from_now_on()
+            code, _, stderr = await run_runner({**environ, name: value})
+            assert (code, says in stderr) == (code_wanted, True), stderr
+            asked = name == "WEIGHTS_IN"  # a key refused: asked, but nothing decrypted
+            assert bool(broker.records()) is asked
+            assert not await asyncio.to_thread(lambda: list(out.iterdir()))
+
+
+async def denied_file(broker: RunningBroker) -> Path:
+    """A file for ``DENIED_KEY``, a key no image is allowed."""
+    async with open_key_service(broker.settings.keys) as keys:
+        await keys.create(DENIED_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))
+    sealed, _ = await sealed_with(broker.workdir, "denied.safetensors", DENIED_KEY)
+    return sealed
+
+
+async def run_runner(environ: dict[str, str]) -> tuple[int | None, str, str]:
+    done = await asyncio.create_subprocess_exec(
+        sys.executable, str(RUNNER), env=environ, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await done.communicate()
+    return done.returncode, out.decode(), err.decode()
 
 
 async def test_release_with_launcher_token(

@@ -24,3 +24,17 @@ async def sealed_before_a_rotation(workdir: Path, name: str, size: int) -> tuple
     rotated = await asyncio.to_thread(run, "keys", "rotate", KEY, "--config", config)
     assert rotated.returncode == 0, rotated.stderr
     return sealed, plain
+
+
+async def sealed_with(workdir: Path, name: str, key: str, size: int = 4096) -> tuple[Path, bytes]:
+    """``<name>.brkw`` encrypted with ``key``'s newest version (no rotation): the encrypted file
+    and its plaintext."""
+    plain = os.urandom(size)
+    source, sealed = workdir / name, workdir / f"{name}.brkw"
+    await asyncio.to_thread(source.write_bytes, plain)
+    config = str(workdir / "broker.toml")
+    made = await asyncio.to_thread(
+        run, "weights", "encrypt", str(source), str(sealed), "--key", key, "--config", config
+    )
+    assert made.returncode == 0, made.stderr
+    return sealed, plain
