@@ -4,24 +4,28 @@ Pure data; the stores are ``broker/stores/attestations.py``.
 A revocation takes effect before its ``attestation_revoked`` record is written, so the entry
 holds that record (``pending_record``: who revoked, when, why) until it is written, and a store
 keeps such an entry past its expiry until then (``kept_until``; docs/decisions.md,
-"Revocations are recorded after they take effect")."""
+"Revocations are recorded after they take effect"). An entry read back is parsed strictly
+(``from_json``): the store is trusted for a result's status, not for its form; a record a
+pass writes late is rebuilt from checked fields (``late.py``)."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from broker.core.errors import ErrorCode, UpstreamError
+from broker.core.jsonsafe import loads_bounded
 from broker.core.records import RecordType
 
 log = logging.getLogger(__name__)
 ACTIVE = "active"
 REVOKED = "revoked"
 MAX_REASON_CHARS = 512
+MAX_JTI_CHARS = 256  # a stored jti or thumbprint (the broker's: 22 to 43 characters)
 # A revocation's record is written by whoever revoked it within this; after it, any process's
 # owed-record pass may write it (``claim_record``). Far longer than an append takes, so two
 # writers are unlikely.
@@ -43,8 +47,8 @@ class AttestationEntry:
     # revoked, and its ``attestation_revoked`` record not written yet: due then (None: written,
     # or revoked before this field existed, when the record was written after the revocation)
     record_due: datetime | None = None
-    # that record, exactly as it is to be written (None: none owed, or owed by a broker that
-    # did not keep it: ``late_record``)
+    # that record, as its revoker made it (None: none owed, or owed by a broker that did not
+    # keep it); one written late is rebuilt from its checked fields (``late.late_record``)
     pending_record: Mapping[str, Any] | None = None
 
     @property
@@ -81,19 +85,107 @@ class AttestationEntry:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> AttestationEntry:
-        value = json.loads(text)
-        due = value.get("record_due")
-        return cls(
-            jti=value["jti"],
-            expires_at=datetime.fromtimestamp(value["expires_at"], UTC),
-            pop_thumbprint=value["pop_thumbprint"],
-            policy_input=value["policy_input"],
-            status=value["status"],
-            reason=value.get("reason"),
-            log_index=value.get("log_index"),
-            record_due=None if due is None else datetime.fromtimestamp(due, UTC),
-            pending_record=value.get("pending_record"),
+        """Parse an entry as a store holds it, strictly: the store's writers are trusted for a
+        result's status, not for what the broker computes or logs from its entry (RFC 8259 JSON
+        only, no ``NaN``; each field its type; ``pending_record`` an object, its members
+        checked where a record is made of it: ``late.py``).
+
+        Raises:
+            MalformedEntry: 503 ``attestation_store_mismatch`` (logged at error).
+        """
+        try:
+            return _entry(loads_bounded(text))
+        except (TypeError, ValueError) as exc:
+            log.error(  # noqa: TRY400 - the store's content, not a bug: no traceback
+                "the attestation store holds an entry in an unexpected form: %s", exc
+            )
+            raise MalformedEntry(str(exc)) from exc
+
+
+class MalformedEntry(UpstreamError):
+    """The attestation store holds an entry in a form no broker writes (tampered or corrupted):
+    the store answered nonsense. A release on it is refused as one on an entry that does not
+    match its signed result (503 ``attestation_store_mismatch``), never a 500; a listing skips
+    it (``parsed_entries``)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(
+            "the stored attestation is in an unexpected form; attest again",
+            code=ErrorCode.ATTESTATION_STORE_MISMATCH,
         )
+        self.problem = problem
+
+
+def parsed_entries(bodies: Iterable[str | bytes]) -> list[AttestationEntry]:
+    """The entries a store's listing read, each parsed strictly; one in an unexpected form is
+    skipped (``from_json`` logs it): nonsense in one entry stops neither a re-decision nor an
+    owed-record pass for every other."""
+    entries: list[AttestationEntry] = []
+    for body in bodies:
+        try:
+            entries.append(AttestationEntry.from_json(body))
+        except MalformedEntry:
+            continue
+    return entries
+
+
+def _entry(value: Any) -> AttestationEntry:
+    """The entry a parsed store value holds, each field checked.
+
+    Raises:
+        TypeError, ValueError: naming the first field in an unexpected form.
+    """
+    if not isinstance(value, dict):
+        raise TypeError("not a JSON object")
+    reason, pending, status = value.get("reason"), value.get("pending_record"), value.get("status")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
+        raise ValueError(f"reason is not a string of at most {MAX_REASON_CHARS} characters")
+    if pending is not None and not isinstance(pending, dict):
+        raise ValueError("pending_record is not an object")
+    if status not in (ACTIVE, REVOKED):
+        raise ValueError("status is neither active nor revoked")
+    return AttestationEntry(
+        jti=_string(value, "jti", MAX_JTI_CHARS),
+        expires_at=_time(value, "expires_at"),
+        pop_thumbprint=_string(value, "pop_thumbprint", MAX_JTI_CHARS),
+        policy_input=_object(value, "policy_input"),
+        status=status,
+        reason=reason,
+        log_index=_integer(value, "log_index"),
+        record_due=None if value.get("record_due") is None else _time(value, "record_due"),
+        pending_record=pending,
+    )
+
+
+def _string(value: Mapping[str, Any], name: str, limit: int) -> str:
+    member = value.get(name)
+    if not isinstance(member, str) or not 0 < len(member) <= limit:
+        raise ValueError(f"{name} is not a string of 1 to {limit} characters")
+    return member
+
+
+def _object(value: Mapping[str, Any], name: str) -> dict[str, Any]:
+    member = value.get(name)
+    if not isinstance(member, dict):
+        raise TypeError(f"{name} is not an object")
+    return member
+
+
+def _integer(value: Mapping[str, Any], name: str) -> int | None:
+    member = value.get(name)
+    if member is not None and (isinstance(member, bool) or not isinstance(member, int)):
+        raise ValueError(f"{name} is not an integer")
+    return member
+
+
+def _time(value: Mapping[str, Any], name: str) -> datetime:
+    seconds = value.get(name)
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(f"{name} is not a number")
+    try:
+        return datetime.fromtimestamp(seconds, UTC)
+    except (OverflowError, OSError, ValueError) as exc:
+        raise ValueError(f"{name} is out of range") from exc
 
 
 Change = Callable[["AttestationEntry"], "AttestationEntry"]
@@ -258,23 +350,6 @@ async def hand_over(store: AttestationStore, jti: str, now: datetime) -> None:
         return replace(entry, record_due=now)
 
     await store.update(jti, now, due_now, expired_too=True)
-
-
-def late_record(entry: AttestationEntry, now: datetime) -> dict[str, Any]:
-    """The owed record as a pass writes it at ``now``: its revoker's record (who, when, why),
-    marked ``written_late`` with ``written_at``. An entry owed by a broker that did not keep
-    the record says only its reason: ``who`` is then ``broker`` and ``trigger`` ``record``."""
-    record = entry.pending_record
-    if record is None:
-        record = {
-            "type": RecordType.ATTESTATION_REVOKED,
-            "jti": entry.jti,
-            "time": now.isoformat(),
-            "who": "broker",
-            "reason": entry.reason,
-            "trigger": "record",
-        }
-    return {**record, "written_late": True, "written_at": now.isoformat()}
 
 
 async def note_log_index(store: AttestationStore, jti: str, index: int, now: datetime) -> None:

@@ -12,7 +12,9 @@ and gives them one ``write`` + ``fsync``; the appenders' futures are resolved on
 loop in one callback (no executor, no task per batch: a single release pays one hand-over each
 way, measured in bench/release_bench.py). ``append`` returns only
 after the record is on disk; if writing fails, the log refuses every later append until a
-restart (the file's state is then unknown), and the caller must not release anything.
+restart (the file's state is then unknown), and the caller must not release anything. A record
+that cannot be encoded (a bug of its writer) fails its own append only (``RecordNotEncodable``):
+nothing of it is written, and the log goes on.
 
 Several processes may append to one log (broker workers, ``broker keys …`` commands): each batch
 is sealed and written under an exclusive ``flock`` after re-reading the chain head from the file,
@@ -38,7 +40,7 @@ from typing import Any
 
 from broker.audit.records import GENESIS, ChainHead, LogCorrupt, sealed_line
 from broker.audit.segments import SEGMENT_SUFFIX, log_files, read_head_all, segment_paths
-from broker.core.errors import ErrorCode, UpstreamError
+from broker.core.errors import BrokerError, ErrorCode, InternalFailure, UpstreamError
 from broker.core.records import RecordType
 from broker.crypto.merkle import MerkleTree, leaf_hash
 
@@ -265,6 +267,8 @@ class DecisionLog:
 
         Raises:
             UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
+            RecordNotEncodable: the record cannot be written as canonical JSON (``NaN``, a key
+                not a str, an object JSON has no form for): this append alone fails.
         """
         appended = await self._enqueue(entry, conditional=False)
         assert appended is not None  # noqa: S101 - only conditional entries are skipped
@@ -343,7 +347,7 @@ class DecisionLog:
                 return
 
     def _write_batch(self, batch: list[_Queued]) -> None:
-        results: list[Appended | None] | None = None
+        results: list[Appended | BrokerError | None] | None = None
         failure: BaseException | None = None
         lines: list[bytes] = []
         if self._broken:
@@ -357,9 +361,9 @@ class DecisionLog:
                 log.critical("decision log write failed; refusing all releases: %s", exc)
                 self._broken = True
                 failure = _unavailable()
-            except Exception:  # a bug (say, a record that cannot be sealed): the writer thread
-                # must not die with appenders waiting; the file's state is unknown, so the log
-                # stops as on a write failure (fail closed until a restart)
+            except Exception:  # a bug (a record that cannot be encoded fails alone, above): the
+                # writer thread must not die with appenders waiting; the file's state is
+                # unknown, so the log stops as on a write failure (fail closed until a restart)
                 log.critical("decision log writer failed; refusing all releases", exc_info=True)
                 self._broken = True
                 failure = _unavailable()
@@ -391,17 +395,19 @@ class DecisionLog:
 
     def _seal_and_write(
         self, entries: list[tuple[dict[str, Any], bool]]
-    ) -> tuple[ChainHead, list[Appended | None], list[bytes]]:
+    ) -> tuple[ChainHead, list[Appended | BrokerError | None], list[bytes]]:
         """Under an exclusive lock: catch up with other writers, chain the batch to the head,
         write, fsync, and hash the new lines into the tree. A conditional ``policy_change``
-        naming the policy the log already names last is skipped (``None``). Returns the new
-        head, each entry's place, and the lines written (exactly the durable bytes)."""
+        naming the policy the log already names last is skipped (``None``); a record that
+        cannot be encoded is not written (``RecordNotEncodable``, for its appender alone).
+        Returns the new head, each entry's place, and the lines written (exactly the durable
+        bytes)."""
         with self._mutex:
             return self._seal_and_write_locked(entries)
 
     def _seal_and_write_locked(
         self, entries: list[tuple[dict[str, Any], bool]]
-    ) -> tuple[ChainHead, list[Appended | None], list[bytes]]:
+    ) -> tuple[ChainHead, list[Appended | BrokerError | None], list[bytes]]:
         if self._fd is None or self._lock_fd is None:
             raise OSError("decision log is closed")
         # The lock is a file of its own: rotation replaces the active file under it.
@@ -418,15 +424,13 @@ class DecisionLog:
                 raise LogCorrupt(head.size, "the tree and the chain disagree on the size")
             lines: list[bytes] = []
             leaves: list[bytes] = []
-            appended: list[Appended | None] = []
+            appended: list[Appended | BrokerError | None] = []
             policy_digest = self._policy_digest
             for entry, conditional in entries:
                 chained = {"old_digest": policy_digest} if conditional else {}
                 if conditional and entry.get("new_digest") == policy_digest:
                     appended.append(None)
                     continue
-                if entry.get("type") == "policy_change":
-                    policy_digest = entry.get("new_digest")
                 record = {
                     **entry,
                     **chained,
@@ -436,33 +440,45 @@ class DecisionLog:
                 }
                 if self._replica is not None:
                     record["replica"] = self._replica
-                record["hash"], line = sealed_line(record)
+                try:
+                    record["hash"], line = sealed_line(record)
+                except Exception:  # a record JSON cannot hold (a bug of its writer): its own
+                    # append fails, the rest of the batch and the log go on (nothing written)
+                    log.exception("decision log: a %s record cannot be encoded", entry.get("type"))
+                    appended.append(RecordNotEncodable())
+                    continue
+                if entry.get("type") == "policy_change":
+                    policy_digest = entry.get("new_digest")
                 lines.append(line)
                 leaves.append(leaf_hash(line))
                 appended.append(
                     Appended(index=head.size, hash=record["hash"], leaf_hash=leaves[-1])
                 )
                 head = ChainHead(size=head.size + 1, hash=record["hash"])
-            data = b"".join(line + b"\n" for line in lines)
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
-            os.fsync(self._fd)
-            inode = os.fstat(self._fd).st_ino
-            self._paths[inode] = self._path
-            offset = self._consumed.get(inode, 0)
-            for line, leaf in zip(lines, leaves, strict=True):
-                self._locations.append(inode, offset)
-                self.tree.append_leaf_hash(leaf)
-                offset += len(line) + 1
-            self._consumed[inode] = offset
-            self._committed = self.tree.size
+            self._write_lines(lines, leaves)
             self._known_head = head
             self._policy_digest = policy_digest
             return head, appended, lines
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _write_lines(self, lines: list[bytes], leaves: list[bytes]) -> None:
+        """Under the lock: write the sealed lines, fsync, and hash them into the tree."""
+        assert self._fd is not None  # noqa: S101 - checked by the caller
+        view = memoryview(b"".join(line + b"\n" for line in lines))
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        os.fsync(self._fd)
+        inode = os.fstat(self._fd).st_ino
+        self._paths[inode] = self._path
+        offset = self._consumed.get(inode, 0)
+        for line, leaf in zip(lines, leaves, strict=True):
+            self._locations.append(inode, offset)
+            self.tree.append_leaf_hash(leaf)
+            offset += len(line) + 1
+        self._consumed[inode] = offset
+        self._committed = self.tree.size
 
     def _in_step(self) -> bool:
         """Whether the active file ends exactly where our last write ended: then no other writer
@@ -531,6 +547,15 @@ def _policy_change_digest(line: bytes) -> str | None:
         return None
     digest = record.get("new_digest")
     return digest if isinstance(digest, str) else None
+
+
+class RecordNotEncodable(InternalFailure):
+    """A record canonical JSON cannot hold was appended (a bug of its writer; the decision
+    kernel replaces such a record by its minimal one before it gets here): that append fails
+    with ``internal_error``, nothing of it is written, and the log takes every other."""
+
+    def __init__(self) -> None:
+        super().__init__("the record could not be encoded; nothing of it was logged")
 
 
 def _unavailable() -> UpstreamError:

@@ -22,7 +22,7 @@ from typing import Any
 
 from broker.audit.envelope import Envelope, KeyDecision, parse_record
 from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL
-from broker.core.records import ChangeResult, RecordType
+from broker.core.records import CHANGE_INTENT, ChangeResult, RecordType
 
 CLASS_UID = 6003  # API Activity (Application Activity category)
 CATEGORY_UID = 6
@@ -36,6 +36,9 @@ STATUS_NAMES = {0: "Unknown", 1: "Success", 2: "Failure", 99: "Other"}
 # severity_id: 1 Informational, 2 Low, 3 Medium, 4 High
 SEVERITY = {ALLOW: 1, PARTIAL: 2, DENY: 3, ERROR: 4}
 # a key change's ``result`` (keys/changes.py) → (status_id, severity_id); its intent has none
+# and says ``phase: intent`` (Unknown: the outcome says); a record with neither is a read
+# (backup, weights-*) or an intent older than the marker (Success, as it was mapped then)
+INTENT_STATUS = (0, 1)
 CHANGE_STATUS: dict[str | None, tuple[int, int]] = {
     None: (1, 1),
     ChangeResult.OK: (1, 1),
@@ -281,10 +284,15 @@ def _policy_reload_failed(envelope: Envelope) -> list[Event]:
 
 
 def _key_admin(envelope: Envelope) -> list[Event]:
-    """A key change is an intent (no ``result``) then its outcome (``ok`` Success, ``error``
-    Failure, ``unknown`` Unknown; ``unmapped.intent`` the intent's index); reads, one record."""
+    """A key change is an intent (no ``result``, ``phase: intent``: Unknown, the change not made
+    yet) then its outcome (``ok`` Success, ``error`` Failure, ``unknown`` Unknown;
+    ``unmapped.intent`` the intent's index); reads, one record (Success)."""
     action = str(envelope.body.get("action"))
-    status, severity = CHANGE_STATUS.get(envelope.result, (0, 3))
+    phase = envelope.body.get("phase")
+    if envelope.result is None and phase == CHANGE_INTENT:
+        status, severity = INTENT_STATUS
+    else:
+        status, severity = CHANGE_STATUS.get(envelope.result, (0, 3))
     event = _event(
         envelope,
         activity=KEY_ACTIVITIES.get(action, OTHER),
@@ -297,6 +305,7 @@ def _key_admin(envelope: Envelope) -> list[Event]:
             "action": action,
             "state": envelope.body.get("state"),
             "intent": envelope.body.get("intent"),
+            "phase": phase,
         },
     )
     return [event | {"status_id": status, "status": STATUS_NAMES[status], "severity_id": severity}]

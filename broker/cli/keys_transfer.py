@@ -32,10 +32,17 @@ from broker.keys.admin import cli_actor
 from broker.keys.changes import Recorder, key_admin_entry, recorded
 from broker.keys.factory import open_store
 from broker.keys.store.base import KeyStore, KeyVersionRecord
-from broker.keys.transfer import backup_document, copy_versions, read_backup, record_json
+from broker.keys.transfer import (
+    CopyProgress,
+    backup_document,
+    copy_versions,
+    read_backup,
+    record_json,
+)
 
 MAX_BACKUP_BYTES = 1024 * 1024 * 1024
 NOT_A_BACKUP = "name a file `broker keys backup -o FILE` wrote"
+MAX_LISTED_WRITES = 100  # versions a cut-short copy's outcome names (``written`` counts them all)
 
 
 def add_commands(command: Any) -> None:
@@ -81,22 +88,38 @@ async def _recorded_copy(
     target: KeyStore,
 ) -> dict[str, Any]:
     """Copy ``records`` into ``target``: the intent recorded first (a copy the log cannot take
-    is not made), then the outcome with the copy's report. A copy that fails in a way that may
-    have reached the store is re-read: ``ok`` only when every version is there."""
+    is not made), then the outcome with the copy's report. A copy that stops after a write, or
+    fails in a way that may have reached the store, is re-read: ``ok`` only when every version
+    is there, ``error`` when none it was to write is, else ``unknown`` (partly made); its
+    outcome lists the versions it wrote."""
+    progress = CopyProgress()
 
     async def commit() -> Mapping[str, Any]:
-        return (await copy_versions(records, target)).describe()
+        return (await copy_versions(records, target, progress)).describe()
 
-    async def check() -> bool:
-        for record in records:
-            found = await target.get_version(record.name, record.version)
-            if found is None or record_json(found) != record_json(record):
-                return False  # not made, or not completed (re-run it: the copy is idempotent)
-        return True
+    async def check() -> bool | None:
+        if progress.to_write is None:
+            return False  # stopped while checking: nothing was written
+        if all([await _holds(target, record) for record in records]):
+            return True
+        wrote = [await _holds(target, record) for record in progress.to_write]
+        return None if any(wrote) else False  # partly made: re-run it (the copy is idempotent)
+
+    def written() -> dict[str, Any]:
+        if not progress.written:
+            return {}
+        listed = [{"key": r.name, "version": r.version} for r in progress.written]
+        return {"written": len(listed), "written_versions": listed[:MAX_LISTED_WRITES]}
 
     async with _decision_log(settings) as audit:
         recorder = Recorder(audit.append_entry, action, fields, datetime.now(UTC), cli_actor())
-        return {**fields, **await recorded(recorder, commit, check)}
+        return {**fields, **await recorded(recorder, commit, check, written)}
+
+
+async def _holds(target: KeyStore, record: KeyVersionRecord) -> bool:
+    """Whether ``target`` holds ``record`` exactly."""
+    found = await target.get_version(record.name, record.version)
+    return found is not None and record_json(found) == record_json(record)
 
 
 def store_argument(option: str, uri: str | None, settings: Settings) -> str:

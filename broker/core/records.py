@@ -40,6 +40,11 @@ class ChangeResult(StrEnum):
     UNKNOWN = "unknown"
 
 
+# ``phase`` of a key change's intent record (written before the store is touched); intents in
+# logs older than the marker carry no ``phase``
+CHANGE_INTENT = "intent"
+
+
 KNOWN_TYPES = frozenset(t.value for t in RecordType if t is not RecordType.UNKNOWN)
 # records of a policy decision (``broker policy replay`` re-decides them)
 DECISION_TYPES = frozenset(

@@ -11,8 +11,8 @@ past its expiry if need be. Whoever revoked writes it. If the log does not take 
 record is handed to the owed-record pass (``write_owed``, run every ``PASS_INTERVAL`` by each
 process: ``owed.py``) and this process's pass is woken; if the revoker stops first (a crash),
 any pass writes it once ``RECORD_GRACE`` has gone by. A record written so is the revoker's,
-marked ``written_late`` (docs/decisions.md, "Revocations are recorded after they take
-effect")."""
+rebuilt from checked fields and marked ``written_late`` (docs/decisions.md, "Revocations are
+recorded after they take effect"; "The attestation store's content is checked")."""
 
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from broker.attestation.late import late_record
 from broker.attestation.service import VerifiedEvidence
 from broker.attestation.stored import (
     ACTIVE,
     AttestationEntry,
     AttestationStore,
+    MalformedEntry,
     claim_record,
     hand_over,
-    late_record,
     record_written,
     revoke,
     revoked_sightings,
@@ -125,15 +126,20 @@ class AttestationResults:
     async def write_owed(self, now: datetime) -> int:
         """One owed-record pass: write each revocation record owed and due at ``now`` (its
         revoker stopped, or handed it over), claimed first so that one process writes it, as
-        its revoker made it plus ``written_late`` and ``written_at``. A record the log does not
-        take is handed back and the pass stops: the next one tries again.
+        its revoker made it, rebuilt from checked fields (``late.late_record``: never the
+        store's content as is), plus ``written_late`` and ``written_at``. An entry in an
+        unexpected form is logged and skipped. A record the log does not take is handed back
+        and the pass stops: the next one tries again.
 
         Returns the number written here. Raises: UpstreamError (the store)."""
         written = 0
         for listed in await self.store.owed():
             if listed.record_due is None or listed.record_due > now:
                 continue
-            claimed = await claim_record(self.store, listed.jti, now)
+            try:
+                claimed = await claim_record(self.store, listed.jti, now)
+            except MalformedEntry:  # rewritten since it was listed (logged): the others go on
+                continue
             if claimed is None:  # not due any more, another process's, or written
                 continue
             try:

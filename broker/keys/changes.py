@@ -2,21 +2,24 @@
 
 Every key change (``keys/service.py``: create, import, rotate, enable, disable, destroy, rewrap;
 ``cli/keys_transfer.py``: restore, migrate-store) is two ``key_admin`` records in the decision
-log: the intent, written before the store is touched (a change the log cannot take is not made),
-then the outcome, the same action with ``result`` and ``intent`` (the intent's leaf index):
+log: the intent, written before the store is touched (a change the log cannot take is not made)
+and marked ``phase: intent`` (logs older than that marker have intents without it), then the
+outcome, the same action with ``result`` and ``intent`` (the intent's leaf index):
 
 * ``ok``: the store made the change;
 * ``error`` (with ``code`` and ``message``): the store did not make it (another replica won the
   race, the store refused or failed and a re-read shows the change absent, a bug);
 * ``unknown`` (with ``code``): the change failed in a way that may have reached the store, and
-  the store could not be read back to tell.
+  the store could not be read back to tell, or reads back partly made (a copy cut short).
 
 An intent without an outcome (the process killed, the outcome's append failed) means unknown:
 the store says. A change whose commit failed ambiguously (a timeout after the database may have
 committed) is re-read: the store showing exactly the change is ``ok`` (and the caller gets no
 error), anything else ``error``, a failed re-read ``unknown``; a refusal (``conflict``) is an
-answer and is not re-read. The change runs shielded from its caller's cancellation (an admin
-hanging up cannot leave it half done), and its result is always retrieved.
+answer and is not re-read, unless the change (a copy of many versions) had already written part
+of itself: then it is re-read like any other failure, and the outcome lists what it wrote. The
+change runs shielded from its caller's cancellation (an admin hanging up cannot leave it half
+done), and its result is always retrieved.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from broker.core.errors import BrokerError, Conflict, ErrorCode, UpstreamError
-from broker.core.records import ChangeResult, RecordType
+from broker.core.records import CHANGE_INTENT, ChangeResult, RecordType
 
 OK, ERROR, UNKNOWN = ChangeResult.OK, ChangeResult.ERROR, ChangeResult.UNKNOWN
 log = logging.getLogger(__name__)
@@ -44,8 +47,11 @@ class Logged(Protocol):
 
 ChangeLogger = Callable[[Mapping[str, Any]], Awaitable[Logged]]
 # the store re-read after a failed commit: True it shows the change, False it shows it was not
-# made, None it shows neither (changed since: whether this change was made cannot be told)
+# made, None it shows neither (changed since, or partly made: whether this change was made
+# cannot be told)
 Check = Callable[[], Awaitable[bool | None]]
+# what a commit that failed had already written, for its outcome (empty: nothing)
+Written = Callable[[], Mapping[str, Any]]
 
 
 def key_admin_entry(
@@ -75,7 +81,7 @@ class Recorder:
         if self.change_log is None:
             return None
         try:
-            logged = await self.change_log(self._entry({}))
+            logged = await self.change_log(self._entry({"phase": CHANGE_INTENT}))
         except UpstreamError as exc:
             if exc.code is not ErrorCode.AUDIT_LOG_UNAVAILABLE:
                 raise
@@ -115,16 +121,18 @@ async def recorded(
     recorder: Recorder,
     commit: Callable[[], Awaitable[Mapping[str, Any]]],
     check: Check,
+    written: Written | None = None,
 ) -> Mapping[str, Any]:
     """The intent, ``commit`` (what it returns goes into the ``ok`` outcome), the outcome;
     shielded from the caller's cancellation. ``check`` re-reads the store after a commit that
-    failed in a way that may have reached it.
+    failed in a way that may have reached it; ``written`` (for a change made in several
+    writes) says what a failed commit had written: a refusal after a write is re-read too.
 
     Raises:
         UpstreamError: ``audit_log_unavailable`` when the intent cannot be recorded (nothing
             made); the commit's own error when the change is not made or its fate is unknown.
     """
-    task = asyncio.ensure_future(_run(recorder, commit, check))
+    task = asyncio.ensure_future(_run(recorder, commit, check, written))
     task.add_done_callback(_retrieve)  # a caller gone: its failure is in the log, not lost
     return await asyncio.shield(task)
 
@@ -133,16 +141,18 @@ async def _run(
     recorder: Recorder,
     commit: Callable[[], Awaitable[Mapping[str, Any]]],
     check: Check,
+    written: Written | None,
 ) -> Mapping[str, Any]:
     intent = await recorder.intent()
     try:
         detail = await commit()
-    except Conflict as exc:  # the store's answer: not made
-        await recorder.outcome(intent, ERROR, failure=exc)
-        raise
     except Exception as exc:
+        wrote = {} if written is None else dict(written())
+        if isinstance(exc, Conflict) and not wrote:  # the store's answer: not made
+            await recorder.outcome(intent, ERROR, failure=exc)
+            raise
         result = await _reread(check)
-        await recorder.outcome(intent, result, failure=None if result == OK else exc)
+        await recorder.outcome(intent, result, wrote, failure=None if result == OK else exc)
         if result == OK:  # it reached the store after all (a lost reply)
             return {}
         raise

@@ -4,8 +4,9 @@ snapshots do).
 Only wrapped DEKs and metadata move: no plaintext, no KEK operation (the KEK that wrapped a DEK
 must still be configured to use it). A copy is idempotent and resumable: a version already in the
 target with the same content is skipped; one that differs stops the copy (``conflict``) rather
-than overwrite. It ends by verifying the target: every source version is there with the same
-metadata and the same SHA-256 of its wrapped DEK.
+than overwrite, and every version is checked before the first is written, so such a copy writes
+nothing. It ends by verifying the target: every source version is there with the same metadata
+and the same SHA-256 of its wrapped DEK.
 
 A backup file is JSON (``broker.keys-backup/v1``): every version, base64 where binary, and a
 SHA-256 digest of the canonical list. ``broker keys backup`` logs that digest in a ``key_admin``
@@ -21,7 +22,7 @@ import base64
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -93,33 +94,55 @@ def versions_digest(records: Iterable[KeyVersionRecord]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-async def copy_versions(records: list[KeyVersionRecord], target: KeyStore) -> CopyReport:
+@dataclass
+class CopyProgress:
+    """How far a copy got, for a caller that must say how a copy cut short ended: the versions
+    it was to write (None until every version was checked: nothing written yet), and those it
+    wrote."""
+
+    to_write: list[KeyVersionRecord] | None = None
+    written: list[KeyVersionRecord] = field(default_factory=list)
+
+
+async def copy_versions(
+    records: list[KeyVersionRecord], target: KeyStore, progress: CopyProgress | None = None
+) -> CopyReport:
     """Copy ``records`` into ``target``, idempotently, then verify them there.
 
+    Every version is checked before any is written, so a version that differs in the target
+    stops the copy with nothing written. ``progress`` (when given) follows the copy: what it
+    was to write, then each version as it is added (another writer, or a store failing, can
+    still cut it short between two adds).
+
     Raises:
-        Conflict: a version exists in the target with other content.
+        Conflict: a version exists in the target with other content (nothing written), or
+            another writer added one meanwhile.
         UpstreamError: a store cannot answer.
     """
-    copied = present = 0
+    progress = CopyProgress() if progress is None else progress
+    missing: list[KeyVersionRecord] = []
     for record in records:
         existing = await target.get_version(record.name, record.version)
         if existing is None:
-            await target.add_version(record)
-            copied += 1
-        elif record_json(existing) == record_json(record):
-            present += 1
-        else:
+            missing.append(record)
+        elif record_json(existing) != record_json(record):
             raise Conflict(
                 f"key {record.name!r} version {record.version} differs in the target; "
-                "nothing of it was overwritten",
+                "nothing was written",
                 code=ErrorCode.CONFLICT,
             )
+    progress.to_write = missing
+    for record in missing:
+        await target.add_version(record)
+        progress.written.append(record)
     found = [await target.get_version(r.name, r.version) for r in records]
     if any(f is None for f in found) or versions_digest(
         [f for f in found if f is not None]
     ) != versions_digest(records):
         raise Conflict("the copy does not verify in the target", code=ErrorCode.CONFLICT)
-    return CopyReport(len(records), copied, present, versions_digest(records))
+    return CopyReport(
+        len(records), len(missing), len(records) - len(missing), versions_digest(records)
+    )
 
 
 def backup_document(records: list[KeyVersionRecord], *, now: datetime) -> dict[str, Any]:

@@ -11,7 +11,9 @@ they expire, but one whose revocation record is owed is kept until the record is
 write every replica reads on its next lookup.
 
 Any failure to get an answer is ``503`` (``nonce_store_unavailable``, the store's code): never an
-attestation treated as active.
+attestation treated as active. An entry in a form no broker writes is the store answering
+nonsense (``stored.MalformedEntry``): ``503`` ``attestation_store_mismatch`` where it is read,
+skipped (and logged) where entries are listed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from broker.attestation.stored import (
     AttestationStore,
     Change,
     ParsedEntries,
+    parsed_entries,
     unavailable,
 )
 from broker.core.errors import ConfigError
@@ -139,7 +142,7 @@ class SqliteAttestations:
             ).fetchall()
             return [str(row[0]) for row in rows]
 
-        entries = [AttestationEntry.from_json(body) for body in await self._db.run(select)]
+        entries = parsed_entries(await self._db.run(select))  # one in an unexpected form: skipped
         return [entry for entry in entries if entry.expires_at > now]  # not those kept, expired
 
     async def owed(self) -> list[AttestationEntry]:
@@ -150,7 +153,7 @@ class SqliteAttestations:
             ).fetchall()
             return [str(row[0]) for row in rows]
 
-        return [AttestationEntry.from_json(body) for body in await self._db.run(select)]
+        return parsed_entries(await self._db.run(select))  # one in an unexpected form: skipped
 
     async def close(self) -> None:
         await self._db.close()

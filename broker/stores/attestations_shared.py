@@ -15,6 +15,7 @@ from broker.attestation.stored import (
     AttestationEntry,
     Change,
     ParsedEntries,
+    parsed_entries,
     unavailable,
 )
 from broker.stores.clients_shared import PostgresPool, redis_client
@@ -88,16 +89,15 @@ class RedisAttestations:
             raise unavailable("redis", exc) from exc
 
     async def unexpired(self, now: datetime) -> list[AttestationEntry]:
-        entries: list[AttestationEntry] = []
+        bodies: list[bytes] = []
         try:
             async for batch in _batches(
                 self._client.scan_iter(match=self.PREFIX + "*", count=SCAN_BATCH)
             ):
-                for body in await self._client.mget(batch):
-                    if body is not None:
-                        entries.append(AttestationEntry.from_json(body))
+                bodies.extend(body for body in await self._client.mget(batch) if body is not None)
         except (RedisError, OSError) as exc:
             raise unavailable("redis", exc) from exc
+        entries = parsed_entries(bodies)  # one in an unexpected form: skipped
         return [e for e in entries if e.expires_at > now]
 
     async def owed(self) -> list[AttestationEntry]:
@@ -111,7 +111,7 @@ class RedisAttestations:
                 await self._forget_dropped(missing)
         except (RedisError, OSError) as exc:
             raise unavailable("redis", exc) from exc
-        entries = (AttestationEntry.from_json(body) for body in bodies if body is not None)
+        entries = parsed_entries(body for body in bodies if body is not None)  # bad ones: skipped
         return [entry for entry in entries if entry.owed]
 
     async def _forget_dropped(self, missing: list[bytes]) -> None:
@@ -215,7 +215,7 @@ class PostgresAttestations:
             return await db.fetch("SELECT body FROM broker_attestations WHERE expires_at > $1", now)
 
         rows = await self._pool.run(select)
-        entries = [AttestationEntry.from_json(row["body"]) for row in rows]
+        entries = parsed_entries(row["body"] for row in rows)  # one in an unexpected form: skipped
         return [entry for entry in entries if entry.expires_at > now]  # not those kept, expired
 
     async def owed(self) -> list[AttestationEntry]:
@@ -224,7 +224,7 @@ class PostgresAttestations:
                 "SELECT body FROM broker_attestations WHERE expires_at >= $1", KEPT_WHILE_OWED
             )
 
-        return [AttestationEntry.from_json(row["body"]) for row in await self._pool.run(select)]
+        return parsed_entries(row["body"] for row in await self._pool.run(select))  # bad: skipped
 
     async def close(self) -> None:
         await self._pool.close()

@@ -26,12 +26,14 @@ an operator set it.)
 
 The key and version come from each file's own header (``key_of_file``): a file made before a key
 rotation opens with the version it was made with. Every header is read, and every key released,
-before any plaintext is written.
+before any plaintext is written; every file is decrypted to ``<target>.partial`` and renamed into
+place only once all of them authenticated (a failure removes every ``.partial``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import ssl
 import sys
@@ -45,6 +47,7 @@ from broker.crypto.weights import WeightsFormatError
 
 DEFAULT_OUT = "/dev/shm/model.safetensors"  # noqa: S108 - tmpfs in a single-tenant TEE container
 SEALED_SUFFIX = ".brkw"
+PARTIAL = ".partial"  # a file decrypted, waiting for every other file to authenticate
 
 
 class ConfigurationError(ValueError):
@@ -55,8 +58,8 @@ def files_to_open(weights_in: str, weights_out: str) -> list[tuple[str, str]]:
     """``(source, target)`` for each file of ``WEIGHTS_IN``.
 
     Raises:
-        ConfigurationError: an empty entry, a count of targets that does not match, or two
-            files that would land on one target.
+        ConfigurationError: an empty entry, a count of targets that does not match, two
+            files that would land on one target, or a target that is another's staging file.
     """
     sources = [item.strip() for item in weights_in.split(",")]
     targets = [item.strip() for item in weights_out.split(",")]
@@ -71,6 +74,8 @@ def files_to_open(weights_in: str, weights_out: str) -> list[tuple[str, str]]:
         )
     if len(set(targets)) != len(targets):
         raise ConfigurationError("two WEIGHTS_IN files would be written to one target")
+    if set(targets) & {target + PARTIAL for target in targets}:
+        raise ConfigurationError(f"a target is another target's {PARTIAL} (where it is staged)")
     return list(zip(sources, targets, strict=True))
 
 
@@ -96,17 +101,46 @@ async def fetch_and_decrypt(files: list[tuple[str, str]]) -> int:
             os.environ.get("TEE_LAUNCHER_SOCKET") or LAUNCHER_SOCKET
         )
         keys = await release(client, launcher, [source for source, _ in files])
-    total = 0
-    for (source, target), released in zip(files, keys, strict=True):
-        kid = f"{released.key}#{released.version}"
+    for (source, _), released in zip(files, keys, strict=True):
         print(
-            f"{source}: key {kid} released: decision {released.decision_id}, "
-            f"log index {released.log_index}"
+            f"{source}: key {released.key}#{released.version} released: decision "
+            f"{released.decision_id}, log index {released.log_index}"
         )
-        size = await decrypt_to(source, target, released.dek, kid)
+    return await decrypt_all(files, keys)
+
+
+async def decrypt_all(files: list[tuple[str, str]], keys: list[ReleasedDek]) -> int:
+    """Every file decrypted to ``<target>.partial`` (0600, beside its target), and all renamed
+    only once every file has authenticated: a file that fails (a flipped bit in a later shard)
+    leaves no plaintext of any file behind, so the model server never starts on part of a model.
+
+    Raises:
+        WeightsFormatError, SourceError: a file cannot be read or does not authenticate.
+    """
+    staged = [(f"{target}{PARTIAL}", target) for _, target in files]
+    sizes: list[int] = []
+    placed: list[str] = []
+    try:
+        for (source, _), (partial, _), released in zip(files, staged, keys, strict=True):
+            kid = f"{released.key}#{released.version}"
+            sizes.append(await decrypt_to(source, partial, released.dek, kid))
+        for partial, target in staged:
+            await asyncio.to_thread(os.replace, partial, target)
+            placed.append(target)
+    except BaseException:
+        # synchronous, so that nothing (a second interrupt) cuts the clean-up short; a few
+        # unlinks, and nothing else runs on this loop
+        _remove([partial for partial, _ in staged] + placed)
+        raise
+    for (_, target), size in zip(staged, sizes, strict=True):
         print(f"decrypted {size} bytes to {target}")
-        total += size
-    return total
+    return sum(sizes)
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 async def release(

@@ -2,9 +2,10 @@
 
 Implements CreateSecret, GetSecret, UpdateSecret (``version_aliases`` and ``annotations``, with
 the etag check), AddSecretVersion, AccessSecretVersion (by number, ``latest`` or a version alias),
-ListSecrets (``labels.K=V`` filters, pagination), ListSecretVersions and DestroySecretVersion, with
-Google's error codes (ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION for destroyed versions and
-for a stale etag, INVALID_ARGUMENT for a payload whose ``data_crc32c`` does not match).
+ListSecrets (``labels.K=V`` filters, pagination), ListSecretVersions (a ``state:S`` filter) and
+DestroySecretVersion, with Google's error codes (ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION
+for destroyed versions and for a stale etag, INVALID_ARGUMENT for a payload whose
+``data_crc32c`` does not match, or a filter it does not implement).
 """
 
 from __future__ import annotations
@@ -188,17 +189,21 @@ class FakeSecretManager:
     ) -> sm.ListSecretVersionsResponse:
         await self._enter(context, "ListSecretVersions")
         secret = await self._secret(context, request.parent)
-        return sm.ListSecretVersionsResponse(
-            versions=[
-                sm.SecretVersion(
-                    name=f"{request.parent}/versions/{i + 1}",
-                    state=sm.SecretVersion.State.DESTROYED
-                    if data is None
-                    else sm.SecretVersion.State.ENABLED,
-                )
-                for i, data in enumerate(secret.versions)
-            ]
-        )
+        wanted = re.fullmatch(r"state:(ENABLED|DESTROYED)", request.filter)
+        if request.filter and wanted is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unsupported filter")
+        versions = [
+            sm.SecretVersion(
+                name=f"{request.parent}/versions/{i + 1}",
+                state=sm.SecretVersion.State.DESTROYED
+                if data is None
+                else sm.SecretVersion.State.ENABLED,
+            )
+            for i, data in enumerate(secret.versions)
+        ]
+        if wanted is not None:
+            versions = [v for v in versions if v.state.name == wanted.group(1)]
+        return sm.ListSecretVersionsResponse(versions=versions)
 
     async def _destroy(
         self, request: sm.DestroySecretVersionRequest, context: Any

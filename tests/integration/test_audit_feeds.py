@@ -312,7 +312,16 @@ def _check_reload_failed(record: dict[str, Any], produced: list[dict[str, Any]],
 def _check_key_admin(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
     event = _one(produced)
     assert record["action"] == "create"
-    assert (event["activity_id"], event["status_id"], event["message"]) == (1, 1, "create")
+    intent = "result" not in record  # written before the store is touched: not made yet
+    assert record.get("phase") == ("intent" if intent else None)
+    assert event["unmapped"]["phase"] == record.get("phase")
+    status = (0, "Unknown") if intent else (1, "Success")  # an intent is no successful create
+    assert (event["activity_id"], event["status_id"], event["status"], event["message"]) == (
+        1,
+        *status,
+        "create",
+    )
+    assert event["severity_id"] == 1
     assert event["resources"] == [{"type": "key", "name": EXTRA_KEY, "version": "1", "uid": None}]
     assert event["actor"]["user"]["uid"] == record["who"]
     assert record["who"] == f"token:{ADMIN_DIGEST[:12]}"

@@ -13,6 +13,8 @@ outcome says it was not made (a rewrap counts the DEK ``lost`` and the next run 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from broker.keys.store.base import KeyStore, KeyVersionRecord, Purpose, VersionS
 from broker.keys.store.postgres import PostgresKeyStore, migrate
 from broker.keys.store.secretmanager import SecretManagerKeyStore
 from broker.keys.store.sqlite import SqliteKeyStore
+from tests.fakes.google_secretmanager import FakeSecretManager
 from tests.support.key_changes import key_admin_records, outcomes
 from tests.vectors.tokens import NOW
 
@@ -299,3 +302,48 @@ async def test_a_rewrap_interrupted_is_closed_as_unknown(replicas: Replicas) -> 
         "interrupted",
     )
     assert outcomes(records)[-1] == ("rewrap", None, "unknown", None)
+
+
+def enabled_deks(fake: FakeSecretManager) -> list[bytes]:
+    """The wrapped DEKs of every enabled secret version of ``KEY`` version 1."""
+    (secret,) = [s for name, s in fake.secrets.items() if name.endswith("-v1")]
+    records = [json.loads(data) for data in secret.versions if data is not None]
+    return [base64.b64decode(r["wrapped_dek"]) for r in records if r["wrapped_dek"]]
+
+
+@pytest.mark.parametrize("backend", ["secretmanager"], indirect=True)
+async def test_a_stale_rewrap_left_after_a_destroy_is_shredded_by_the_next_read(
+    replicas: Replicas, fake_secretmanager: FakeSecretManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Secret Manager: A's rewrap reads version 1 and B destroys it before A adds its secret
+    version (after B's shredding listed the versions); A loses the alias and its best-effort
+    discard fails once. Its version, the DEK wrapped, stays enabled, and the ``broker-shredded``
+    annotation already names B's record, so nothing shreds again: the next read of the
+    destroyed record destroys it."""
+    await made(replicas)
+    stale = replicas.stores[0]
+    assert isinstance(stale, SecretManagerKeyStore)
+    call = stale._call  # the stale client's own calls, faults around them
+    discards = 0
+
+    async def destroyed_meanwhile_then_discard_fails(method: str, request: Any) -> Any:
+        nonlocal discards
+        if method == "add_secret_version":  # A read version 1; B destroys it now
+            await destroy(replicas.replica(1, replicas.old))
+        if method == "destroy_secret_version":  # A's discard of the version it added
+            discards += 1
+            if discards == 1:
+                raise UpstreamError("Secret Manager: down", code=ErrorCode.KEY_STORE_UNAVAILABLE)
+        return await call(method, request)
+
+    monkeypatch.setattr(stale, "_call", destroyed_meanwhile_then_discard_fails)
+    report = await rewrap(replicas.replica(0, replicas.new))
+    monkeypatch.undo()
+    assert (report.rewrapped, report.lost, discards) == (0, 1, 1)
+    assert len(enabled_deks(fake_secretmanager)) == 1  # A's version: the DEK, wrapped, enabled
+    stored = await replicas.stores[1].get_version(KEY, 1)  # a read, by either replica
+    assert stored is not None
+    assert (stored.state, stored.wrapped_dek) == (VersionState.DESTROYED, b"")
+    assert enabled_deks(fake_secretmanager) == []
+    assert await replicas.stores[0].get_version(KEY, 1) == stored  # idempotent
+    assert enabled_deks(fake_secretmanager) == []

@@ -146,6 +146,13 @@ async def test_a_change_recorded_then_refused_by_the_store_is_recorded_as_failed
     assert failed["unmapped"]["intent"] == rotations[0]["index"]
     (made,) = ocsf_events(parse_record(rotations[2]))
     assert made["status"] == "Success"
+    # an intent is marked: Unknown (it says what is about to happen, not that it happened) ...
+    assert rotations[0]["phase"] == "intent"
+    (intended,) = ocsf_events(parse_record(rotations[0]))
+    assert (intended["status"], intended["severity_id"]) == ("Unknown", 1)
+    # ... one from a log older than the marker is read as it was (Success)
+    older = {k: v for k, v in rotations[0].items() if k != "phase"}
+    assert ocsf_events(parse_record(older))[0]["status"] == "Success"
     assert [syslog_severity(r) for r in rotations] == [5, 5, 5, 3]  # notice x3, error
 
 

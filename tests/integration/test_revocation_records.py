@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
+from broker.attestation.late import late_record
 from broker.attestation.service import VerifiedEvidence
 from broker.attestation.stored import (
     RECORD_GRACE,
     REVOKED,
     AttestationEntry,
     AttestationStore,
-    late_record,
     revoke,
 )
 from broker.audit.log import DecisionLog

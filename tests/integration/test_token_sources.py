@@ -133,7 +133,8 @@ async def test_the_runner_opens_several_files_with_one_request_for_their_keys(
     """Issue 31: ``WEIGHTS_IN`` lists four files (a shard made before a rotation, two after,
     one for another key): one attestation and one release for the three distinct keys, or,
     without results (404), one full-evidence release per distinct key; each file decrypted into
-    the ``WEIGHTS_OUT`` directory. Refusals write no plaintext."""
+    the ``WEIGHTS_OUT`` directory. Refusals write no plaintext, nor does a last file that fails
+    to authenticate after the others decrypted (each is staged as ``.partial`` until all have)."""
     broker: RunningBroker = await start_broker(
         **({"extra_toml": ATTEST_TOML, "workdir_setup": with_result_key} if attest else {})
     )
@@ -169,19 +170,33 @@ async def test_the_runner_opens_several_files_with_one_request_for_their_keys(
             opened = out / path.name.removesuffix(".brkw")
             assert await asyncio.to_thread(opened.read_bytes) == plain
         assert "decrypted 4 files" in stdout
+        tampered = await last_tag_flipped(files, tmp_path / "tampered")
         for name, value, code_wanted, says in (
             ("MODEL_KEY", KEY, 1, f"is for key {GPU_KEY!r}, not {KEY!r}"),
             ("WEIGHTS_OUT", str(out / "one.safetensors"), 2, "must list as many targets"),
             ("WEIGHTS_IN", f"{old},{await denied_file(broker)}", 1, "policy_denied"),
+            ("WEIGHTS_IN", tampered, 1, "do not decrypt"),  # the first three did
         ):
             await asyncio.to_thread(shutil.rmtree, out)
             await asyncio.to_thread(out.mkdir)
             broker = broker.from_now_on()
             code, _, stderr = await run_runner({**environ, name: value})
             assert (code, says in stderr) == (code_wanted, True), stderr
-            asked = name == "WEIGHTS_IN"  # a key refused: asked, but nothing decrypted
+            asked = name == "WEIGHTS_IN"  # a key refused, or a file failing: asked
             assert bool(broker.records()) is asked
+            # no plaintext of any file, no .partial (the tampered run decrypted three first)
             assert not await asyncio.to_thread(lambda: list(out.iterdir()))
+
+
+async def last_tag_flipped(files: list[tuple[Path, bytes]], where: Path) -> str:
+    """``WEIGHTS_IN`` for ``files`` with one bit of the last file's final tag flipped (a copy
+    under ``where``, the same name): every other file decrypts, the last does not."""
+    *first, (last, _) = files
+    sealed = bytearray(await asyncio.to_thread(last.read_bytes))
+    sealed[-1] ^= 0x01
+    await asyncio.to_thread(where.mkdir)
+    await asyncio.to_thread((where / last.name).write_bytes, bytes(sealed))
+    return ",".join([*(str(path) for path, _ in first), str(where / last.name)])
 
 
 async def denied_file(broker: RunningBroker) -> Path:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.audit.log import DecisionLog
+from broker.audit.log import DecisionLog, RecordNotEncodable
 from broker.audit.records import LogCorrupt, record_hash, sealed_line
 from broker.audit.segments import read_head, repair_torn_tail, verify_file
 from broker.core.encoding import canonical
@@ -184,17 +184,55 @@ async def test_write_failure_fails_closed_and_stays_closed() -> None:
     await log.close()
 
 
-async def test_a_record_the_writer_cannot_seal_stops_the_log_without_hanging(
+async def test_a_record_that_cannot_be_encoded_fails_alone_and_the_log_goes_on(
     tmp_path: Path,
 ) -> None:
-    """A bug on the writer thread (here: NaN, which canonical JSON refuses) must not leave the
-    appender waiting forever: it and every later append get 503, as after a write failure."""
+    """A record canonical JSON refuses (NaN, infinity, a key not a str, an object) fails its own
+    append with ``internal_error`` and writes nothing; the appends around it, in the same batch
+    too, are written and chained, and the log takes appends after it (a store's ``NaN`` once
+    stopped every release until a restart)."""
+    path = tmp_path / "d.log"
+    log = DecisionLog(path)
+    await log.open()
+    await log.append({"n": 0})
+    for bad in ({"n": float("nan")}, {"n": float("inf")}, {"n": {1: 1, "a": 2}}, {"n": object()}):
+        with pytest.raises(RecordNotEncodable) as caught:
+            await asyncio.wait_for(log.append(bad), timeout=10)
+        assert (caught.value.code, caught.value.status) == (ErrorCode.INTERNAL, 500)
+    together = await asyncio.gather(
+        log.append({"n": 1}),
+        log.append({"n": float("nan")}),
+        log.append_policy_change({"new_digest": float("nan")}),
+        log.append({"n": 2}),
+        return_exceptions=True,
+    )
+    assert [type(r) for r in together] == [str, RecordNotEncodable, RecordNotEncodable, str]
+    assert await log.append_policy_change({"new_digest": "sha256:a"}) is not None  # tracked still
+    assert await log.append({"n": 3})
+    await log.close()
+    written = [json.loads(line) for line in lines(path)]
+    assert [r.get("n", r.get("new_digest")) for r in written] == [0, 1, 2, "sha256:a", 3]
+    assert written[3]["old_digest"] is None  # the refused policy_change moved nothing
+    assert verify_file(path).head.size == 5
+
+
+async def test_a_writer_bug_stops_the_log_without_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any other failure on the writer thread (a bug: the file's state is unknown) must not leave
+    the appender waiting forever: it and every later append get 503, as after a write failure."""
     log = DecisionLog(tmp_path / "d.log")
     await log.open()
     await log.append({"n": 0})
+
+    def bug(*_: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(DecisionLog, "_write_lines", bug)
     with pytest.raises(UpstreamError) as caught:
-        await asyncio.wait_for(log.append({"n": float("nan")}), timeout=10)
+        await asyncio.wait_for(log.append({"n": 1}), timeout=10)
     assert caught.value.code is ErrorCode.AUDIT_LOG_UNAVAILABLE
+    monkeypatch.undo()
     with pytest.raises(UpstreamError):
         await asyncio.wait_for(log.append({"n": 2}), timeout=10)
     await log.close()

@@ -15,7 +15,10 @@ loses the race destroys the version it added; until then no reader sees it (read
 alias). ``destroy`` moves the alias to a record without wrapped material and then destroys every
 other secret version, so the wrapped DEK is gone for good (crypto-shredding) while metadata
 remains; if that shredding is cut short, the next read of the destroyed record finishes it
-(the secret's ``broker-shredded`` annotation names the version shredding completed for).
+(the secret's ``broker-shredded`` annotation names the version shredding completed for). A stale
+change can still add its version after the shredding listed the versions, lose the alias, and
+fail to destroy what it added: every read of a destroyed record therefore destroys any other
+version still enabled (one filtered page a read; idempotent), so no wrapped DEK outlives it.
 
 Payloads are sent and read with their CRC32C (``data_crc32c``), checked on every read. Errors
 become ``key_store_unavailable``.
@@ -50,6 +53,7 @@ PAGE_SIZE = 250
 CURRENT = "current"  # the version alias naming the record in force
 SHREDDED = "broker-shredded"  # annotation: the destroyed record every other payload is gone for
 READ_ATTEMPTS = 3  # a record re-read when a destroy moved the alias and shredded it meanwhile
+SWEEP_PAGE = 25  # enabled versions a read of a destroyed record looks at (the next read goes on)
 log = logging.getLogger(__name__)
 
 
@@ -216,12 +220,11 @@ class SecretManagerKeyStore:
             except _Moved:  # a destroy moved the alias and shredded this one: read it again
                 secret = None
                 continue
-            if (
-                found is not None
-                and found.record.state is VersionState.DESTROYED
-                and secret.annotations.get(SHREDDED) != str(found.number)
-            ):
-                await self._shred(parent, found.number)  # a destroy cut short: finish it
+            if found is not None and found.record.state is VersionState.DESTROYED:
+                if secret.annotations.get(SHREDDED) != str(found.number):
+                    await self._shred(parent, found.number)  # a destroy cut short: finish it
+                else:
+                    await self._sweep(parent, found.number)  # a stale change's leftover
             return found
         raise _unavailable("a key record kept changing while it was read")
 
@@ -329,25 +332,9 @@ class SecretManagerKeyStore:
         """Destroy every secret version but ``keep`` (a destroyed record), then note it done.
         Best effort: a failure is logged and the next read of the record tries again."""
         try:
-            token = ""
-            while True:
-                page = await self._call(
-                    "list_secret_versions",
-                    sm.ListSecretVersionsRequest(
-                        parent=parent, page_size=PAGE_SIZE, page_token=token
-                    ),
-                )
-                for version in page.versions:
-                    if _number(version.name) == keep:
-                        continue
-                    if version.state != sm.SecretVersion.State.DESTROYED:
-                        await self._call(
-                            "destroy_secret_version",
-                            sm.DestroySecretVersionRequest(name=version.name),
-                        )
-                token = page.next_page_token
-                if not token:
-                    break
+            token = await self._destroy_others(parent, keep, PAGE_SIZE)
+            while token:
+                token = await self._destroy_others(parent, keep, PAGE_SIZE, token=token)
             await self._call(
                 "update_secret",
                 sm.UpdateSecretRequest(
@@ -357,6 +344,35 @@ class SecretManagerKeyStore:
             )
         except UpstreamError:
             log.warning("%s: earlier payloads not all destroyed yet (retried on read)", parent)
+
+    async def _sweep(self, parent: str, keep: int) -> None:
+        """Destroy a page of enabled versions but ``keep`` (the destroyed record the alias names):
+        what a stale change added after the shredding and failed to discard. Best effort."""
+        try:
+            await self._destroy_others(parent, keep, SWEEP_PAGE, enabled_only=True)
+        except UpstreamError:
+            log.warning("%s: a version left after the destroy not destroyed yet", parent)
+
+    async def _destroy_others(
+        self, parent: str, keep: int, page_size: int, *, token: str = "", enabled_only: bool = False
+    ) -> str:
+        """Destroy the versions of one page of ``parent``'s versions but ``keep``; the next page's
+        token ("" for none). Idempotent: a destroyed version is left as it is."""
+        page = await self._call(
+            "list_secret_versions",
+            sm.ListSecretVersionsRequest(
+                parent=parent,
+                page_size=page_size,
+                page_token=token,
+                filter="state:ENABLED" if enabled_only else "",
+            ),
+        )
+        for version in page.versions:
+            if _number(version.name) != keep and version.state != sm.SecretVersion.State.DESTROYED:
+                await self._call(
+                    "destroy_secret_version", sm.DestroySecretVersionRequest(name=version.name)
+                )
+        return str(page.next_page_token)
 
     async def _call(self, method: str, request: Any) -> Any:
         return await call(
