@@ -29,9 +29,11 @@ from broker.core.encoding import b64url_encode, canonical
 from broker.core.errors import ErrorCode, InputError
 from broker.crypto.jwk import public_jwk, thumbprint
 
-# 2.25.<UUID as an integer> (ITU-T X.667 §6.3: an OID anyone may take without registration):
-# the UUID is this project's, fixed; the value is canonical JSON {"jti", "policy_digest"}
-ATTESTATION_OID = x509.ObjectIdentifier("2.25.164906512263307823066617612390046612915")
+# The private extension's OID: under 1.3.6.1.4.1.32473, the enterprise number IANA reserves for
+# documentation (RFC 5612), until this project has its own; the value is canonical JSON
+# {"jti", "policy_digest"}. Not 2.25.<UUID> (X.667): Go's crypto/x509 reads each arc into an int
+# and refuses the whole certificate for a 128-bit arc (go-spiffe could not load our SVIDs)
+ATTESTATION_OID = x509.ObjectIdentifier("1.3.6.1.4.1.32473.32.1")
 MAX_CSR_BYTES = 8 * 1024
 # a SPIFFE ID path: segments of [A-Za-z0-9._-], no empty, "." or ".." segment (SPIFFE ID §2.2)
 _SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
