@@ -53,6 +53,7 @@ from broker.decisions.policy import Evaluation, PolicyGate
 from broker.decisions.result_admission import Admitted, ResultAdmission
 from broker.signers.identity_ca import IdentityCa
 
+RECORD_TYPE = RecordType.IDENTITY
 IDENTITY_PATH = "/v1/identity"  # the route a proof's htu names, after a configured public URL
 IDENTITY_FIELDS = ("csr",)
 
@@ -108,7 +109,7 @@ class IdentityPlan(
 ):
     """A workload certificate on an attestation result and its proof of possession."""
 
-    record_type = RecordType.IDENTITY
+    record_type = RECORD_TYPE
     family = Family.ATTEST  # counted with the results it is issued on (broker_attest_*)
     ca: IdentityCa
     policy: PolicyGate
