@@ -60,6 +60,7 @@ from broker.attestation.nvidia.sources import (
 )
 from broker.attestation.pipeline import IssuerTrust, Trust
 from broker.attestation.service import EvidenceVerifier, GpuSources
+from broker.attestation.stored import AttestationStore
 from broker.audit.identity import adopt_signing_key, claim_origin
 from broker.audit.log import DecisionLog
 from broker.audit.mask import load_or_create_mask_key
@@ -70,11 +71,19 @@ from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
-from broker.core.refs import CloudKmsRef, Pkcs11Ref, PostgresRef, RedisRef, SignerRef
+from broker.core.refs import (
+    CloudKmsRef,
+    LocalFileRef,
+    Pkcs11Ref,
+    PostgresRef,
+    RedisRef,
+    SignerRef,
+)
 from broker.crypto.jwks import JwksError
 from broker.crypto.keyfiles import p256_private_key_file
 from broker.decisions.attest import AttestPlan
 from broker.decisions.attested_release import AttestedReleasePlan
+from broker.decisions.identity import IdentityPlan
 from broker.decisions.kernel import Kernel
 from broker.decisions.owed import OwedRecordPass
 from broker.decisions.policy import PolicyGate
@@ -88,7 +97,8 @@ from broker.policy.freshness import logged_floor
 from broker.policy.manager import SYSTEM_WHO, PolicyManager
 from broker.policy.workers import WorkerGroup
 from broker.signers.checkpoint import close_checkpoint_signer, open_checkpoint_signer
-from broker.signers.results import LocalResultSigner, ResultSigner, result_keys
+from broker.signers.identity_ca import load_ca
+from broker.signers.results import LocalResultSigner, ResultKeys, ResultSigner, result_keys
 from broker.stores.attestations import open_attestation_store
 from broker.stores.nonces import NonceStore
 from broker.stores.spent_nonces import open_nonce_store
@@ -481,7 +491,52 @@ async def _attestations(
         timed=settings.server.server_timing,
         networked_store=isinstance(settings.nonces.store_ref, RedisRef | PostgresRef),
     )
-    return Attestations(results, attest, releases, verifying)
+    identity = await _identity_plan(
+        settings, stack, store=store, nonces=nonces, policy=policy, verifying=verifying
+    )
+    return Attestations(results, attest, releases, verifying, identity)
+
+
+async def _identity_plan(
+    settings: Settings,
+    stack: AsyncExitStack,
+    *,
+    store: AttestationStore,
+    nonces: NonceStore,
+    policy: PolicyGate,
+    verifying: ResultKeys,
+) -> IdentityPlan | None:
+    """``POST /v1/identity`` and the bundle when ``[identity] enabled`` (its CA key: a PEM file,
+    Cloud KMS or PKCS#11, as the result key)."""
+    identity = settings.identity
+    if not identity.enabled or identity.ca_key_ref is None or identity.ca_certificates is None:
+        return None
+    ref = identity.ca_key_ref
+    signer: ResultSigner
+    if isinstance(ref, LocalFileRef):
+        key = await asyncio.to_thread(p256_private_key_file, ref.path, "identity.ca_key")
+        signer = LocalResultSigner(key)
+    else:
+        signer = await _result_signer(settings, ref, stack)
+    ca = await asyncio.to_thread(
+        load_ca,
+        trust_domain=identity.trust_domain,
+        signer=signer,
+        chain_file=Path(identity.ca_certificates),
+        previous_files=[Path(p) for p in identity.previous_ca_certificates],
+        max_lifetime=timedelta(seconds=identity.max_lifetime_seconds),
+    )
+    return IdentityPlan(
+        issuer=settings.server.audience,
+        result_keys=lambda: verifying.verifying,
+        store=store,
+        nonces=nonces,
+        ca=ca,
+        policy=policy,
+        require_nonce=settings.attest.dpop_nonce,
+        public_urls=settings.server.public_base_urls,
+        networked_store=isinstance(settings.nonces.store_ref, RedisRef | PostgresRef),
+    )
 
 
 async def _statement_signer(settings: Settings) -> ec.EllipticCurvePrivateKey | None:

@@ -190,6 +190,60 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/identity": {
+                "post": {
+                    "summary": "a workload certificate (SPIFFE X.509-SVID) on an attestation "
+                    "result under DPoP, for a CSR made in the TEE (404 while [identity] is off)",
+                    "tags": ["runner"],
+                    "requestBody": _body(
+                        {
+                            "type": "object",
+                            "properties": {"csr": {"type": "string"}},
+                            "required": ["csr"],
+                        }
+                    ),
+                    "responses": {
+                        "201": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "spiffe_id": {"type": "string"},
+                                    "certificates": {"type": "string"},
+                                    "serial": {"type": "string"},
+                                    "expires_at": {"type": "string", "format": "date-time"},
+                                    "attestation": {"type": "string"},
+                                    "policy_digest": {"type": "string"},
+                                    "log_index": {"type": "integer"},
+                                    "log_origin": {"type": "string"},
+                                },
+                                "required": ["spiffe_id", "certificates", "log_index"],
+                            },
+                            "the SVID: the leaf, then the intermediates (PEM)",
+                        ),
+                        **_errors(400, 401, 403, 404, 408, 413, 415),
+                    },
+                }
+            },
+            "/v1/identity/bundle": {
+                "get": {
+                    "summary": "the trust domain's SPIFFE bundle: JWKS (x509-svid keys with "
+                    "x5c), or PEM with ?format=pem (404 while [identity] is off)",
+                    "tags": ["runner"],
+                    "parameters": [
+                        _query("format", {"enum": ["jwks", "pem"]}, required=False),
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "the bundle",
+                            "content": {
+                                JSON: {"schema": {"type": "object"}},
+                                "application/x-pem-file": {"schema": {"type": "string"}},
+                            },
+                        },
+                        **_errors(400, 404),
+                    },
+                }
+            },
             "/v1/attestations/{jti}": {
                 "get": {
                     "summary": "an attestation result's status (active or revoked); why it "

@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from aiohttp import web
 
-from broker.api import admin, health, log, query, runner, self_attestation
+from broker.api import admin, health, identity, log, query, runner, self_attestation
 from broker.api.limits import rate_limited
 from broker.config import ServerSettings
 
@@ -54,6 +54,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/release", runner.release, Permission.RUNNER, rate_limited=True),
     Route("POST", "/v1/attest", runner.attest, Permission.RUNNER, rate_limited=True),
     Route("GET", "/.well-known/jwks.json", runner.result_keys, Permission.PUBLIC),
+    Route("POST", "/v1/identity", identity.issue, Permission.RUNNER, rate_limited=True),
+    Route("GET", "/v1/identity/bundle", identity.bundle, Permission.PUBLIC),
     Route(  # the broker's own attestation (docs/api.md): cached, per address like /readyz
         "GET",
         "/.well-known/broker-attestation",

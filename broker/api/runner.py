@@ -52,7 +52,7 @@ async def release(request: web.Request) -> web.Response:
     body = await read_json_object(request, required=RELEASE_FIELDS, optional=RELEASE_OPTIONAL)
     read = time.perf_counter()
     plan = request.app[RELEASE]
-    with _naming_the_log(request):
+    with naming_the_log(request):
         released = await request.app[KERNEL].run(
             plan, body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
         )
@@ -82,7 +82,7 @@ async def release(request: web.Request) -> web.Response:
 
 
 @contextlib.contextmanager
-def _naming_the_log(request: web.Request) -> Iterator[None]:
+def naming_the_log(request: web.Request) -> Iterator[None]:
     """A refusal that was logged names the log (origin) beside its index: each replica keeps
     its own log, and the index alone does not say which."""
     try:
@@ -107,13 +107,13 @@ async def _release_on_result(request: web.Request) -> web.Response:
             proof=request.headers.get("DPoP"),
             host=",".join(hosts) if hosts else None,  # two Host fields: refused (a comma)
         )
-        with _naming_the_log(request):
+        with naming_the_log(request):
             released = await request.app[KERNEL].run(
                 plan, (body, presented), now=clock(), request_id=request[REQUEST_ID]
             )
     except BrokerError as exc:
         exc.headers["DPoP-Nonce"] = plan.server_nonce(clock())
-        challenge = _CHALLENGES.get(exc.code)
+        challenge = CHALLENGES.get(exc.code)
         if challenge is not None:
             exc.headers["WWW-Authenticate"] = f'DPoP algs="ES256", error="{challenge}"'
         raise
@@ -136,7 +136,7 @@ def server_timing(stages: Iterable[tuple[str, float]], names: Sequence[str]) -> 
     return ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in totals.items())
 
 
-_CHALLENGES = {
+CHALLENGES = {
     ErrorCode.DPOP_PROOF_INVALID: "invalid_dpop_proof",
     ErrorCode.DPOP_PROOF_REUSED: "invalid_dpop_proof",
     ErrorCode.DPOP_NONCE_REQUIRED: "use_dpop_nonce",
@@ -180,7 +180,7 @@ async def attest(request: web.Request) -> web.Response:
     ``201``, the signed EAR as ``application/eat+jwt``, ``Location`` naming it."""
     plan = request.app[ATTESTATIONS].require_attest()
     body = await read_json_object(request, required=ATTEST_FIELDS)
-    with _naming_the_log(request):
+    with naming_the_log(request):
         attested = await request.app[KERNEL].run(
             plan, body, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
         )

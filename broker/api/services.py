@@ -21,6 +21,7 @@ from broker.config import Settings
 from broker.core.errors import ErrorCode, NotFound
 from broker.decisions.attest import AttestPlan
 from broker.decisions.attested_release import AttestedReleasePlan
+from broker.decisions.identity import IdentityPlan
 from broker.decisions.kernel import Kernel
 from broker.decisions.release import ReleasePlan
 from broker.decisions.results import AttestationResults
@@ -78,6 +79,7 @@ class Attestations:
     attest: AttestPlan | None = None  # ``POST /v1/attest``
     releases: AttestedReleasePlan | None = None  # ``POST /v1/release`` on a result
     result_keys: ResultKeys | None = None  # published at /.well-known/jwks.json
+    identity: IdentityPlan | None = None  # ``POST /v1/identity`` when ``[identity] enabled``
 
     def require(self) -> AttestationResults:
         """Raises ``NotFound``: attestation results are off here (not a failing dependency)."""
@@ -94,6 +96,15 @@ class Attestations:
         if self.releases is None:
             raise _off()
         return self.releases
+
+    def require_identity(self) -> IdentityPlan:
+        """Raises ``NotFound``: workload certificates are off here."""
+        if self.identity is None:
+            raise NotFound(
+                "this broker issues no workload certificates ([identity] enabled is false)",
+                code=ErrorCode.NOT_FOUND,
+            )
+        return self.identity
 
 
 def _off() -> NotFound:

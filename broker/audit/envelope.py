@@ -39,7 +39,12 @@ from broker.core.records import KNOWN_TYPES, RecordType
 
 # the records of one attestation result's story (``broker audit query --attestation``)
 ATTESTATION_TYPES = frozenset(
-    {RecordType.ATTESTATION, RecordType.ATTESTED_RELEASE, RecordType.ATTESTATION_REVOKED}
+    {
+        RecordType.ATTESTATION,
+        RecordType.ATTESTED_RELEASE,
+        RecordType.ATTESTATION_REVOKED,
+        RecordType.IDENTITY,
+    }
 )
 
 
@@ -116,9 +121,12 @@ class Envelope:
     def decisions(self) -> tuple[KeyDecision, ...]:
         """What the record decided, one item per key; a decision made as a whole (an
         attestation, a release on a result refused before it named a key) is one keyless item;
-        a change decided nothing."""
+        a workload certificate is one keyless item, decided once its policy input was made; a
+        change decided nothing."""
         if self.keys:
             return self.keys
+        if self.kind is RecordType.IDENTITY:
+            return (self._as_decision(key=None, version=None, decided=self.input is not None),)
         if self.kind in (RecordType.ATTESTATION, RecordType.ATTESTED_RELEASE):
             return (
                 self._as_decision(
@@ -238,7 +246,7 @@ def _key_decision(key: Mapping[str, Any]) -> KeyDecision:
 def _attestation(
     kind: RecordType, body: Mapping[str, Any], index: int | None
 ) -> AttestationRef | None:
-    if kind is RecordType.ATTESTED_RELEASE:
+    if kind in (RecordType.ATTESTED_RELEASE, RecordType.IDENTITY):
         named = _mapping(body.get("attestation"))
         return AttestationRef(_text(named.get("jti")), _integer(named.get("log_index")))
     if kind is RecordType.ATTESTATION:

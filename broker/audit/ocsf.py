@@ -225,6 +225,33 @@ def _attestation(envelope: Envelope) -> list[Event]:
     ]
 
 
+def _identity(envelope: Envelope) -> list[Event]:
+    """A workload certificate on an attestation result: Create of a ``certificate`` named by
+    its SPIFFE ID and serial (none when refused), the attestation as the session."""
+    attestation, body = envelope.attestation, envelope.body
+    session = None if attestation is None else attestation.jti
+    return [
+        _event(
+            envelope,
+            activity=CREATE,
+            result=envelope.result,
+            resources=[
+                {"type": "certificate", "uid": body.get("serial"), "name": body.get("spiffe_id")}
+            ],
+            actor=_runner(envelope.identity, session),
+            code=envelope.code,
+            message=_message(envelope.reasons, envelope.message),
+            unmapped={
+                "attestation_log_index": None if attestation is None else attestation.log_index,
+                "dpop_jti": body.get("dpop_jti"),
+                "not_after": body.get("not_after"),
+                "policy_digest": envelope.policy_digest,
+                "input_digest": envelope.input_digest,
+            },
+        )
+    ]
+
+
 def _attestation_revoked(envelope: Envelope) -> list[Event]:
     jti = None if envelope.attestation is None else envelope.attestation.jti
     # written by an owed-record pass after its revoker could not: ``time`` is the revocation's
@@ -359,6 +386,7 @@ MAPPINGS: dict[str, Callable[[Envelope], list[Event]]] = {
     RecordType.ATTESTED_RELEASE: _release,
     RecordType.ATTESTATION: _attestation,
     RecordType.ATTESTATION_REVOKED: _attestation_revoked,
+    RecordType.IDENTITY: _identity,
     RecordType.POLICY_CHANGE: _policy_change,
     RecordType.POLICY_RELOAD_FAILED: _policy_reload_failed,
     RecordType.KEY_ADMIN: _key_admin,

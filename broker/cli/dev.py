@@ -22,11 +22,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric import ec
+
 from broker.config import is_development_issuer, is_loopback, load_settings, split_listen
 from broker.core.errors import ConfigError
+from broker.crypto.svid import valid_trust_domain
+from broker.dev.identity_ca import make_dev_identity_ca
 from broker.dev.issuer import DEV_ISSUER, ISSUER_FILE, DevIssuer, Workload
 from broker.dev.launcher import DevLauncher, serve_dev_launcher
-from broker.dev.workspace import write_dev_workspace
+from broker.dev.workspace import private_pem, write_dev_workspace
 from broker.keys.factory import open_key_service
 from broker.keys.store.base import Purpose
 
@@ -44,6 +48,13 @@ def add_commands(commands: Any) -> None:
     )
     init.add_argument("--key", default="models/dev", help="the key to create and allow")
     init.add_argument("--port", type=int, default=8443, help="the loopback port to serve on")
+    init.add_argument(
+        "--identity",
+        metavar="TRUST_DOMAIN",
+        help="also issue workload certificates (SPIFFE X.509-SVIDs) in this trust domain: "
+        "[attest] and [identity] on, a development root and intermediate CA, and the images "
+        "mapped to spiffe://TRUST_DOMAIN/workloads/dev",
+    )
     init.set_defaults(run=_init)
     token = dev.add_parser("token", help="mint a development token from a workspace's issuer")
     token.add_argument("workspace", type=Path, metavar="DIR")
@@ -64,6 +75,26 @@ def add_commands(commands: Any) -> None:
     launcher.set_defaults(run=_launcher)
 
 
+DEV_SPIFFE_PATH = "workloads/dev"
+
+
+def _identity_toml(workspace: Path, trust_domain: str) -> str:
+    """``[attest]`` with a result key and ``[identity]`` with a development CA, written under
+    ``workspace`` (relative paths: the workspace can move)."""
+    if not valid_trust_domain(trust_domain):
+        raise ConfigError("--identity", "must be a SPIFFE trust domain name (e.g. dev.example)")
+    workspace.mkdir(parents=True, exist_ok=True)
+    (workspace / "ear-signing.pem").write_bytes(
+        private_pem(ec.generate_private_key(ec.SECP256R1()))
+    )
+    make_dev_identity_ca(workspace / "identity", trust_domain, now=datetime.now(UTC))
+    return (
+        '[attest]\nenabled = true\nsigning_key = "ear-signing.pem"\n\n'
+        f'[identity]\nenabled = true\ntrust_domain = "{trust_domain}"\n'
+        'ca_certificates = "identity/ca-chain.pem"\nca_key = "identity/ca.key"\n'
+    )
+
+
 def _init(args: argparse.Namespace) -> int:
     workspace: Path = args.workspace
     if (workspace / "broker.toml").exists():
@@ -78,6 +109,8 @@ def _init(args: argparse.Namespace) -> int:
         images={args.key: list(args.image)},
         now=datetime.now(UTC),
         server_extra={"listen": f"127.0.0.1:{args.port}"},
+        extra_toml=_identity_toml(workspace, args.identity) if args.identity else "",
+        identities=dict.fromkeys(args.image, DEV_SPIFFE_PATH) if args.identity else None,
     )
     text = config.read_text(encoding="utf-8").replace('listen = "127.0.0.1:0"\n', "", 1)
     config.write_text(text, encoding="utf-8")

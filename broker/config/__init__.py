@@ -42,6 +42,7 @@ from broker.config.sections import (
     AdminSettings,
     AttestSettings,
     AuditSettings,
+    IdentitySettings,
     KeySettings,
     NonceSettings,
     NvidiaSettings,
@@ -83,6 +84,7 @@ __all__ = [
     "TOKEN_TYPES",
     "AdminSettings",
     "AttestSettings",
+    "IdentitySettings",
     "AuditSettings",
     "KeySettings",
     "NonceSettings",
@@ -168,6 +170,7 @@ def settings_from_mapping(
         "admin",
         "nonces",
         "attest",
+        "identity",
         "sealed",
     }
     for key in raw:
@@ -205,6 +208,9 @@ def settings_from_mapping(
     attest = replace(
         attest, previous_keys=tuple(str(resolve_path(base_dir, k)) for k in attest.previous_keys)
     )
+    identity = _identity_resolved(
+        config_table(IdentitySettings, "identity", raw, env, base_dir), base_dir
+    )
     sealed = config_table(SealedSettings, "sealed", raw, env, base_dir)
     if not sealed.token_audience:
         sealed = replace(sealed, token_audience=server.audience)
@@ -219,9 +225,26 @@ def settings_from_mapping(
         admin=admin,
         nonces=nonces,
         attest=attest,
+        identity=identity,
     )
     validate_settings(settings)
     return settings
+
+
+def _identity_resolved(identity: IdentitySettings, base_dir: Path) -> IdentitySettings:
+    """``[identity]``'s files made absolute against the config file's directory."""
+    ca_key = identity.ca_key
+    if isinstance(identity.ca_key_ref, LocalFileRef):
+        ca_key = str(resolve_path(base_dir, identity.ca_key_ref.uri))
+    chain = identity.ca_certificates
+    return replace(
+        identity,
+        ca_key=ca_key,
+        ca_certificates=None if chain is None else str(resolve_path(base_dir, chain)),
+        previous_ca_certificates=tuple(
+            str(resolve_path(base_dir, p)) for p in identity.previous_ca_certificates
+        ),
+    )
 
 
 def _keys_resolved(keys: KeySettings, base_dir: Path) -> KeySettings:

@@ -13,6 +13,7 @@ from broker.config.sections import (
     REPLICA_ID,
     AttestSettings,
     AuditSettings,
+    IdentitySettings,
     KeySettings,
     NonceSettings,
     NvidiaSettings,
@@ -32,6 +33,7 @@ from broker.core.refs import (
     StoreRef,
     store_ref,
 )
+from broker.crypto.svid import valid_trust_domain
 
 ISSUER_KINDS = frozenset({"gca", "ita", "nras"})
 MAX_WORKERS = 64
@@ -113,6 +115,31 @@ def validate_audit(audit: AuditSettings) -> None:
             return
         if not url_allowed(audit.sink):
             raise ConfigError("audit.sink", "syslog://HOST:PORT or https://… (http on loopback)")
+
+
+MAX_SVID_LIFETIME_SECONDS = 86400
+
+
+def validate_identity(identity: IdentitySettings, *, attest_enabled: bool) -> None:
+    """``[identity]``: a SPIFFE trust domain, a CA chain and key, a sane lifetime; on a result."""
+    if not 60 <= identity.max_lifetime_seconds <= MAX_SVID_LIFETIME_SECONDS:
+        raise ConfigError(
+            "identity.max_lifetime_seconds", f"must be 60..{MAX_SVID_LIFETIME_SECONDS}"
+        )
+    if not identity.enabled:
+        return
+    if not attest_enabled:
+        raise ConfigError("identity.enabled", "workload certificates need [attest] enabled")
+    if not valid_trust_domain(identity.trust_domain):
+        raise ConfigError(
+            "identity.trust_domain",
+            "must be a SPIFFE trust domain name: lower-case letters, digits, '.', '-', '_'",
+        )
+    if identity.ca_certificates is None:
+        raise ConfigError("identity.ca_certificates", "identity needs the CA's certificate (PEM)")
+    if identity.ca_key is None:
+        raise ConfigError("identity.ca_key", "identity needs the CA's key (EC P-256)")
+    _ = identity.ca_key_ref  # a malformed reference fails here, at load
 
 
 def validate_attest(attest: AttestSettings, *, made_by_broker: bool = False) -> None:

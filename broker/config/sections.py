@@ -297,6 +297,29 @@ class AttestSettings:
 
 
 @dataclass(frozen=True)
+class IdentitySettings:
+    """``[identity]``: workload certificates (SPIFFE X.509-SVIDs) on attestation results,
+    ``POST /v1/identity`` and the trust bundle (docs/api.md, issue 32). Off by default; needs
+    ``[attest] enabled``."""
+
+    enabled: bool = False
+    trust_domain: str = ""  # e.g. "runners.example.org": SVIDs name spiffe://<this>/<path>
+    # the intermediate CA: its certificate chain (PEM: the CA first, then up to the root) and its
+    # key (EC P-256: a PEM path, cloudkms:…/cryptoKeyVersions/N, pkcs11:…), as [attest] signing_key
+    ca_certificates: str | None = None
+    ca_key: str | None = None
+    # PEM files of CA certificates a rotation retired: still in the bundle until the last
+    # certificate they signed expired (remove after max_lifetime_seconds)
+    previous_ca_certificates: tuple[str, ...] = ()
+    max_lifetime_seconds: int = 3600  # 60..86400; never past the attestation result's expiry
+
+    @cached_property
+    def ca_key_ref(self) -> SignerRef | None:
+        """``ca_key`` parsed (core/refs.py), once."""
+        return None if self.ca_key is None else signer_ref(self.ca_key)
+
+
+@dataclass(frozen=True)
 class SealedSettings:
     """``[sealed]``: the broker attests itself through the Confidential Space launcher and
     publishes the token at ``/.well-known/broker-attestation`` (docs/api.md). Off by default."""
@@ -325,6 +348,7 @@ class Settings:
     admin: AdminSettings = field(default_factory=AdminSettings)
     nonces: NonceSettings = field(default_factory=NonceSettings)
     attest: AttestSettings = field(default_factory=AttestSettings)
+    identity: IdentitySettings = field(default_factory=IdentitySettings)
     sealed: SealedSettings = field(default_factory=SealedSettings)
 
 

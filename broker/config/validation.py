@@ -13,6 +13,7 @@ from broker.config.checks import (
     url_allowed,
     validate_attest,
     validate_audit,
+    validate_identity,
     validate_issuer,
     validate_keys,
     validate_nonces,
@@ -85,6 +86,7 @@ def validate_settings(settings: Settings) -> None:
     validate_nvidia(settings.nvidia)
     validate_nonces(settings.nonces)
     validate_attest(settings.attest, made_by_broker=makes_keys(settings))
+    validate_identity(settings.identity, attest_enabled=settings.attest.enabled)
     _validate_sealed(settings)
     _validate_kms_access(settings)
     if settings.server.workers > 1 and isinstance(settings.nonces.store_ref, MemoryRef):

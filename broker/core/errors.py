@@ -114,6 +114,17 @@ class ErrorCode(StrEnum):
     # unpadded base64url (400); key material over plain HTTP off a loopback dev broker (400)
     KEY_MATERIAL_INVALID = "key_material_invalid"
     TLS_REQUIRED = "tls_required"
+    # workload certificates (POST /v1/identity, issue 32): the CSR is not a PKCS#10 request, its
+    # signature does not verify, its key is not P-256, its key is the result's PoP key (400);
+    # it names a SPIFFE ID the identity policy did not give (403); the identity policy gives
+    # none (403); the CA's key did not sign (503)
+    CSR_INVALID = "csr_invalid"
+    CSR_SIGNATURE_INVALID = "csr_signature_invalid"
+    CSR_KEY_INVALID = "csr_key_invalid"
+    CSR_KEY_IS_POP_KEY = "csr_key_is_pop_key"
+    IDENTITY_NOT_ALLOWED = "identity_not_allowed"
+    IDENTITY_DENIED = "identity_denied"
+    IDENTITY_CA_UNAVAILABLE = "identity_ca_unavailable"
 
 
 class BrokerError(Exception):

@@ -17,3 +17,4 @@ class Algorithm(StrEnum):
 # engines evaluate ``data.broker.attest`` for it and ``data.broker.release`` for every other
 # input. Only the broker writes the policy input, so a runner cannot choose the package.
 ATTEST_KIND = "attest"
+IDENTITY_KIND = "identity"  # input.request.kind of a workload certificate (data.broker.identity)

@@ -22,6 +22,7 @@ class RecordType(StrEnum):
     ATTESTED_RELEASE = "attested_release"
     ATTESTATION = "attestation"
     ATTESTATION_REVOKED = "attestation_revoked"
+    IDENTITY = "identity"  # a workload certificate (X.509-SVID) on an attestation result
     POLICY_CHANGE = "policy_change"
     POLICY_RELOAD_FAILED = "policy_reload_failed"
     KEY_ADMIN = "key_admin"

@@ -7,17 +7,9 @@ Order, for every request whose body parsed:
 0. the ``Host`` header is a host[:port] (``host_invalid`` otherwise; it is used for nothing
    else); the body's shape (``keys``: 1..``MAX_KEYS`` names, optionally with versions; ``wrap``)
    (``attested_request.py``);
-1. the EAR: this broker's result key, ``iss``/``aud``, times (``ear.verify_ear``; once per
-   worker and token while its key holds, its times at every request: ``attested_cache.py``);
-2. the DPoP proof: its key is the EAR's ``cnf.jwk`` (checked before anything else of it), then
-   ``htm``, ``htu`` (one of ``[server] public_urls`` + this route, never the request's ``Host``),
-   ``iat``, ``ath`` of this EAR, the server's ``DPoP-Nonce`` (when required)
-   (``dpop.verify_dpop_proof``);
-3. the stored attestation: known, unexpired, not revoked (the shared store, read on every
-   fetch: every worker and replica sees a revocation at once), and the one the result was
-   signed for (matched once per stored entry: ``attested_cache.prepare``);
-4. the proof's ``jti`` spent in the shared store (a replayed proof: ``dpop_proof_reused``);
-   over the network (Redis, PostgreSQL) asked together with step 3, its errors reported after;
+1. to 4. the EAR under DPoP admitted: its signature and times, the DPoP proof (``htu``: one of
+   ``[server] public_urls`` + ``/v1/release``), the stored attestation, the proof's ``jti``
+   spent (``result_admission.py``, shared with the workload certificates of ``identity.py``);
 5. per key: resolve the version, run the **current** release policy on the attestation's
    stored input with this request's facts, unwrap the DEK and wrap it to the EAR's encryption
    key with the release id, key version and policy digest in the AAD; a key's failure is that
@@ -30,40 +22,22 @@ Order, for every request whose body parsed:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from functools import cached_property
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric import ec
-
 from broker.attestation.ear import PresentedEar
-from broker.attestation.stored import REVOKED, AttestationEntry, AttestationStore
 from broker.audit.log import Appended
 from broker.audit.outcomes import overall
 from broker.core.encoding import Encoded, canonical_members
-from broker.core.errors import (
-    AttestationError,
-    BrokerError,
-    ErrorCode,
-    InternalFailure,
-    PolicyDenied,
-)
+from broker.core.errors import BrokerError, InternalFailure, PolicyDenied
 from broker.core.records import RecordType
-from broker.crypto.dpop import (
-    FUTURE_LEEWAY,
-    MAX_PROOF_AGE,
-    DpopError,
-    DpopProof,
-    verify_dpop_proof,
-)
 from broker.crypto.jwk import RunnerKey
 from broker.crypto.wrap import check_wrap_mode, key_id
-from broker.decisions.attested_cache import PreparedAttestation, ResultCache, prepare
+from broker.decisions.attested_cache import PreparedAttestation
 from broker.decisions.attested_request import (
     RELEASE_PATH,
     AttestedRequest,
@@ -71,14 +45,13 @@ from broker.decisions.attested_request import (
     Presented,
     check_host,
     parse_attested_request,
-    presented_token,
 )
 from broker.decisions.kernel import Case, Plan, code_of, outcome_of
 from broker.decisions.policy import Evaluation, PolicyGate
+from broker.decisions.result_admission import Admitted, ResultAdmission
 from broker.decisions.wrapping import request_facts, wrap_for_runner
 from broker.keys.service import KeyService
 from broker.keys.store.base import KeyVersionRecord
-from broker.stores.nonces import NonceStore
 
 log = logging.getLogger(__name__)
 RECORD_TYPE = RecordType.ATTESTED_RELEASE
@@ -127,51 +100,33 @@ class KeyOnResult:
 
 
 @dataclass
-class AttestedFacts:
+class AttestedFacts(Admitted):
     """What the record says, learned as the release proceeds."""
 
-    ear: PresentedEar | None = None
-    proof: DpopProof | None = None
-    entry: AttestationEntry | None = None
     encryption_key: RunnerKey | None = None
-    prepared: PreparedAttestation | None = None  # the entry, matched to the result: reused
     keys: list[KeyOnResult] = field(default_factory=list)
 
 
-ResultKeys = Callable[[], Mapping[str, ec.EllipticCurvePublicKey]]
 Unverified = tuple[Mapping[str, Any], Presented]  # the body, and what the headers present
 AttestedCase = Case[Unverified, AttestedRequest, AttestedFacts]
 
 
 @dataclass(kw_only=True, eq=False)
-class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, AttestedRelease]):
+class AttestedReleasePlan(
+    Plan[Unverified, AttestedRequest, AttestedFacts, AttestedRelease], ResultAdmission
+):
     """Keys released on an attestation result and its proof of possession (steps 0 to 5)."""
 
     record_type = RECORD_TYPE
-    issuer: str  # the audience results are made for: this broker's
-    result_keys: ResultKeys
-    store: AttestationStore
-    nonces: NonceStore
     keys: KeyService
     policy: PolicyGate
-    public_urls: Sequence[str] = ()
-    require_nonce: bool = True
     timed: bool = False  # stages lapped for Server-Timing ([server] server_timing)
-    # the stores answer over the network (Redis, PostgreSQL): the entry is read and the proof's
-    # jti spent at once, two round trips in the time of one (SQLite's thread: measured slower)
-    networked_store: bool = False
-    # results this worker verified, and the entries prepared on them (attested_cache.py)
-    results: ResultCache = field(default_factory=ResultCache)
 
     @cached_property
     def release_urls(self) -> tuple[str, ...]:
         """What a proof's ``htu`` must name: a ``[server] public_urls`` entry and this route
         (none configured, none accepted)."""
-        return tuple(url.rstrip("/") + RELEASE_PATH for url in self.public_urls)
-
-    def server_nonce(self, now: datetime) -> str:
-        """The ``DPoP-Nonce`` every answer carries (the next proof's)."""
-        return self.nonces.server_nonce(now)
+        return self.urls_for(RELEASE_PATH)
 
     def facts(self) -> AttestedFacts:
         return AttestedFacts()
@@ -196,79 +151,24 @@ class AttestedReleasePlan(Plan[Unverified, AttestedRequest, AttestedFacts, Attes
         return case.watch.lap if self.timed else _untimed
 
     async def _admit(self, case: AttestedCase, request: AttestedRequest) -> PresentedEar:
-        """Steps 1 to 4: the result, its proof, its stored state; the proof spent."""
-        facts, now, presented, lap = case.facts, case.now, case.unverified[1], self._lap(case)
-        token = presented_token(presented.authorization)
-        held = self.results.verify(token, keys=self.result_keys(), audience=self.issuer, now=now)
-        facts.ear = ear = held.ear
-        lap("ear")
-        facts.proof = checked = verify_dpop_proof(
-            presented.proof,
-            method="POST",
-            url=self.release_urls,
-            now=now,
-            access_token=token,
-            nonce_valid=(lambda n: self.nonces.server_nonce_valid(n, now))
-            if self.require_nonce
-            else None,
-            bound_to=ear.pop_thumbprint,
+        """Steps 1 to 4 (``result_admission.py``); the wrap mode checked against the result's
+        encryption key before the proof is spent."""
+        facts = case.facts
+
+        def wrap_fits(prepared: PreparedAttestation) -> None:
+            facts.encryption_key = prepared.encryption_key
+            check_wrap_mode(request.wrap, prepared.encryption_key)
+
+        await self.admit(
+            facts,
+            case.unverified[1],
+            urls=self.release_urls,
+            now=case.now,
+            lap=self._lap(case),
+            check=wrap_fits,
         )
-        lap("proof")
-        # the stored entry, and the proof's jti spent: at once over the network; else the entry
-        # first, then the spend (no task for what needs no wait); errors in the same order
-        if self.networked_store:
-            read, spent = await asyncio.gather(
-                self.store.get(ear.jti, now), self._spend(ear, checked, now), return_exceptions=True
-            )
-            if isinstance(read, BaseException):
-                raise read
-            entry = read
-        else:
-            entry, spent = await self.store.get(ear.jti, now), None
-        if entry is None:
-            raise AttestationError(
-                "this attestation result is unknown here or expired; attest again",
-                code=ErrorCode.ATTESTATION_UNKNOWN,
-            )
-        facts.entry = entry
-        if entry.status == REVOKED:
-            raise AttestationError(
-                f"this attestation result was revoked: {entry.reason}",
-                code=ErrorCode.ATTESTATION_REVOKED,
-                reason=entry.reason,
-            )
-        prepared = held.prepared_for(entry)
-        if prepared is None:  # first use of this entry here (or it changed): checked in full
-            held.prepared = prepared = prepare(ear, entry)
-        facts.prepared, facts.encryption_key = prepared, prepared.encryption_key
-        check_wrap_mode(request.wrap, facts.encryption_key)
-        if not self.networked_store:
-            await self._spend(ear, checked, now)
-        elif isinstance(spent, BaseException):
-            raise spent
-        lap("store")
-        return ear
-
-    async def _spend(self, ear: PresentedEar, proof: DpopProof, now: datetime) -> None:
-        """Step 4: the proof's ``jti`` spent (good once, in the store every worker and replica
-        shares).
-
-        Raises:
-            DpopError: ``dpop_proof_reused``; UpstreamError: the store's.
-        """
-        try:
-            await self.nonces.spend_jti(
-                f"dpop:{ear.pop_thumbprint}:{proof.jti}",
-                proof.issued_at + MAX_PROOF_AGE + FUTURE_LEEWAY,
-                now,
-            )
-        except AttestationError as exc:
-            if exc.code is not ErrorCode.NONCE_REUSED:
-                raise
-            raise DpopError(
-                "this DPoP proof was already used; sign a new one per request",
-                code=ErrorCode.DPOP_PROOF_REUSED,
-            ) from exc
+        assert facts.ear is not None  # noqa: S101 - admit set it or raised
+        return facts.ear
 
     async def _decide_key(
         self, case: AttestedCase, request: AttestedRequest, ask: KeyAsk

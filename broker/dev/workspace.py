@@ -34,6 +34,7 @@ def write_dev_workspace(
     server_extra: Mapping[str, object] | None = None,
     keys_extra: Mapping[str, object] | None = None,
     extra_toml: str = "",
+    identities: Mapping[str, str] | None = None,
 ) -> Path:
     """Lay out the workspace and return the path of its ``broker.toml``. Every path the file
     names is relative to it: the workspace is self-contained and can move.
@@ -48,17 +49,24 @@ def write_dev_workspace(
         jwks_url: trust the issuer through a JWKS URL instead of a file.
         server_extra: further ``[server]`` keys; ``keys_extra``: further ``[keys]`` keys.
         extra_toml: appended verbatim (further sections).
+        identities: ``data.broker.identities`` of the shipped identity policy (image digest →
+            SPIFFE ID path).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     make_dev_tls(workdir / "tls", now=now)
     issuer.write_jwks(workdir / "jwks.json")
     policies = workdir / "policies" / "broker"
     policies.mkdir(parents=True, exist_ok=True)
-    for module in ("release.rego", "attest.rego"):  # the shipped policies, tests aside
+    for module in (
+        "release.rego",
+        "attest.rego",
+        "identity.rego",
+    ):  # the shipped policies, tests aside
         (policies / module).write_bytes((SHIPPED_POLICIES / "broker" / module).read_bytes())
     data = json.loads((SHIPPED_POLICIES / "broker" / "data.json").read_text(encoding="utf-8"))
     data["images"] = {name: list(digests) for name, digests in images.items()}
     data["gpu_keys"] = dict(gpu_keys or {})
+    data["identities"] = dict(identities or {})
     (policies / "data.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
     server = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (server_extra or {}).items())
     keys = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (keys_extra or {}).items())

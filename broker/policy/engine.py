@@ -23,6 +23,8 @@ class Decision:
     reasons: tuple[str, ...]
     policy_digest: str
     mask: tuple[str, ...] = ()  # JSON pointers the policy's ``mask`` rule names
+    # the identity policy's SPIFFE ID path (data.broker.identity.spiffe_path), when a string
+    spiffe_path: str | None = None
 
     def __bool__(self) -> bool:
         raise TypeError("read Decision.allowed explicitly")
@@ -40,7 +42,9 @@ class Decision:
         pointers = (
             tuple(sorted(p for p in mask if isinstance(p, str))) if isinstance(mask, list) else ()
         )
-        return cls(allowed, reasons, policy_digest, pointers[:MAX_REASONS])
+        path = result.get("spiffe_path")
+        spiffe_path = path if isinstance(path, str) else None
+        return cls(allowed, reasons, policy_digest, pointers[:MAX_REASONS], spiffe_path)
 
 
 def _reasons(value: Any) -> tuple[str, ...]:

@@ -20,19 +20,21 @@ import aiohttp
 from opa_client.opa_async import AsyncOpaClient
 
 from broker.core.errors import ErrorCode, UpstreamError
-from broker.core.protocol import ATTEST_KIND
+from broker.core.protocol import ATTEST_KIND, IDENTITY_KIND
 from broker.policy.engine import Decision
 
 log = logging.getLogger(__name__)
 RELEASE_PATH = "broker/release"
 ATTEST_PATH = "broker/attest"
+IDENTITY_PATH = "broker/identity"
 
 
 def policy_path(policy_input: Mapping[str, Any]) -> str:
     """The package the input is for, as the Wasm engine's wrapper chooses it (``build.py``)."""
     request = policy_input.get("request")
-    attesting = isinstance(request, Mapping) and request.get("kind") == ATTEST_KIND
-    return ATTEST_PATH if attesting else RELEASE_PATH
+    kind = request.get("kind") if isinstance(request, Mapping) else None
+    paths = {ATTEST_KIND: ATTEST_PATH, IDENTITY_KIND: IDENTITY_PATH}
+    return paths.get(kind, RELEASE_PATH) if isinstance(kind, str) else RELEASE_PATH
 
 
 class _Client(AsyncOpaClient):  # type: ignore[misc]

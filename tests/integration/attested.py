@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -39,8 +40,16 @@ async def attest_broker(start_broker: Callable[..., Any], **kwargs: Any) -> Runn
         "BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(ADMIN.encode()).hexdigest(),
         **kwargs.pop("environ", {}),
     }
+    extra_toml = ATTEST_TOML + kwargs.pop("extra_toml", "")
+    setup = kwargs.pop("workdir_setup", None)
+
+    def set_up(workdir: Path) -> None:
+        with_result_key(workdir)
+        if setup is not None:
+            setup(workdir)
+
     broker: RunningBroker = await start_broker(
-        extra_toml=ATTEST_TOML, workdir_setup=with_result_key, environ=environ, **kwargs
+        extra_toml=extra_toml, workdir_setup=set_up, environ=environ, **kwargs
     )
     async with open_key_service(broker.settings.keys) as keys:
         await keys.create(DENIED_KEY, Purpose.MODEL_WEIGHTS, now=datetime.now(UTC))

@@ -28,8 +28,9 @@ from broker.audit.segments import repair_torn_tail
 from broker.client import BrokerClientError
 from broker.core.records import RecordType
 from broker.crypto.checkpoint import NoteSigner
-from tests.integration.attested import ADMIN, DENIED_KEY, Runner, admin_post, attest_broker
+from tests.integration.attested import ADMIN, DENIED_KEY, Runner, admin_post
 from tests.integration.conftest import RunningBroker
+from tests.integration.identity import SPIFFE_ID, ask_identity, identity_broker, make_csr
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
 
@@ -91,6 +92,9 @@ async def _every_kind_of_record(broker: RunningBroker) -> str:
         await runner.attest(session)
         status, _, _ = await runner.release(session, keys=(KEY,))
         assert status == 401
+        if broker.settings.identity.enabled:  # identity allow: a workload certificate
+            status, body, _ = await ask_identity(runner, session, make_csr()[1])
+            assert status == 201, body
     status, body = await admin_post(
         broker, "/v1/admin/keys", {"name": EXTRA_KEY, "purpose": "model-weights"}
     )
@@ -148,7 +152,7 @@ async def test_feeds_report_each_key_and_every_record_type(
     messages: list[bytes] = []
     transport, port = await _syslog(messages)
     try:
-        broker = await attest_broker(
+        broker = await identity_broker(
             start_broker, environ={"BROKER_AUDIT_SINK": f"syslog://127.0.0.1:{port}"}
         )
         jti = await _every_kind_of_record(broker)
@@ -276,6 +280,18 @@ def _check_attestation(record: dict[str, Any], produced: list[dict[str, Any]], _
     assert event["unmapped"]["expires_at"] == record["expires_at"]
 
 
+def _check_identity(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
+    assert event["resources"] == [
+        {"type": "certificate", "uid": record["serial"], "name": SPIFFE_ID}
+    ]
+    assert event["actor"]["session"] == {"uid": record["attestation"]["jti"]}
+    assert event["actor"]["user"]["name"] == ALLOWED
+    assert event["unmapped"]["not_after"] == record["not_after"]
+    assert event["unmapped"]["policy_digest"] == record["policy_digest"]
+
+
 def _check_revoked(record: dict[str, Any], produced: list[dict[str, Any]], jti: str) -> None:
     event = _one(produced)
     assert record["jti"] == jti
@@ -354,5 +370,6 @@ CHECKS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], str], None]] =
     "key_admin": _check_key_admin,
     "log_repair": _check_repair,
     "log_key_rotation": _check_key_rotation,
+    "identity": _check_identity,
 }
 ADMIN_DIGEST = hashlib.sha256(ADMIN.encode()).hexdigest()

@@ -34,8 +34,9 @@ from broker.core.records import RecordType
 from broker.crypto.checkpoint import NoteSigner
 from broker.keys.service import KeyService
 from broker.keys.store.base import KeyVersionRecord
-from tests.integration.attested import DENIED_KEY, Runner, attest_broker
+from tests.integration.attested import DENIED_KEY, Runner
 from tests.integration.conftest import RunningBroker
+from tests.integration.identity import identity_broker
 from tests.integration.test_audit_feeds import (
     CHECKS,
     _every_kind_of_record,
@@ -57,6 +58,7 @@ SEVERITY = {
     ("attested_release", "deny"): 4,
     ("attested_release", "error"): 3,
     ("attestation_revoked", None): 5,
+    ("identity", "allow"): 6,
     ("policy_change", None): 5,
     ("key_admin", None): 5,  # a key change's intent (or a read: backup, weights-*)
     ("key_admin", "ok"): 5,  # its outcome: made
@@ -120,7 +122,7 @@ async def _append(log: Path, record: dict[str, Any]) -> None:
 async def test_every_reader_reads_every_record_type(
     start_broker: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    broker = await attest_broker(start_broker)
+    broker = await identity_broker(start_broker)
     jti = await _every_kind_of_record(broker)
     await _a_bug_after_the_first_key(broker, monkeypatch)
     log = tmp_path / "decisions.log"

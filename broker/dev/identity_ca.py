@@ -1,0 +1,116 @@
+"""A development SPIFFE CA for ``[identity]``: a root and an intermediate under it, both EC
+P-256, the intermediate's key a PEM file (``ca.key``, 0600) and its chain ``ca-chain.pem``
+(intermediate first, root last), the root ``root.pem``.
+
+DEVELOPMENT ONLY: in production the intermediate's key lives in Cloud KMS or an HSM and the
+root stays offline with the operator.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+ROOT_DAYS = 3650
+INTERMEDIATE_DAYS = 365
+
+
+@dataclass(frozen=True)
+class DevIdentityCa:
+    chain: Path  # intermediate, then root
+    key: Path  # the intermediate's key
+    root: Path
+
+
+def _ca(
+    name: str,
+    trust_domain: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
+    *,
+    now: datetime,
+    days: int,
+    path_length: int,
+) -> x509.Certificate:
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "broker dev"),
+            x509.NameAttribute(NameOID.COMMON_NAME, name),
+        ]
+    )
+    issuer_name, issuer_key = issuer if issuer is not None else (subject, key)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=path_length), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        # SPIFFE X509-SVID §4.1: a signing certificate may name its trust domain
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier(f"spiffe://{trust_domain}")]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(issuer_key, hashes.SHA256())
+    )
+
+
+def make_dev_identity_ca(directory: Path, trust_domain: str, *, now: datetime) -> DevIdentityCa:
+    """Write ``root.pem``, ``ca-chain.pem`` and ``ca.key`` (0600) under ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    root_key = ec.generate_private_key(ec.SECP256R1())
+    root = _ca(
+        "broker dev SPIFFE root",
+        trust_domain,
+        root_key,
+        None,
+        now=now,
+        days=ROOT_DAYS,
+        path_length=1,
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    intermediate = _ca(
+        "broker dev SPIFFE intermediate",
+        trust_domain,
+        key,
+        (root.subject, root_key),
+        now=now,
+        days=INTERMEDIATE_DAYS,
+        path_length=0,
+    )
+    paths = DevIdentityCa(directory / "ca-chain.pem", directory / "ca.key", directory / "root.pem")
+    pem = serialization.Encoding.PEM
+    paths.root.write_bytes(root.public_bytes(pem))
+    paths.chain.write_bytes(intermediate.public_bytes(pem) + root.public_bytes(pem))
+    descriptor = os.open(paths.key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+    return paths

@@ -1,0 +1,134 @@
+"""The intermediate CA that issues workload certificates (``[identity]``, issue 32): its
+certificate chain from PEM files, its key behind the same ``ResultSigner`` port as the
+attestation result key (a PEM file for development, Cloud KMS, PKCS#11), and the trust bundle
+it publishes. The key signs each leaf's TBSCertificate; nothing else of it is used here."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+
+from broker.core.errors import ConfigError, ErrorCode, UpstreamError
+from broker.crypto.jwk import public_jwk, thumbprint
+from broker.crypto.svid import assemble, bundle_jwks, pem
+from broker.signers.results import ResultSigner
+
+BUNDLE_REFRESH_SECONDS = 300  # spiffe_refresh_hint: a peer re-reads the bundle this often
+
+
+@dataclass(frozen=True)
+class IdentityCa:
+    """The issuing CA: ``chain[0]`` signs leaves (its key is ``signer``), ``chain[-1]`` is the
+    root the operator controls; ``previous`` holds authorities a rotation retired."""
+
+    trust_domain: str
+    signer: ResultSigner
+    chain: tuple[x509.Certificate, ...]
+    previous: tuple[x509.Certificate, ...]
+    max_lifetime: timedelta
+
+    @property
+    def issuer(self) -> x509.Certificate:
+        return self.chain[0]
+
+    @property
+    def intermediates(self) -> tuple[x509.Certificate, ...]:
+        """What an SVID's chain carries after its leaf: every CA but the root."""
+        return self.chain[:-1] if len(self.chain) > 1 else ()
+
+    def authorities(self, now: datetime) -> list[x509.Certificate]:
+        """The bundle's X.509 authorities: the root, then each previous one not yet expired."""
+        found: list[x509.Certificate] = [self.chain[-1]]
+        for certificate in self.previous:
+            if certificate not in found and certificate.not_valid_after_utc > now:
+                found.append(certificate)
+        return found
+
+    def bundle(self, now: datetime) -> dict[str, object]:
+        """The SPIFFE bundle (JWKS); ``spiffe_sequence``: the newest authority's start, in
+        seconds (it grows when an authority is added)."""
+        authorities = self.authorities(now)
+        sequence = int(max(a.not_valid_before_utc for a in authorities).timestamp())
+        return bundle_jwks(authorities, sequence=sequence, refresh=BUNDLE_REFRESH_SECONDS)
+
+    def bundle_pem(self, now: datetime) -> str:
+        return pem(self.authorities(now))
+
+    async def sign(self, tbs: bytes) -> x509.Certificate:
+        """The certificate of ``tbs``, signed by the CA key wherever it lives.
+
+        Raises:
+            UpstreamError: ``identity_ca_unavailable`` (the key service did not sign).
+        """
+        try:
+            raw = await self.signer.sign(tbs)
+        except UpstreamError as exc:
+            raise UpstreamError(
+                "the identity CA's key did not sign; try again",
+                code=ErrorCode.IDENTITY_CA_UNAVAILABLE,
+            ) from exc
+        if len(raw) != 64:
+            raise UpstreamError(
+                "the identity CA's key answered no P-256 signature",
+                code=ErrorCode.IDENTITY_CA_UNAVAILABLE,
+            )
+        signature = encode_dss_signature(int.from_bytes(raw[:32]), int.from_bytes(raw[32:]))
+        return assemble(tbs, signature)
+
+
+def load_ca(
+    *,
+    trust_domain: str,
+    signer: ResultSigner,
+    chain_file: Path,
+    previous_files: Sequence[Path],
+    max_lifetime: timedelta,
+) -> IdentityCa:
+    """Raises: ConfigError naming the setting: an unreadable chain, a first certificate that is
+    no CA or whose key is not ``signer``'s, a chain that does not chain."""
+    chain = tuple(_certificates(chain_file, "identity.ca_certificates"))
+    previous = tuple(
+        c for f in previous_files for c in _certificates(f, "identity.previous_ca_certificates")
+    )
+    issuer = chain[0]
+    try:
+        constraints = issuer.extensions.get_extension_for_class(x509.BasicConstraints).value
+        usage = issuer.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound as exc:
+        raise ConfigError(
+            "identity.ca_certificates", "the CA certificate lacks basicConstraints or keyUsage"
+        ) from exc
+    if not constraints.ca or not usage.key_cert_sign:
+        raise ConfigError(
+            "identity.ca_certificates", "the first certificate is not a CA (CA:true, keyCertSign)"
+        )
+    key = issuer.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey) or thumbprint(public_jwk(key)) != signer.kid:
+        raise ConfigError(
+            "identity.ca_key", "is not the key of the first certificate in ca_certificates"
+        )
+    for child, parent in itertools.pairwise(chain):
+        try:
+            child.verify_directly_issued_by(parent)
+        except (ValueError, TypeError, InvalidSignature) as exc:
+            raise ConfigError(
+                "identity.ca_certificates",
+                "the certificates do not chain in order (CA first, root last)",
+            ) from exc
+    return IdentityCa(trust_domain, signer, chain, previous, max_lifetime)
+
+
+def _certificates(path: Path, setting: str) -> list[x509.Certificate]:
+    try:
+        found = x509.load_pem_x509_certificates(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(setting, f"not a readable PEM certificate file: {path}") from exc
+    return found
