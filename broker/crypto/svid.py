@@ -247,7 +247,3 @@ def bundle_jwks(
             }
         )
     return {"spiffe_sequence": sequence, "spiffe_refresh_hint": refresh, "keys": keys}
-
-
-def expired_at(certificates: Sequence[x509.Certificate], now: datetime) -> bool:
-    return all(c.not_valid_after_utc <= now for c in certificates)

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from broker.crypto.svid import ATTESTATION_OID
+from broker.crypto.svid import ATTESTATION_OID, attestation_of
 from tests.integration.attested import Runner, admin_post, mint
 from tests.integration.identity import (
     SPIFFE_ID,
@@ -96,6 +96,7 @@ async def test_an_attested_runner_gets_an_svid_that_chains_to_the_bundle(
     extension = leaf.extensions.get_extension_for_oid(ATTESTATION_OID)
     assert extension.critical is False
     carried = json.loads(extension.value.value)  # type: ignore[attr-defined]
+    assert attestation_of(leaf) == extension.value.value  # type: ignore[attr-defined]
     assert carried == {"jti": ear["jti"], "policy_digest": body["policy_digest"]}
     (record,) = _identity_records(broker)
     assert record["result"] == "allow"
