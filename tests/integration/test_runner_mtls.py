@@ -24,7 +24,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.client import BrokerClientError
 from broker.client.identity import Identity
-from broker.client.mtls import PeerRefused, SpiffeConnector, SpiffeContext, guarded, serve
+from broker.client.mtls import (
+    PeerRefused,
+    SpiffeConnector,
+    SpiffeContext,
+    connect,
+    guarded,
+    serve,
+)
 from broker.dev.identity_ca import make_dev_identity_ca
 from tests.integration.attested import ADMIN, admin_post
 from tests.integration.conftest import RunningBroker
@@ -89,6 +96,9 @@ async def test_two_attested_runners_exchange_a_message_over_mtls(
         async with _server(server_id, [SPIFFE_ID], seen) as (port, _):
             context = await client_id.client_context(allowed=lambda i: i == SPIFFE_ID)
             assert await _post(context, port, "activations") == f"hello from {SPIFFE_ID}"
+            _, writer, peer = await connect("127.0.0.1", port, context)  # a raw stream
+            writer.close()
+            assert peer == SPIFFE_ID
             # a client with no certificate at all is refused in the server's handshake
             bare = ssl.create_default_context(cadata=client_id.bundle_pem)
             bare.check_hostname = False
@@ -100,6 +110,8 @@ async def test_two_attested_runners_exchange_a_message_over_mtls(
                 await _post(other, port, "not for you")
             assert refused.value.code == "peer_not_allowed"
             assert refused.value.spiffe_id == SPIFFE_ID
+            with pytest.raises(PeerRefused):
+                await connect("127.0.0.1", port, other)
         # a revoked result gets no new certificate: the broker's error, the old one kept
         jti = client_id.svid.attestation
         revoke = f"/v1/admin/attestations/{jti}/revoke"
