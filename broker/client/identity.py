@@ -101,21 +101,25 @@ class Identity:
                 …): nothing changes, the current certificate stays until it expires.
         """
         async with self._renewing:
-            key = ec.generate_private_key(ec.SECP256R1())
-            csr = (
-                x509.CertificateSigningRequestBuilder()
-                .subject_name(x509.Name([]))
-                .sign(key, hashes.SHA256())
-                .public_bytes(serialization.Encoding.PEM)
-                .decode("ascii")
-            )
-            answer = await self._issue(csr)
-            svid = _svid_of(answer, key)
-            self._bundle_pem = await self._bundle()
-            self.__key, self._svid = key, svid
-            for context in list(self._contexts):
-                await self._load(context)
-            self.renewals += 1
+            await self._renew()
+
+    async def _renew(self) -> None:
+        """Under ``self._renewing``."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        csr = (
+            x509.CertificateSigningRequestBuilder()
+            .subject_name(x509.Name([]))
+            .sign(key, hashes.SHA256())
+            .public_bytes(serialization.Encoding.PEM)
+            .decode("ascii")
+        )
+        answer = await self._issue(csr)
+        svid = _svid_of(answer, key)
+        self._bundle_pem = await self._bundle()
+        self.__key, self._svid = key, svid
+        for context in list(self._contexts):
+            await self._load(context)
+        self.renewals += 1
 
     async def fresh(self) -> Svid:
         """The current certificate, renewed first if two thirds of its life have passed.
@@ -123,9 +127,14 @@ class Identity:
         Raises:
             BrokerClientError: as ``renew``.
         """
-        if self._svid is None or time.time() >= self._svid.renew_after:
-            await self.renew()
+        if self._due():
+            async with self._renewing:
+                if self._due():  # not renewed meanwhile by a concurrent caller
+                    await self._renew()
         return self.svid
+
+    def _due(self) -> bool:
+        return self._svid is None or time.time() >= self._svid.renew_after
 
     async def keep_renewed(self) -> None:
         """Renew at two thirds of each certificate's life, forever (run it as a task; it ends
