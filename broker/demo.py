@@ -20,6 +20,9 @@
    release on the attestation is refused with the revocation's reason.
 8. An auditor fetches the signed checkpoint and proves the allowed decision is included in it,
    through the audit API.
+   Then two runners attest, get workload certificates (SPIFFE X.509-SVIDs) and exchange a
+   message over mTLS; a third, unattested client is refused at the handshake
+   (``broker/demo_identity.py``).
 9. Verify the decision log: creation, allow, deny, attestation, releases on it, the policy
    change, the revocation, the denials; chain intact.
 10. With ``--workdir DIR``, leave DIR a ``broker dev`` workspace (its issuer in ``dev-issuer.json``,
@@ -60,6 +63,7 @@ from broker.config import Settings, load_settings
 from broker.crypto.checkpoint import NoteVerifier, parse_checkpoint
 from broker.crypto.merkle import leaf_hash, verify_inclusion
 from broker.crypto.wrap import key_id
+from broker.demo_identity import IDENTITY_TOML, SPIFFE_PATH, runners_talk, write_identity_ca
 from broker.dev.issuer import ISSUER_FILE, DevIssuer, DevTokenSource, Workload
 from broker.dev.launcher import DevLauncher, serve_dev_launcher
 from broker.dev.workspace import allow_images, write_dev_workspace, write_private_pem
@@ -114,8 +118,10 @@ async def _run(workdir: Path) -> bool:
         now=utc_now(),
         keys_extra={"signing_key": "statement-signing.pem"},
         extra_toml=f'[admin]\ntoken_sha256 = ["{_sha256(admin_token)}"]\n\n'
-        '[attest]\nenabled = true\nsigning_key = "result-signing.pem"\n',
+        '[attest]\nenabled = true\nsigning_key = "result-signing.pem"\n' + IDENTITY_TOML,
+        identities={ALLOWED_DIGEST: SPIFFE_PATH},
     )
+    await asyncio.to_thread(write_identity_ca, workdir)
     await asyncio.to_thread(issuer.save, workdir / ISSUER_FILE)  # as `broker dev init`
     listening = socket.socket()  # bound first: DPoP proofs name its URL ([server] public_urls)
     listening.bind(("127.0.0.1", 0))
@@ -184,6 +190,9 @@ async def _serve_demo(  # noqa: PLR0917 - the demo's state, passed on once
                 return False
             ok = await _runners(client, issuer, storage.url, client_tls, workdir)
             attestation = await _attest_once(client, issuer) if ok else None
+            good = DevTokenSource(issuer, Workload(image_digest=ALLOWED_DIGEST), utc_now)
+            if attestation is not None and not await runners_talk(client, good, _say):
+                return False
             base = f"https://127.0.0.1:{port}"
             ok = (
                 attestation is not None
@@ -540,7 +549,7 @@ def _reopen_workspace(workdir: Path) -> None:
 
 def _label(record: dict[str, Any]) -> str:
     kind = str(record.get("type"))
-    if kind in ("attestation", "attested_release"):
+    if kind in ("attestation", "attested_release", "identity"):
         return f"{kind} {record.get('result')}"
     if kind == "key_admin":  # a change: its intent, then its outcome ("create ok")
         return " ".join(str(part) for part in (record.get("action"), record.get("result")) if part)
@@ -556,8 +565,9 @@ def _audit(log_path: Path) -> bool:
     expected = [
         "create", "create ok", "create", "create ok", "weights-encrypt", "policy_change", "allow",
         "deny",
-        "attestation allow", "attested_release allow", "policy_change", "attestation_revoked",
-        "deny", "attested_release deny",
+        "attestation allow", "attested_release allow", "attestation allow", "identity allow",
+        "attestation allow", "identity allow", "policy_change", "attestation_revoked",
+        "attestation_revoked", "attestation_revoked", "deny", "attested_release deny",
     ]  # fmt: skip
     if results != expected:
         _say("audit", f"FAILED: expected {', '.join(expected)}; found {results}")

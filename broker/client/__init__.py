@@ -13,6 +13,7 @@ wrapped key is useful only to this process.
 
 from broker.client.attested import Attestation
 from broker.client.broker_identity import BrokerIdentity, VerifiedBrokerIdentity
+from broker.client.identity import Identity
 from broker.client.sdk import BrokerClient, BrokerClientError, ProofError, Proven
 from broker.client.tokens import ConfidentialSpaceTokenSource, GpuEvidenceSource, TokenSource
 from broker.client.unwrap import ReleasedDek
@@ -24,6 +25,7 @@ __all__ = [
     "BrokerClientError",
     "ConfidentialSpaceTokenSource",
     "GpuEvidenceSource",
+    "Identity",
     "ProofError",
     "Proven",
     "ReleasedDek",

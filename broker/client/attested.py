@@ -37,6 +37,7 @@ from typing import Any
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from broker.client.identity import Identity
 from broker.client.sdk import BrokerClientError, client_error
 from broker.client.unwrap import ReleasedDek, RunnerSecret, unwrap_release
 from broker.client.weights import key_of_file
@@ -48,6 +49,7 @@ MAX_KEYS_PER_REQUEST = 16  # the broker's limit on one attested release (atteste
 
 Post = Callable[[str, dict[str, Any], dict[str, str]], Awaitable[tuple[int, Any, dict[str, str]]]]
 Attest = Callable[[], Awaitable["AttestedKeys"]]
+Fetch = Callable[[], Awaitable[str]]
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,13 @@ class Attestation:
         post: Post,
         attest: Attest,
         renew_seconds: float = DEFAULT_RENEW_SECONDS,
+        bundle: Fetch | None = None,
     ) -> None:
+        """``bundle``: fetches the SPIFFE bundle's PEM (``BrokerClient.identity_bundle``)."""
         self.__keys = keys
         self._url = base_url + "/v1/release"
+        self._identity_url = base_url + "/v1/identity"
+        self._bundle = bundle
         self._post = post
         self._attest = attest
         self._renew_seconds = renew_seconds
@@ -221,17 +227,41 @@ class Attestation:
             self._nonce = self.__keys.dpop_nonce
             self.renewals += 1
 
+    async def identity(self) -> Identity:
+        """A workload certificate (SPIFFE X.509-SVID) on this result, for a key made here
+        (``broker/client/identity.py``): renewed on this result at two thirds of its life.
+
+        Raises:
+            BrokerClientError: ``identity_denied``, ``attestation_revoked``, ``not_found``
+                (``[identity]`` off), … (docs/api.md).
+        """
+        if self._bundle is None:
+            raise ValueError("this attestation was made without a broker client")
+        made = Identity(self._issue_identity, self._bundle)
+        await made.renew()
+        return made
+
+    async def _issue_identity(self, csr: str) -> dict[str, Any]:
+        await self._fresh()
+        status, answer, _ = await self._send({"csr": csr}, url=self._identity_url)
+        if status != 201 or not isinstance(answer, dict):
+            raise client_error(status, answer)
+        return answer
+
+    async def _fresh(self) -> None:
+        if time.time() >= self.__keys.expires_at - self._renew_seconds:
+            await self.renew()
+
     async def _release_all(
         self, asks: Sequence[tuple[str, int | None]]
     ) -> list[ReleasedDek | BrokerClientError]:
-        if time.time() >= self.__keys.expires_at - self._renew_seconds:
-            await self.renew()
+        await self._fresh()
         body: dict[str, Any] = {
             "keys": [name if v is None else {"key": name, "version": v} for name, v in asks]
         }
         if self.__keys.wrap != "jwe":
             body["wrap"] = self.__keys.wrap
-        status, answer, keys = await self._send(body, renew_allowed=True)
+        status, answer, keys = await self._send(body, url=self._url)
         if status != 200:
             raise client_error(status, answer)
         body_keys = answer.get("keys", []) if isinstance(answer, dict) else []
@@ -243,7 +273,7 @@ class Attestation:
         ]
 
     async def _send(
-        self, body: dict[str, Any], *, renew_allowed: bool
+        self, body: dict[str, Any], *, url: str, renew_allowed: bool = True
     ) -> tuple[int, Any, AttestedKeys]:
         """POST with a proof; once more with the broker's new ``DPoP-Nonce`` when it asks
         (``use_dpop_nonce``), and after attesting again when it no longer knows the result."""
@@ -251,9 +281,9 @@ class Attestation:
             keys = self.__keys
             headers = {
                 "Authorization": f"DPoP {keys.token}",
-                "DPoP": dpop_proof(keys, url=self._url, nonce=self._nonce),
+                "DPoP": dpop_proof(keys, url=url, nonce=self._nonce),
             }
-            status, answer, response_headers = await self._post(self._url, body, headers)
+            status, answer, response_headers = await self._post(url, body, headers)
             self._nonce = response_headers.get("DPoP-Nonce", self._nonce)
             code = _code(answer)
             if status == 401 and code == "use_dpop_nonce" and attempt < 2:

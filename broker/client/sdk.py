@@ -303,7 +303,30 @@ class BrokerClient:
             post=self._exchange,
             attest=attest_once,
             renew_seconds=renew_seconds,
+            bundle=self.identity_bundle,
         )
+
+    async def identity_bundle(self) -> str:
+        """The SPIFFE trust bundle's roots (``GET /v1/identity/bundle?format=pem``), over this
+        client's connection (attested and pinned with a ``broker_identity``).
+
+        Raises:
+            BrokerClientError: ``not_found`` (``[identity]`` off), or ``TRANSPORT_CODES``.
+        """
+        url = self._base_url + "/v1/identity/bundle?format=pem"
+
+        async def attempt(transport_ssl: Any) -> tuple[int, bytes]:
+            async with self._session.get(url, ssl=transport_ssl) as response:
+                return response.status, await response.content.read(MAX_RESPONSE_BYTES + 1)
+
+        status, raw = await self._pinned(url, attempt)
+        if status != 200:
+            try:
+                answer = json.loads(raw)
+            except ValueError:
+                answer = {}
+            raise client_error(status, answer)
+        return raw.decode("ascii", "replace")
 
     async def _evidence(
         self,

@@ -185,11 +185,18 @@ def test_demo_runs_end_to_end(demo: tuple[Path, str]) -> None:
     _, stdout = demo
     assert "denied 403 policy_denied" in stdout
     assert (
-        "decision log verified: 14 records (create, create ok, create, create ok, "
+        "decision log verified: 20 records (create, create ok, create, create ok, "
         "weights-encrypt, policy_change, "
-        "allow, deny, attestation allow, attested_release allow, policy_change, "
-        "attestation_revoked, deny, attested_release deny)" in stdout
+        "allow, deny, attestation allow, attested_release allow, attestation allow, "
+        "identity allow, attestation allow, identity allow, policy_change, "
+        "attestation_revoked, attestation_revoked, attestation_revoked, deny, "
+        "attested_release deny)" in stdout
     )
+    # issue 32: two attested runners over mTLS on their SVIDs; an unattested one refused
+    assert "[mtls] two runners attested and got certificates for spiffe://" in stdout
+    assert "over mTLS, each checked the other's SPIFFE ID: spiffe://" in stdout
+    assert "got 'layer 5 activations'" in stdout
+    assert "a third, unattested client is refused at the handshake" in stdout
     assert "the formerly allowed image is now denied" in stdout
     # attest once: the weights key and a query key on one result, then revoked by the reload
     assert "released models/demo-llama v1 (AES-256) on it with a DPoP proof" in stdout
@@ -245,7 +252,7 @@ async def _release_from_workspace(
         jwk = public_jwk(new_ephemeral_key().public_key())
         minted = await asyncio.to_thread(
             run_process, "dev", "token", str(workdir), "--image", ALLOWED_DIGEST,
-            "--nonce", nonce, "--nonce", thumbprint(jwk),
+            f"--nonce={nonce}", f"--nonce={thumbprint(jwk)}",  # either may start with "-"
         )  # fmt: skip
         assert minted.returncode == 0, minted.stderr
         body = {"key": DEMO_KEY, "nonce": nonce, "evidence": {"gca": minted.stdout.strip()},

@@ -26,6 +26,7 @@ from jwt import PyJWK
 from broker.dev.issuer import ISSUER_FILE, DevIssuer
 from tests.integration.attested import ADMIN, admin_post
 from tests.integration.conftest import RunningBroker
+from tests.integration.identity import IDENTITY_TOML, SPIFFE_ID, with_identity
 from tests.integration.test_admin_and_query_keys import write_signing_key
 from tests.integration.test_attest import ATTEST_TOML, with_result_key
 from tests.integration.test_broker_attestation import Sealed, sealed_broker, socket_dir
@@ -66,6 +67,7 @@ EXPECTED = {  # snippet -> what its output must say
     "Encrypted weights": "read from the middle",
     "Queries and answers": "answer to question",
     "Verifying the broker": f"broker image {ALLOWED} attested until",
+    "Runners talking to runners: workload certificates and mTLS": f"{SPIFFE_ID} got activations",
 }
 
 
@@ -115,9 +117,10 @@ async def test_the_runner_snippets_run_against_a_loopback_broker(
     def setup(workdir: Path) -> None:
         with_result_key(workdir)
         with_query_key_allowed(workdir)
+        with_identity(workdir)
 
     broker: RunningBroker = await start_broker(
-        extra_toml=ATTEST_TOML,
+        extra_toml=ATTEST_TOML + IDENTITY_TOML,
         workdir_setup=setup,
         environ={
             "BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(ADMIN.encode()).hexdigest(),
@@ -149,6 +152,7 @@ async def test_the_runner_snippets_run_against_a_loopback_broker(
     kinds = [r["type"] for r in broker.records()]
     assert "attested_release" in kinds
     assert "release" in kinds
+    assert kinds.count("identity") == 2
 
 
 async def test_the_development_snippet_runs_on_a_dev_init_workspace(

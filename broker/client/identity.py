@@ -1,0 +1,218 @@
+"""A runner's workload identity (issue 32): an X.509-SVID on its attestation result.
+
+``await attestation.identity()`` makes a P-256 key in this process (never the PoP key), sends a
+CSR for it to ``POST /v1/identity`` under the attestation's DPoP proof, and checks that the leaf
+answered certifies that key; the trust bundle comes from ``GET /v1/identity/bundle`` over the
+client's own (attested, pinned) broker connection. The private key has no attribute, accessor
+or repr: it leaves the object only into the ``ssl.SSLContext`` objects it builds.
+
+**How the key gets into OpenSSL.** ``SSLContext.load_cert_chain`` reads files only (no
+in-memory PEM). The key is written encrypted (PKCS#8, AES-256, a random 32-byte password that
+exists only in memory) with the chain to a file made 0600 in a fresh 0700 directory, loaded
+with that password, and the directory is removed at once: the plaintext key never reaches a
+disk, and the encrypted file lives for one load.
+
+**Renewal.** ``fresh()`` (called when a context is built, and by ``keep_renewed``) asks for a new
+certificate, with a new key, once two thirds of the current one's lifetime have passed, and
+reloads it into every context already built (new handshakes use it). A revoked attestation
+gets no certificate: the broker's ``BrokerClientError`` (``attestation_revoked``) is raised and
+the current certificate is kept until it expires on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import ssl
+import tempfile
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from broker.client.mtls import Allowed, SpiffeContext, new_context
+from broker.client.sdk import BrokerClientError
+
+RENEW_AT = 2 / 3  # of a certificate's lifetime
+Issue = Callable[[str], Awaitable[dict[str, Any]]]  # CSR PEM → the 201 answer
+Bundle = Callable[[], Awaitable[str]]  # → the bundle's PEM
+
+
+@dataclass(frozen=True)
+class Svid:
+    """One certificate this identity holds (public parts only)."""
+
+    spiffe_id: str
+    chain_pem: str  # the leaf, then the intermediates
+    not_before: float  # unix seconds
+    not_after: float
+    serial: str
+    attestation: str  # the jti of the attestation it was issued on
+
+    @property
+    def renew_after(self) -> float:
+        return self.not_before + (self.not_after - self.not_before) * RENEW_AT
+
+
+class Identity:
+    """An SVID and its private key; builds mTLS contexts (``broker.client.mtls``)."""
+
+    def __init__(self, issue: Issue, bundle: Bundle) -> None:
+        self._issue = issue
+        self._bundle = bundle
+        self.__key: ec.EllipticCurvePrivateKey | None = None
+        self._svid: Svid | None = None
+        self._bundle_pem = ""
+        self._contexts: weakref.WeakSet[SpiffeContext] = weakref.WeakSet()
+        self._renewing = asyncio.Lock()
+        self.renewals = 0
+
+    def __repr__(self) -> str:
+        svid = self._svid
+        return "Identity(none)" if svid is None else f"Identity({svid.spiffe_id!r}, {svid.serial})"
+
+    @property
+    def svid(self) -> Svid:
+        if self._svid is None:
+            raise RuntimeError("no certificate yet: await attestation.identity()")
+        return self._svid
+
+    @property
+    def spiffe_id(self) -> str:
+        return self.svid.spiffe_id
+
+    @property
+    def bundle_pem(self) -> str:
+        return self._bundle_pem
+
+    async def renew(self) -> None:
+        """A new key and certificate now, and the bundle again; reloaded into every context.
+
+        Raises:
+            BrokerClientError: the broker refused (``attestation_revoked``, ``identity_denied``,
+                …): nothing changes, the current certificate stays until it expires.
+        """
+        async with self._renewing:
+            await self._renew()
+
+    async def _renew(self) -> None:
+        """Under ``self._renewing``."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        csr = (
+            x509.CertificateSigningRequestBuilder()
+            .subject_name(x509.Name([]))
+            .sign(key, hashes.SHA256())
+            .public_bytes(serialization.Encoding.PEM)
+            .decode("ascii")
+        )
+        answer = await self._issue(csr)
+        svid = _svid_of(answer, key)
+        self._bundle_pem = await self._bundle()
+        self.__key, self._svid = key, svid
+        for context in list(self._contexts):
+            await self._load(context)
+        self.renewals += 1
+
+    async def fresh(self) -> Svid:
+        """The current certificate, renewed first if two thirds of its life have passed.
+
+        Raises:
+            BrokerClientError: as ``renew``.
+        """
+        if self._due():
+            async with self._renewing:
+                if self._due():  # not renewed meanwhile by a concurrent caller
+                    await self._renew()
+        return self.svid
+
+    def _due(self) -> bool:
+        return self._svid is None or time.time() >= self._svid.renew_after
+
+    async def keep_renewed(self) -> None:
+        """Renew at two thirds of each certificate's life, forever (run it as a task; it ends
+        with the broker's error when a renewal is refused, e.g. ``attestation_revoked``)."""
+        while True:
+            await asyncio.sleep(max(0.0, self.svid.renew_after - time.time()))
+            await self.fresh()
+
+    async def server_context(self, *, allowed: Allowed) -> SpiffeContext:
+        """A server context: this SVID, client certificates required, ``allowed`` checked by
+        ``mtls.serve``/``mtls.guarded`` after the handshake."""
+        return await self._context(ssl.Purpose.CLIENT_AUTH, allowed)
+
+    async def client_context(self, *, allowed: Allowed) -> SpiffeContext:
+        """A client context: this SVID, the server's chain verified against the bundle,
+        ``allowed`` checked by ``mtls.connect``/``mtls.SpiffeConnector`` before any write."""
+        return await self._context(ssl.Purpose.SERVER_AUTH, allowed)
+
+    async def _context(self, purpose: ssl.Purpose, allowed: Allowed) -> SpiffeContext:
+        await self.fresh()
+        context = new_context(purpose, self._bundle_pem, allowed)
+        await self._load(context)
+        self._contexts.add(context)
+        return context
+
+    async def _load(self, context: ssl.SSLContext) -> None:
+        key, svid = self.__key, self.svid
+        if key is None:
+            raise RuntimeError("no key")
+        password = secrets.token_bytes(32)
+        encrypted = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(password),
+        )
+        folder = await asyncio.to_thread(_write_private, svid.chain_pem.encode() + encrypted)
+        try:
+            context.load_cert_chain(folder / "svid.pem", password=password)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+
+
+def _write_private(data: bytes) -> Path:
+    """A new 0700 directory holding ``svid.pem`` (0600) with ``data``."""
+    folder = Path(tempfile.mkdtemp(prefix="svid-"))
+    descriptor = os.open(folder / "svid.pem", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as out:
+        out.write(data)
+    return folder
+
+
+def _svid_of(answer: dict[str, Any], key: ec.EllipticCurvePrivateKey) -> Svid:
+    """The answer's chain, its leaf checked to certify ``key`` and name the SPIFFE ID given.
+
+    Raises:
+        BrokerClientError: ``bad_response``.
+    """
+    try:
+        chain = x509.load_pem_x509_certificates(str(answer["certificates"]).encode())
+        leaf = chain[0]
+        public = leaf.public_key()
+        uris = leaf.extensions.get_extension_for_class(
+            x509.SubjectAlternativeName
+        ).value.get_values_for_type(x509.UniformResourceIdentifier)
+    except (KeyError, IndexError, ValueError, x509.ExtensionNotFound) as exc:
+        raise BrokerClientError(201, "bad_response", "no certificate chain", {}) from exc
+    mine = key.public_key().public_numbers()
+    if not isinstance(public, ec.EllipticCurvePublicKey) or public.public_numbers() != mine:
+        raise BrokerClientError(201, "bad_response", "the leaf does not certify our key", {})
+    if uris != [answer.get("spiffe_id")]:
+        raise BrokerClientError(201, "bad_response", "the leaf names another SPIFFE ID", {})
+    return Svid(
+        spiffe_id=uris[0],
+        chain_pem="".join(
+            c.public_bytes(serialization.Encoding.PEM).decode("ascii") for c in chain
+        ),
+        not_before=leaf.not_valid_before_utc.timestamp(),
+        not_after=leaf.not_valid_after_utc.timestamp(),
+        serial=str(answer.get("serial", format(leaf.serial_number, "x"))),
+        attestation=str(answer.get("attestation", "")),
+    )

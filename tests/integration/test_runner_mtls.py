@@ -1,0 +1,300 @@
+"""Runners authenticate each other on their SVIDs (issue 32 items 4 and 6): two runners attest
+to a live broker, get certificates through the SDK (``Attestation.identity``) and talk over
+real mTLS on 127.0.0.1; a client with no certificate, a peer with an allowed chain but a
+disallowed SPIFFE ID, an expired leaf and a certificate from another trust domain are each
+refused, and the refused side's application never sees a byte."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ssl
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from broker.client import BrokerClientError
+from broker.client.identity import Identity
+from broker.client.mtls import (
+    PeerRefused,
+    SpiffeConnector,
+    SpiffeContext,
+    connect,
+    guarded,
+    serve,
+)
+from broker.dev.identity_ca import make_dev_identity_ca
+from tests.integration.attested import ADMIN, admin_post
+from tests.integration.conftest import RunningBroker
+from tests.integration.identity import IDENTITY_TOML, SPIFFE_ID, TRUST_DOMAIN, identity_broker
+from tests.integration.identity import with_identity as identity_setup
+from tests.integration.test_attest import ATTEST_TOML, with_result_key
+
+FRONTEND = f"spiffe://{TRUST_DOMAIN}/frontend"  # an ID no runner here holds
+
+
+async def _identity(broker: RunningBroker) -> tuple[Identity, Any]:
+    client = broker.client()
+    attestation = await client.attest(broker.token_source())
+    return await attestation.identity(), client
+
+
+@asynccontextmanager
+async def _server(
+    identity: Identity, allowed: Any, seen: list[str]
+) -> AsyncIterator[tuple[int, SpiffeContext]]:
+    """An aiohttp app on 127.0.0.1 served with ``mtls.serve``; ``seen`` gets each request."""
+
+    async def hello(request: web.Request) -> web.Response:
+        seen.append(await request.text())
+        return web.Response(text=f"hello from {identity.spiffe_id}")
+
+    app = web.Application()
+    app.router.add_post("/", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    context = await identity.server_context(allowed=allowed)
+    server = await serve(runner, "127.0.0.1", 0, context)
+    try:
+        yield server.sockets[0].getsockname()[1], context
+    finally:
+        server.close()
+        await runner.cleanup()
+
+
+async def _post(context: ssl.SSLContext, port: int, text: str) -> str:
+    connector = (
+        SpiffeConnector(context)
+        if isinstance(context, SpiffeContext)
+        else aiohttp.TCPConnector(ssl=context)
+    )
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        session.post(f"https://127.0.0.1:{port}/", data=text) as response,
+    ):
+        return await response.text()
+
+
+async def test_two_attested_runners_exchange_a_message_over_mtls(
+    start_broker: Callable[..., Any],
+) -> None:
+    broker = await identity_broker(start_broker)
+    (server_id, c1), (client_id, c2) = await _identity(broker), await _identity(broker)
+    seen: list[str] = []
+    try:
+        assert server_id.spiffe_id == client_id.spiffe_id == SPIFFE_ID
+        assert "PRIVATE" not in repr(server_id)
+        async with _server(server_id, [SPIFFE_ID], seen) as (port, _):
+            context = await client_id.client_context(allowed=lambda i: i == SPIFFE_ID)
+            assert await _post(context, port, "activations") == f"hello from {SPIFFE_ID}"
+            _, writer, peer = await connect("127.0.0.1", port, context)  # a raw stream
+            writer.close()
+            assert peer == SPIFFE_ID
+            # a client with no certificate at all is refused in the server's handshake
+            bare = ssl.create_default_context(cadata=client_id.bundle_pem)
+            bare.check_hostname = False
+            with pytest.raises(aiohttp.ClientError):
+                await _post(bare, port, "no identity")
+            # a client that allows only another SPIFFE ID refuses this server before writing
+            other = await client_id.client_context(allowed=[FRONTEND])
+            with pytest.raises(PeerRefused) as refused:
+                await _post(other, port, "not for you")
+            assert refused.value.code == "peer_not_allowed"
+            assert refused.value.spiffe_id == SPIFFE_ID
+            with pytest.raises(PeerRefused):
+                await connect("127.0.0.1", port, other)
+        # a revoked result gets no new certificate: the broker's error, the old one kept
+        jti = client_id.svid.attestation
+        revoke = f"/v1/admin/attestations/{jti}/revoke"
+        assert (await admin_post(broker, revoke, {"reason": "test"}))[0] == 200
+        serial = client_id.svid.serial
+        with pytest.raises(BrokerClientError) as revoked:
+            await client_id.renew()
+        assert revoked.value.code == "attestation_revoked"
+        assert client_id.svid.serial == serial
+    finally:
+        await c1.close()
+        await c2.close()
+    assert seen == ["activations"]
+    issued = [r["spiffe_id"] for r in broker.records() if r["type"] == "identity"]
+    assert issued == [SPIFFE_ID, SPIFFE_ID, None]  # the refused renewal is recorded too
+
+
+class _Recorder(asyncio.Protocol):
+    def __init__(self, log: list[bytes]) -> None:
+        self.log = log
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.log.append(b"<connected>")
+
+    def data_received(self, data: bytes) -> None:
+        self.log.append(data)
+
+
+async def _raw_send(context: ssl.SSLContext, port: int) -> bytes:
+    """Connect, write at once, read what comes: an EOF (``b""``) or ``REFUSED`` (a reset or a
+    TLS alert) is a refusal; an accepted peer gets no answer (``TimeoutError``)."""
+    try:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname=""
+        )
+    except (ConnectionError, ssl.SSLError):
+        return REFUSED
+    try:
+        writer.write(b"first application bytes")
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(100), 3)
+    except (ConnectionError, ssl.SSLError):
+        return REFUSED
+    finally:
+        writer.close()
+
+
+REFUSED = b"<refused>"
+
+
+async def test_a_peer_with_a_disallowed_spiffe_id_never_reaches_the_application(
+    start_broker: Callable[..., Any],
+) -> None:
+    broker = await identity_broker(start_broker)
+    (server_id, c1), (client_id, c2) = await _identity(broker), await _identity(broker)
+    log: list[bytes] = []
+    guards: list[Any] = []
+    try:
+        context = await server_id.server_context(allowed=[FRONTEND])
+        loop = asyncio.get_running_loop()
+        factory = guarded(lambda: _Recorder(log), context)
+
+        def counted() -> asyncio.Protocol:
+            guard = factory()
+            guards.append(guard)
+            return guard
+
+        server = await loop.create_server(counted, "127.0.0.1", 0, ssl=context)
+        port = server.sockets[0].getsockname()[1]
+        # no certificate: refused by the server's handshake (the guard never ran)
+        bare = ssl.create_default_context(cadata=client_id.bundle_pem)
+        bare.check_hostname = False
+        assert await _raw_send(bare, port) in {b"", REFUSED}
+        assert len(guards) == 1
+        assert guards[0].refused is None
+        sender = await client_id.client_context(allowed=[SPIFFE_ID])
+        assert await _raw_send(sender, port) in {b"", REFUSED}
+        assert guards[1].refused.code == "peer_not_allowed"
+        # the same client is let in once the server allows its ID: the test can fail
+        context.accept = lambda spiffe_id: spiffe_id == SPIFFE_ID
+        with pytest.raises(TimeoutError):
+            await _raw_send(sender, port)  # nothing is answered; the bytes arrive
+    finally:
+        if guards:
+            server.close()
+        await c1.close()
+        await c2.close()
+    assert log == [b"<connected>", b"first application bytes"]
+
+
+def _foreign_leaf(tmp: Path, key: ec.EllipticCurvePrivateKey, *, trust_domain: str) -> bytes:
+    """A leaf for ``SPIFFE_ID`` signed by a CA of ``trust_domain`` made here, with its chain."""
+    ca = make_dev_identity_ca(tmp, trust_domain, now=datetime.now(UTC))
+    ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    chain = ca.chain.read_bytes()
+    issuer = x509.load_pem_x509_certificates(chain)[0]
+    now = datetime.now(UTC)
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([]))
+        .issuer_name(issuer.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=1))
+        .not_valid_after(now + timedelta(minutes=10))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(SPIFFE_ID)]), True
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return leaf.public_bytes(serialization.Encoding.PEM) + chain
+
+
+def _foreign_pem(tmp: Path, domain: str) -> Path:
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = tmp / f"{domain}.pem"
+    pem.write_bytes(
+        _foreign_leaf(tmp / domain, key, trust_domain=domain)
+        + key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return pem
+
+
+async def test_a_certificate_from_another_trust_domain_is_refused(
+    start_broker: Callable[..., Any], tmp_path: Path
+) -> None:
+    broker = await identity_broker(start_broker)
+    server_id, c1 = await _identity(broker)
+    seen: list[str] = []
+    try:
+        async with _server(server_id, [SPIFFE_ID], seen) as (port, _):
+            for domain, trusted in (("other.invalid", False), (TRUST_DOMAIN, False)):
+                pem = await asyncio.to_thread(_foreign_pem, tmp_path, domain)
+                context = ssl.create_default_context(cadata=server_id.bundle_pem)
+                context.check_hostname = False
+                context.load_cert_chain(pem)
+                with pytest.raises(aiohttp.ClientError):
+                    await _post(context, port, domain)
+                assert not trusted
+    finally:
+        await c1.close()
+    assert seen == []  # a CA named like ours but not the bundle's root is no better
+
+
+SHORT_TOML = ATTEST_TOML.replace("ttl_seconds = 120", "ttl_seconds = 4") + IDENTITY_TOML
+
+
+async def test_an_expired_leaf_is_refused_and_a_renewed_one_accepted(
+    start_broker: Callable[..., Any],
+) -> None:
+    """Results live 4 s here, so certificates do too (a leaf never outlives its result)."""
+
+    def setup(workdir: Path) -> None:
+        with_result_key(workdir)
+        identity_setup(workdir)
+
+    broker = await start_broker(
+        extra_toml=SHORT_TOML,
+        workdir_setup=setup,
+        environ={"BROKER_ADMIN_TOKEN_SHA256": hashlib.sha256(ADMIN.encode()).hexdigest()},
+    )
+    (server_id, c1), (client_id, c2) = await _identity(broker), await _identity(broker)
+    seen: list[str] = []
+    try:
+        assert client_id.svid.not_after - client_id.svid.not_before <= 5
+        async with _server(server_id, [SPIFFE_ID], seen) as (port, _):
+            sender = await client_id.client_context(allowed=[SPIFFE_ID])
+            assert await _post(sender, port, "fresh") == f"hello from {SPIFFE_ID}"
+            await asyncio.sleep(max(0.0, client_id.svid.not_after - datetime.now(UTC).timestamp()))
+            await asyncio.sleep(1.5)
+            await server_id.renew()  # the server's own leaf expired too: renewed in its context
+            with pytest.raises(aiohttp.ClientError):
+                await _post(sender, port, "expired")
+            await client_id.fresh()  # past two thirds: renewed, reloaded into ``sender``
+            assert client_id.renewals == 2
+            assert await _post(sender, port, "renewed") == f"hello from {SPIFFE_ID}"
+    finally:
+        await c1.close()
+        await c2.close()
+    assert seen == ["fresh", "renewed"]
