@@ -192,7 +192,7 @@ def policy_bug(monkeypatch: pytest.MonkeyPatch, *, after: int = 0) -> None:
         nonlocal calls
         calls += 1
         if calls > after:
-            raise RuntimeError("injected bug: secret-ish detail 7f3a")
+            raise RuntimeError("injected bug: secret-ish detail not-hex-Q7f3aZ")
         return await original(engine, policy_input, encoded=encoded)
 
     monkeypatch.setattr(WasmPolicyEngine, "evaluate", evaluate)

@@ -18,7 +18,7 @@ async def test_a_bug_while_deciding_is_recorded_and_nothing_is_released(
     broker: RunningBroker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def broken_normaliser(**_: Any) -> dict[str, Any]:
-        raise RuntimeError("injected bug: secret-ish detail 7f3a")
+        raise RuntimeError("injected bug: secret-ish detail not-hex-Q7f3aZ")
 
     monkeypatch.setattr(release, "build_input", broken_normaliser)
     before = len(broker.records())
@@ -28,7 +28,7 @@ async def test_a_bug_while_deciding_is_recorded_and_nothing_is_released(
                 await client.release(KEY, broker.token_source())
     error = caught.value
     assert (error.status, error.code) == (500, "internal_error")
-    assert "7f3a" not in str(error.details)
+    assert "Q7f3aZ" not in str(error.details)
     assert "wrapped_key" not in error.details
     (record,) = broker.records()[before:]
     assert (record["result"], record["code"]) == ("error", "internal_error")
