@@ -38,6 +38,7 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.client.identity import Identity
+from broker.client.mtls import LiveCheck
 from broker.client.sdk import BrokerClientError, client_error
 from broker.client.unwrap import ReleasedDek, RunnerSecret, unwrap_release
 from broker.client.weights import key_of_file
@@ -99,12 +100,15 @@ class Attestation:
         attest: Attest,
         renew_seconds: float = DEFAULT_RENEW_SECONDS,
         bundle: Fetch | None = None,
+        peer_check: LiveCheck | None = None,
     ) -> None:
-        """``bundle``: fetches the SPIFFE bundle's PEM (``BrokerClient.identity_bundle``)."""
+        """``bundle``: fetches the SPIFFE bundle's PEM (``BrokerClient.identity_bundle``);
+        ``peer_check``: ``BrokerClient.peer_attestation``."""
         self.__keys = keys
         self._url = base_url + "/v1/release"
         self._identity_url = base_url + "/v1/identity"
         self._bundle = bundle
+        self._peer_check = peer_check
         self._post = post
         self._attest = attest
         self._renew_seconds = renew_seconds
@@ -237,7 +241,7 @@ class Attestation:
         """
         if self._bundle is None:
             raise ValueError("this attestation was made without a broker client")
-        made = Identity(self._issue_identity, self._bundle)
+        made = Identity(self._issue_identity, self._bundle, self._peer_check)
         await made.renew()
         return made
 

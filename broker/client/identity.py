@@ -38,7 +38,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.client.mtls import Allowed, SpiffeContext, new_context
+from broker.client.mtls import Allowed, LiveCheck, SpiffeContext, new_context
 from broker.client.sdk import BrokerClientError
 
 RENEW_AT = 2 / 3  # of a certificate's lifetime
@@ -65,9 +65,10 @@ class Svid:
 class Identity:
     """An SVID and its private key; builds mTLS contexts (``broker.client.mtls``)."""
 
-    def __init__(self, issue: Issue, bundle: Bundle) -> None:
+    def __init__(self, issue: Issue, bundle: Bundle, peer_check: LiveCheck | None = None) -> None:
         self._issue = issue
         self._bundle = bundle
+        self._peer_check = peer_check
         self.__key: ec.EllipticCurvePrivateKey | None = None
         self._svid: Svid | None = None
         self._bundle_pem = ""
@@ -143,19 +144,28 @@ class Identity:
             await asyncio.sleep(max(0.0, self.svid.renew_after - time.time()))
             await self.fresh()
 
-    async def server_context(self, *, allowed: Allowed) -> SpiffeContext:
+    async def server_context(
+        self, *, allowed: Allowed, require_live_attestation: bool = False
+    ) -> SpiffeContext:
         """A server context: this SVID, client certificates required, ``allowed`` checked by
-        ``mtls.serve``/``mtls.guarded`` after the handshake."""
-        return await self._context(ssl.Purpose.CLIENT_AUTH, allowed)
+        ``mtls.serve``/``mtls.guarded`` after the handshake; with ``require_live_attestation``,
+        then the peer's attestation (``BrokerClient.peer_attestation``), before any read."""
+        return await self._context(ssl.Purpose.CLIENT_AUTH, allowed, require_live_attestation)
 
-    async def client_context(self, *, allowed: Allowed) -> SpiffeContext:
+    async def client_context(
+        self, *, allowed: Allowed, require_live_attestation: bool = False
+    ) -> SpiffeContext:
         """A client context: this SVID, the server's chain verified against the bundle,
-        ``allowed`` checked by ``mtls.connect``/``mtls.SpiffeConnector`` before any write."""
-        return await self._context(ssl.Purpose.SERVER_AUTH, allowed)
+        ``allowed`` (and, with ``require_live_attestation``, the peer's attestation) checked by
+        ``mtls.connect``/``mtls.SpiffeConnector`` before any write."""
+        return await self._context(ssl.Purpose.SERVER_AUTH, allowed, require_live_attestation)
 
-    async def _context(self, purpose: ssl.Purpose, allowed: Allowed) -> SpiffeContext:
+    async def _context(self, purpose: ssl.Purpose, allowed: Allowed, live: bool) -> SpiffeContext:
+        if live and self._peer_check is None:
+            raise ValueError("require_live_attestation needs an identity made by a broker client")
         await self.fresh()
         context = new_context(purpose, self._bundle_pem, allowed)
+        context.live = self._peer_check if live else None
         await self._load(context)
         self._contexts.add(context)
         return context

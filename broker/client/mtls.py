@@ -16,26 +16,39 @@ Python's ``ssl`` module has no custom verify callback, so the check is split in 
    have sent its first bytes (TLS 1.3 sends them after its own Finished): the server never reads
    them. With TLS 1.3, a client refused by the server's handshake (no or a bad certificate)
    learns it on its first read, as a TLS alert, not while connecting.
+3. **Optionally** (``require_live_attestation=True`` on the ``Identity`` context), right after
+   the SPIFFE ID check and still before any application byte, the attestation the peer's leaf
+   was issued on (its ``ATTESTATION_OID`` extension) must be ``active`` at the broker
+   (``BrokerClient.peer_attestation``): a server pauses reading until the broker answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from cryptography import x509
 
+from broker.crypto.svid import attestation_of
+
 SPIFFE_SCHEME = "spiffe://"
 Allowed = Collection[str] | Callable[[str], bool]
+Peer = bytes | x509.Certificate | ssl.SSLObject | ssl.SSLSocket | None
+LiveCheck = Callable[
+    [Peer], Awaitable[object]
+]  # raises PeerRefused unless the peer's result is live
 
 
 class PeerRefused(Exception):
     """The peer's certificate chained to the bundle, but its SPIFFE ID is not allowed (``code``
-    ``peer_not_allowed``) or it carries no single SPIFFE ID (``peer_no_spiffe_id``)."""
+    ``peer_not_allowed``), it carries no single SPIFFE ID (``peer_no_spiffe_id``), or the
+    attestation it was issued on is revoked (``peer_attestation_revoked``) or unknown to the
+    broker: no extension, expired (``peer_attestation_unknown``)."""
 
     def __init__(self, code: str, message: str, spiffe_id: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
@@ -61,6 +74,7 @@ class SpiffeContext(ssl.SSLContext):
     handshake (``accept``); made by ``Identity.server_context`` / ``client_context``."""
 
     accept: Callable[[str], bool]
+    live: LiveCheck | None = None  # ``require_live_attestation``: run after ``accept``
 
 
 def new_context(purpose: ssl.Purpose, bundle_pem: str, allowed: Allowed) -> SpiffeContext:
@@ -98,6 +112,30 @@ def peer_spiffe_id(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> str:
     return uris[0]
 
 
+def peer_attestation_jti(peer: Peer) -> str:
+    """The ``jti`` in the attestation extension of the peer's leaf (DER, a certificate, or a
+    connection's SSL object).
+
+    Raises:
+        PeerRefused: ``peer_no_spiffe_id`` (no certificate), ``peer_attestation_unknown``.
+    """
+    if isinstance(peer, ssl.SSLObject | ssl.SSLSocket):
+        peer = peer.getpeercert(binary_form=True)
+    if not peer:
+        raise PeerRefused("peer_no_spiffe_id", "the peer presented no certificate")
+    try:
+        certificate = (
+            peer if isinstance(peer, x509.Certificate) else x509.load_der_x509_certificate(peer)
+        )
+        value = attestation_of(certificate)
+        jti = json.loads(value)["jti"] if value is not None else None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise PeerRefused("peer_attestation_unknown", "unreadable attestation extension") from exc
+    if not isinstance(jti, str) or not jti:
+        raise PeerRefused("peer_attestation_unknown", "the certificate names no attestation")
+    return jti
+
+
 def check_peer(transport: asyncio.BaseTransport, context: SpiffeContext) -> str:
     """The peer's SPIFFE ID if ``context`` allows it; else the transport is aborted.
 
@@ -130,6 +168,7 @@ class _Guard(asyncio.Protocol):
         self._context = context
         self._open = False
         self.refused: PeerRefused | None = None
+        self._checking: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         try:
@@ -137,8 +176,32 @@ class _Guard(asyncio.Protocol):
         except PeerRefused as exc:
             self.refused = exc
             return
+        live = self._context.live
+        if live is None:
+            self._open = True
+            self._inner.connection_made(transport)
+            return
+        if isinstance(transport, asyncio.ReadTransport):
+            transport.pause_reading()  # nothing reaches the application until the broker answers
+        self._checking = asyncio.ensure_future(self._check_live(live, transport))
+
+    async def _check_live(self, live: LiveCheck, transport: asyncio.BaseTransport) -> None:
+        try:
+            await live(transport.get_extra_info("ssl_object"))
+        except (PeerRefused, RuntimeError) as exc:  # or BrokerClientError: fail closed
+            self.refused = (
+                exc
+                if isinstance(exc, PeerRefused)
+                else PeerRefused("peer_attestation_unknown", str(exc))
+            )
+            _abort(transport)
+            return
+        if transport.is_closing():
+            return
         self._open = True
         self._inner.connection_made(transport)
+        if isinstance(transport, asyncio.ReadTransport):
+            transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self._open:
@@ -148,6 +211,8 @@ class _Guard(asyncio.Protocol):
         return self._inner.eof_received() if self._open else None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._checking is not None:
+            self._checking.cancel()  # gone while the broker was asked: nothing to hand over
         if self._open:
             self._inner.connection_lost(exc)
 
@@ -185,16 +250,29 @@ async def connect(
     checked before this returns (nothing has been written).
 
     Raises:
-        PeerRefused: the server's SPIFFE ID is not allowed.
+        PeerRefused: the server's SPIFFE ID is not allowed (or its attestation not live).
+        BrokerClientError: ``require_live_attestation`` and the broker did not answer.
         ssl.SSLError: the server's chain does not verify against the bundle.
     """
     reader, writer = await asyncio.open_connection(host, port, ssl=context, server_hostname="")
     try:
-        spiffe_id = check_peer(writer.transport, context)
-    except PeerRefused:
+        spiffe_id = await _checked(writer.transport, context)
+    except Exception:
         writer.close()
         raise
     return reader, writer, spiffe_id
+
+
+async def _checked(transport: asyncio.BaseTransport, context: SpiffeContext) -> str:
+    """``check_peer``, then ``context.live`` (if set); the transport is aborted on a refusal."""
+    spiffe_id = check_peer(transport, context)
+    if context.live is not None:
+        try:
+            await context.live(transport.get_extra_info("ssl_object"))
+        except Exception:
+            _abort(transport)
+            raise
+    return spiffe_id
 
 
 class SpiffeConnector(aiohttp.TCPConnector):
@@ -210,5 +288,5 @@ class SpiffeConnector(aiohttp.TCPConnector):
         transport = protocol.transport
         if transport is None:
             raise PeerRefused("peer_no_spiffe_id", "the connection closed in the handshake")
-        check_peer(transport, self._spiffe)
+        await _checked(transport, self._spiffe)
         return protocol

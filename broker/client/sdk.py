@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.client.broker_identity import BrokerIdentity, BrokerNotAttested, VerifiedBrokerIdentity
 from broker.client.broker_pin import attest_broker
+from broker.client.mtls import Peer, PeerRefused, peer_attestation_jti
 from broker.client.tokens import GpuEvidenceSource, TokenSource
 from broker.client.unwrap import (
     ReleasedDek,
@@ -304,6 +305,7 @@ class BrokerClient:
             attest=attest_once,
             renew_seconds=renew_seconds,
             bundle=self.identity_bundle,
+            peer_check=self.peer_attestation,
         )
 
     async def identity_bundle(self) -> str:
@@ -327,6 +329,39 @@ class BrokerClient:
                 answer = {}
             raise client_error(status, answer)
         return raw.decode("ascii", "replace")
+
+    async def peer_attestation(self, peer: Peer) -> dict[str, Any]:
+        """Whether the attestation a peer runner's certificate was issued on still stands
+        (``GET /v1/attestations/{jti}``, the jti from the leaf's attestation extension): the
+        broker's answer ``{jti, status: "active", expires_at}``. ``peer``: the leaf (DER or
+        ``x509.Certificate``) or a connection's ``ssl_object``.
+
+        Raises:
+            PeerRefused: ``peer_attestation_revoked``, ``peer_attestation_unknown`` (no
+                extension, or the broker does not know it: expired), ``peer_no_spiffe_id``.
+            BrokerClientError: the broker did not answer (``TRANSPORT_CODES``, ``rate_limited``).
+        """
+        jti = peer_attestation_jti(peer)
+        url = self._base_url + "/v1/attestations/" + quote(jti, safe="")
+
+        async def attempt(transport_ssl: Any) -> tuple[int, Any]:
+            async with self._session.get(url, ssl=transport_ssl) as response:
+                raw = await response.content.read(MAX_RESPONSE_BYTES + 1)
+            try:
+                return response.status, json.loads(raw) if raw else {}
+            except ValueError:
+                return response.status, {}
+
+        status, answer = await self._pinned(url, attempt)
+        if status == 404:
+            raise PeerRefused("peer_attestation_unknown", f"the broker knows no attestation {jti}")
+        if status != 200:
+            raise client_error(status, answer)
+        if not isinstance(answer, dict) or answer.get("jti") != jti:
+            raise BrokerClientError(status, "bad_response", "not this attestation's status", {})
+        if answer.get("status") != "active":
+            raise PeerRefused("peer_attestation_revoked", f"attestation {jti} is revoked")
+        return answer
 
     async def _evidence(
         self,

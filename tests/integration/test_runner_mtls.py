@@ -298,3 +298,67 @@ async def test_an_expired_leaf_is_refused_and_a_renewed_one_accepted(
         await c1.close()
         await c2.close()
     assert seen == ["fresh", "renewed"]
+
+
+async def test_a_peer_whose_attestation_is_revoked_is_refused_before_any_byte(
+    start_broker: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Issue 32 item 3: runner A checks runner B's attestation (the jti in B's leaf) at the
+    broker, by hand (``peer_attestation``) and in the handshake helpers
+    (``require_live_attestation``); B passes until its attestation is revoked."""
+    broker = await identity_broker(start_broker)
+    (a_id, a_client), (b_id, b_client) = await _identity(broker), await _identity(broker)
+    seen: list[str] = []
+    log: list[bytes] = []
+    guards: list[Any] = []
+    b_leaf = x509.load_pem_x509_certificates(b_id.svid.chain_pem.encode())[0]
+    try:
+        async with _server(b_id, [SPIFFE_ID], seen) as (port, _):
+            status = await a_client.peer_attestation(b_leaf)
+            assert (status["jti"], status["status"]) == (b_id.svid.attestation, "active")
+            live = await a_id.client_context(allowed=[SPIFFE_ID], require_live_attestation=True)
+            assert await _post(live, port, "before") == f"hello from {SPIFFE_ID}"
+            revoke = f"/v1/admin/attestations/{b_id.svid.attestation}/revoke"
+            assert (await admin_post(broker, revoke, {"reason": "test"}))[0] == 200
+            with pytest.raises(PeerRefused) as refused:
+                await a_client.peer_attestation(b_leaf.public_bytes(serialization.Encoding.DER))
+            assert refused.value.code == "peer_attestation_revoked"
+            with pytest.raises(PeerRefused) as refused:
+                await _post(live, port, "after")
+            assert refused.value.code == "peer_attestation_revoked"
+            with pytest.raises(PeerRefused):
+                await connect("127.0.0.1", port, live)
+            plain = await a_id.client_context(allowed=[SPIFFE_ID])  # the check is opt-in
+            assert await _post(plain, port, "unchecked") == f"hello from {SPIFFE_ID}"
+        # a server that requires a live attestation: B is cut off before its bytes are read
+        context = await a_id.server_context(allowed=[SPIFFE_ID], require_live_attestation=True)
+        factory = guarded(lambda: _Recorder(log), context)
+
+        def counted() -> asyncio.Protocol:
+            guard = factory()
+            guards.append(guard)
+            return guard
+
+        server = await asyncio.get_running_loop().create_server(
+            counted, "127.0.0.1", 0, ssl=context
+        )
+        port = server.sockets[0].getsockname()[1]
+        sender = await b_id.client_context(allowed=[SPIFFE_ID])
+        assert await _raw_send(sender, port) in {b"", REFUSED}
+        assert guards[0].refused.code == "peer_attestation_revoked"
+        with pytest.raises(TimeoutError):  # A's own live attestation is let in
+            await _raw_send(await a_id.client_context(allowed=[SPIFFE_ID]), port)
+        assert guards[1].refused is None
+        # a leaf with no attestation extension names nothing the broker can vouch for
+        key = ec.generate_private_key(ec.SECP256R1())
+        foreign = await asyncio.to_thread(_foreign_leaf, tmp_path, key, trust_domain=TRUST_DOMAIN)
+        with pytest.raises(PeerRefused) as refused:
+            await a_client.peer_attestation(x509.load_pem_x509_certificates(foreign)[0])
+        assert refused.value.code == "peer_attestation_unknown"
+    finally:
+        if guards:
+            server.close()
+        await a_client.close()
+        await b_client.close()
+    assert seen == ["before", "unchecked"]
+    assert log == [b"<connected>", b"first application bytes"]
