@@ -18,6 +18,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from broker.dev.tls import CA_KEY_USAGE
+
 ROOT_DAYS = 3650
 INTERMEDIATE_DAYS = 365
 
@@ -56,17 +58,7 @@ def _ca(
         .not_valid_after(now + timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=path_length), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            CA_KEY_USAGE,
             critical=True,
         )
         # SPIFFE X509-SVID §4.1: a signing certificate may name its trust domain

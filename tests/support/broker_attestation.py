@@ -25,6 +25,7 @@ from cryptography.x509.oid import NameOID
 from broker.core.encoding import b64url_encode
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.dev.issuer import DevIssuer, Workload
+from broker.dev.tls import CA_KEY_USAGE
 from tests.support.issuers import dev_issuer
 
 IMAGE = "sha256:" + "b1" * 32  # the broker image its clients expect
@@ -115,17 +116,7 @@ def _ca(
         .not_valid_after(now + timedelta(days=3650))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            CA_KEY_USAGE,
             critical=True,
         )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
