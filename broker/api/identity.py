@@ -6,12 +6,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from broker.api.body import read_json_object
-from broker.api.middleware import REQUEST_ID
-from broker.api.runner import CHALLENGES, naming_the_log
-from broker.api.services import ATTESTATIONS, CLOCK, KERNEL, SETTINGS
-from broker.core.errors import BrokerError, InputError
-from broker.decisions.attested_request import Presented
+from broker.api.runner import on_result
+from broker.api.services import ATTESTATIONS, CLOCK, SETTINGS
+from broker.core.errors import InputError
 from broker.decisions.identity import IDENTITY_FIELDS, describe
 
 PEM_MEDIA_TYPE = "application/x-pem-file"
@@ -22,24 +19,7 @@ async def issue(request: web.Request) -> web.Response:
     answer, refusals included, carries a fresh ``DPoP-Nonce`` for the next proof."""
     plan = request.app[ATTESTATIONS].require_identity()
     clock = request.app[CLOCK]
-    try:
-        body = await read_json_object(request, required=IDENTITY_FIELDS)
-        hosts = request.headers.getall("Host", [])
-        presented = Presented(  # htu is compared with [server] public_urls, never with Host
-            authorization=request.headers.get("Authorization"),
-            proof=request.headers.get("DPoP"),
-            host=",".join(hosts) if hosts else None,
-        )
-        with naming_the_log(request):
-            issued = await request.app[KERNEL].run(
-                plan, (body, presented), now=clock(), request_id=request[REQUEST_ID]
-            )
-    except BrokerError as exc:
-        exc.headers["DPoP-Nonce"] = plan.server_nonce(clock())
-        challenge = CHALLENGES.get(exc.code)
-        if challenge is not None:
-            exc.headers["WWW-Authenticate"] = f'DPoP algs="ES256", error="{challenge}"'
-        raise
+    issued = await on_result(request, plan, plan.server_nonce, required=IDENTITY_FIELDS)
     return web.json_response(
         describe(issued) | {"log_origin": request.app[SETTINGS].audit.origin},
         status=201,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -19,7 +21,11 @@ from broker.core.errors import BrokerError, ErrorCode, Unauthorized
 from broker.decisions.attest import ATTEST_FIELDS
 from broker.decisions.attested_release import TIMED_STAGES, AttestedRelease, ReleasedOnResult
 from broker.decisions.attested_request import ATTESTED_FIELDS, ATTESTED_OPTIONAL, Presented
+from broker.decisions.kernel import Plan
 from broker.decisions.release import RELEASE_FIELDS, RELEASE_OPTIONAL
+
+Answer = TypeVar("Answer")
+Unverified = tuple[Mapping[str, Any], Presented]  # the body, and what the headers present
 
 
 async def challenge(request: web.Request) -> web.Response:
@@ -99,24 +105,9 @@ async def _release_on_result(request: web.Request) -> web.Response:
     so in ``WWW-Authenticate`` (RFC 9449 §7.1, RFC 6750 §3)."""
     plan = request.app[ATTESTATIONS].require_releases()
     clock = request.app[CLOCK]
-    try:
-        body = await read_json_object(request, required=ATTESTED_FIELDS, optional=ATTESTED_OPTIONAL)
-        hosts = request.headers.getall("Host", [])
-        presented = Presented(  # htu is compared with [server] public_urls, never with Host
-            authorization=request.headers.get("Authorization"),
-            proof=request.headers.get("DPoP"),
-            host=",".join(hosts) if hosts else None,  # two Host fields: refused (a comma)
-        )
-        with naming_the_log(request):
-            released = await request.app[KERNEL].run(
-                plan, (body, presented), now=clock(), request_id=request[REQUEST_ID]
-            )
-    except BrokerError as exc:
-        exc.headers["DPoP-Nonce"] = plan.server_nonce(clock())
-        challenge = CHALLENGES.get(exc.code)
-        if challenge is not None:
-            exc.headers["WWW-Authenticate"] = f'DPoP algs="ES256", error="{challenge}"'
-        raise
+    released = await on_result(
+        request, plan, plan.server_nonce, required=ATTESTED_FIELDS, optional=ATTESTED_OPTIONAL
+    )
     headers = {"DPoP-Nonce": plan.server_nonce(clock()), "Cache-Control": "no-store"}
     if released.stages:  # [server] server_timing: each stage's milliseconds, summed over keys
         headers["Server-Timing"] = server_timing(released.stages, TIMED_STAGES)
@@ -124,6 +115,39 @@ async def _release_on_result(request: web.Request) -> web.Response:
         _describe_release(released) | {"log_origin": request.app[SETTINGS].audit.origin},
         headers=headers,
     )
+
+
+async def on_result(
+    request: web.Request,
+    plan: Plan[Unverified, Any, Any, Answer],
+    server_nonce: Callable[[datetime], str],
+    *,
+    required: Sequence[str],
+    optional: Sequence[str] = (),
+) -> Answer:
+    """Run a plan that admits an attestation result under DPoP (a release on it, an identity):
+    the body and what the headers present (``Host`` only for its syntax: a proof's ``htu`` is
+    compared with ``[server] public_urls``) through the kernel; a refusal carries a fresh
+    ``DPoP-Nonce`` and, for a proof problem, its ``WWW-Authenticate`` challenge."""
+    clock = request.app[CLOCK]
+    try:
+        body = await read_json_object(request, required=required, optional=optional)
+        hosts = request.headers.getall("Host", [])
+        presented = Presented(
+            authorization=request.headers.get("Authorization"),
+            proof=request.headers.get("DPoP"),
+            host=",".join(hosts) if hosts else None,  # two Host fields: refused (a comma)
+        )
+        with naming_the_log(request):
+            return await request.app[KERNEL].run(
+                plan, (body, presented), now=clock(), request_id=request[REQUEST_ID]
+            )
+    except BrokerError as exc:
+        exc.headers["DPoP-Nonce"] = server_nonce(clock())
+        challenge = CHALLENGES.get(exc.code)
+        if challenge is not None:
+            exc.headers["WWW-Authenticate"] = f'DPoP algs="ES256", error="{challenge}"'
+        raise
 
 
 def server_timing(stages: Iterable[tuple[str, float]], names: Sequence[str]) -> str:

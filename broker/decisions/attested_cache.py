@@ -209,7 +209,7 @@ class ResultCache:
         if held is not None and held.audience == audience and keys.get(held.kid) is held.key:
             try:
                 check_ear_times(held.ear, now)
-            except Exception:
+            except AttestationError:
                 del self._held[digest]  # expired (or not yet valid): verified again next time
                 raise
             return held
