@@ -115,6 +115,10 @@ def _validate_sealed(settings: Settings) -> None:
             "keys.signing_key": settings.keys.signing_key,
             "audit.signing_key": _local_key(settings.audit.signing_ref),
             "attest.signing_key": _local_key(settings.attest.signing_ref),
+            # the workload-certificate CA's key: a file the operator holds signs any SPIFFE ID
+            "identity.ca_key": _local_key(settings.identity.ca_key_ref)
+            if settings.identity.enabled
+            else None,
         }
         for key, value in operator_files.items():
             if value is not None:
@@ -154,6 +158,7 @@ def _validate_kms_access(settings: Settings) -> None:
             settings.audit.signing_ref,
             settings.audit.previous_signing_ref,
             settings.attest.signing_ref,
+            settings.identity.ca_key_ref,
         )
     )
     if settings.sealed.launcher_socket is None or not uses_kms:

@@ -23,6 +23,7 @@ class RecordType(StrEnum):
     ATTESTATION = "attestation"
     ATTESTATION_REVOKED = "attestation_revoked"
     IDENTITY = "identity"  # a workload certificate (X.509-SVID) on an attestation result
+    IDENTITY_CA = "identity_ca"  # the workload-certificate CA in force changed (a rotation)
     POLICY_CHANGE = "policy_change"
     POLICY_RELOAD_FAILED = "policy_reload_failed"
     KEY_ADMIN = "key_admin"
@@ -49,7 +50,7 @@ CHANGE_INTENT = "intent"
 KNOWN_TYPES = frozenset(t.value for t in RecordType if t is not RecordType.UNKNOWN)
 # records of a policy decision (``broker policy replay`` re-decides them)
 DECISION_TYPES = frozenset(
-    {RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.ATTESTATION}
+    {RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.ATTESTATION, RecordType.IDENTITY}
 )
 
 

@@ -59,6 +59,7 @@ SEVERITY = {
     ("attested_release", "error"): 3,
     ("attestation_revoked", None): 5,
     ("identity", "allow"): 6,
+    ("identity_ca", None): 5,  # the CA in force changed
     ("policy_change", None): 5,
     ("key_admin", None): 5,  # a key change's intent (or a read: backup, weights-*)
     ("key_admin", "ok"): 5,  # its outcome: made
@@ -237,12 +238,12 @@ def _query(log: Path, records: list[dict[str, Any]], jti: str) -> None:
 
 def _replay(log: Path, policies: Path) -> None:
     lines = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies)))
-    # 2 full-evidence releases, 3 attestations and 4 keys decided on results, all re-decided
-    # the same; skipped: the key withdrawn by the bug (error), the key it never decided, the
-    # release refused before its key
+    # 2 full-evidence releases, 3 attestations, 4 keys decided on results and 1 workload
+    # certificate, all re-decided the same; skipped: the key withdrawn by the bug (error), the
+    # key it never decided, the release refused before its key
     assert lines[-1]["summary"] == {
-        "decisions": 9, "unchanged": 9, "allow_to_deny": 0, "deny_to_allow": 0,
-        "reasons_changed": 0, "skipped": 3,
+        "decisions": 10, "unchanged": 10, "allow_to_deny": 0, "deny_to_allow": 0,
+        "spiffe_id_changed": 0, "reasons_changed": 0, "skipped": 3,
     }  # fmt: skip
     denied = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies),
                      "--key", DENIED_KEY))  # fmt: skip
@@ -288,7 +289,7 @@ def _an_unknown_type_is_read_as_unknown(log: Path, known: int, policies: Path) -
     rows = _rows(str(log), "--who", "broker v99")
     assert [r["type"] for r in rows] == ["from_a_newer_broker"]
     replayed = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies)))
-    assert replayed[-1]["summary"]["decisions"] == 9  # not a decision it can re-decide
+    assert replayed[-1]["summary"]["decisions"] == 10  # not a decision it can re-decide
     assert syslog_message(line).startswith(b"<37>1 ")  # auth, notice
     with pytest.raises(RecordError, match="not a record"):
         parse_record(b"[1]")
