@@ -125,6 +125,12 @@ class ErrorCode(StrEnum):
     IDENTITY_NOT_ALLOWED = "identity_not_allowed"
     IDENTITY_DENIED = "identity_denied"
     IDENTITY_CA_UNAVAILABLE = "identity_ca_unavailable"
+    # the KBS facade's answers (issue 33): a guest's tee-pubkey whose kty/crv/alg stock guests do
+    # not use (400), or whose members make no key of the allowed size (400); a member the
+    # answer's protected header would carry that is not an ASCII string or an integer (400)
+    TEE_PUBKEY_UNSUPPORTED = "tee_pubkey_unsupported"
+    TEE_PUBKEY_INVALID = "tee_pubkey_invalid"
+    KBS_HEADER_MEMBER_INVALID = "kbs_header_member_invalid"
 
 
 class BrokerError(Exception):

@@ -52,6 +52,7 @@ LAYER_OF: dict[str, int] = {
     "broker.audit.publisher": ADAPTER,
     "broker.audit.sink": ADAPTER,
     "broker.audit.witness": ADAPTER,
+    "broker.kbs": DOMAIN,  # the KBS protocol's wire pieces (constants, report data, errors)
     "broker.keys": DOMAIN,
     "broker.keys.store": ADAPTER,
     "broker.keys.store.base": DOMAIN,
