@@ -50,6 +50,7 @@ from broker.config.sections import (
     SealedSettings,
     ServerSettings,
     Settings,
+    TdxSettings,
     default_replica_id,
     split_listen,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "SealedSettings",
     "ServerSettings",
     "Settings",
+    "TdxSettings",
     "default_replica_id",
     "is_development_issuer",
     "is_loopback",
@@ -172,6 +174,7 @@ def settings_from_mapping(
         "attest",
         "identity",
         "sealed",
+        "tdx",
     }
     for key in raw:
         if key not in known:
@@ -212,6 +215,7 @@ def settings_from_mapping(
         config_table(IdentitySettings, "identity", raw, env, base_dir), base_dir
     )
     sealed = config_table(SealedSettings, "sealed", raw, env, base_dir)
+    tdx = config_table(TdxSettings, "tdx", raw, env, base_dir)
     if not sealed.token_audience:
         sealed = replace(sealed, token_audience=server.audience)
     settings = Settings(
@@ -226,6 +230,7 @@ def settings_from_mapping(
         nonces=nonces,
         attest=attest,
         identity=identity,
+        tdx=tdx,
     )
     validate_settings(settings)
     return settings

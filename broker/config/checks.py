@@ -19,6 +19,7 @@ from broker.config.sections import (
     NvidiaSettings,
     PolicySettings,
     ServerSettings,
+    TdxSettings,
     split_listen,
 )
 from broker.core.errors import ConfigError
@@ -218,6 +219,19 @@ def validate_nvidia(nvidia: NvidiaSettings) -> None:
         raise ConfigError("nvidia", "timeouts and cache lifetimes must be positive")
     if nvidia.ocsp_cache_seconds < 0:
         raise ConfigError("nvidia.ocsp_cache_seconds", "must not be negative")
+
+
+def validate_tdx(tdx: TdxSettings) -> None:
+    for key in ("pccs_url", "root_ca_crl_url"):
+        url = getattr(tdx, key)
+        if url is not None and not url_allowed(url):
+            raise ConfigError(f"tdx.{key}", "must be https (http only on loopback)")
+    if tdx.collateral_dir is not None and not tdx.collateral_dir.is_dir():
+        raise ConfigError("tdx.collateral_dir", f"no such directory: {tdx.collateral_dir}")
+    if not tdx.root_certificate.is_file():
+        raise ConfigError("tdx.root_certificate", f"no such file: {tdx.root_certificate}")
+    if tdx.refresh_seconds <= 0 or tdx.upstream_timeout_seconds <= 0:
+        raise ConfigError("tdx", "refresh_seconds and upstream_timeout_seconds must be positive")
 
 
 def url_allowed(url: str) -> bool:

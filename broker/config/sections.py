@@ -117,6 +117,26 @@ class NvidiaSettings:
         return self.device_root is not None
 
 
+# The Intel SGX Root CA shipped in certs/ (fingerprint in certs/README.md)
+SHIPPED_INTEL_SGX_ROOT = Path(__file__).resolve().parents[1] / "shipped/certs/intel_sgx_root_ca.pem"
+
+
+@dataclass(frozen=True)
+class TdxSettings:
+    """Raw Intel TDX quotes (issue 33): DCAP collateral from files and/or a PCS/PCCS."""
+
+    pccs_url: str | None = None  # PCS v4 API base, e.g. https://api.trustedservices.intel.com
+    root_ca_crl_url: str | None = None  # default: <pccs_url>/sgx/certification/v4/rootcacrl
+    collateral_dir: Path | None = None  # dcap-qvl collateral JSON files, read first
+    root_certificate: Path = SHIPPED_INTEL_SGX_ROOT  # the only trust anchor
+    refresh_seconds: int = 3600  # refetch after this, or this long before a nextUpdate
+    upstream_timeout_seconds: int = 10
+
+    @property
+    def enabled(self) -> bool:
+        return self.pccs_url is not None or self.collateral_dir is not None
+
+
 @dataclass(frozen=True)
 class PolicySettings:
     """``[policy]``: which engine decides, and where the policy comes from (docs/policy.md)."""
@@ -350,6 +370,7 @@ class Settings:
     attest: AttestSettings = field(default_factory=AttestSettings)
     identity: IdentitySettings = field(default_factory=IdentitySettings)
     sealed: SealedSettings = field(default_factory=SealedSettings)
+    tdx: TdxSettings = field(default_factory=TdxSettings)
 
 
 def split_listen(listen: str) -> tuple[str, int]:

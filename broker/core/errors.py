@@ -131,6 +131,19 @@ class ErrorCode(StrEnum):
     TEE_PUBKEY_UNSUPPORTED = "tee_pubkey_unsupported"
     TEE_PUBKEY_INVALID = "tee_pubkey_invalid"
     KBS_HEADER_MEMBER_INVALID = "kbs_header_member_invalid"
+    # raw Intel TDX quotes (issue 33, attestation/raw/tdx.py): the quote does not parse or is
+    # not a TDX ECDSA quote (401); its signatures, QE or PCK chain do not verify (401); the TCB
+    # is Revoked or below every level Intel lists (401); the TD's attributes are refused (debug,
+    # reserved bits, migration: 401); the collateral is malformed, does not verify or is not
+    # for this platform (401) or is past its nextUpdate (401); none could be had (503)
+    TDX_QUOTE_MALFORMED = "tdx_quote_malformed"
+    TDX_QUOTE_INVALID = "tdx_quote_invalid"
+    TDX_TCB_REVOKED = "tdx_tcb_revoked"
+    TDX_TCB_UNSUPPORTED = "tdx_tcb_unsupported"
+    TDX_TD_ATTRIBUTES_REFUSED = "tdx_td_attributes_refused"
+    TDX_COLLATERAL_INVALID = "tdx_collateral_invalid"
+    TDX_COLLATERAL_EXPIRED = "tdx_collateral_expired"
+    TDX_COLLATERAL_UNAVAILABLE = "tdx_collateral_unavailable"
 
 
 class BrokerError(Exception):
