@@ -50,6 +50,7 @@ from broker.config.sections import (
     SealedSettings,
     ServerSettings,
     Settings,
+    SnpSettings,
     default_replica_id,
     split_listen,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "KeySettings",
     "NonceSettings",
     "NvidiaSettings",
+    "SnpSettings",
     "PolicySettings",
     "SealedSettings",
     "ServerSettings",
@@ -167,6 +169,7 @@ def settings_from_mapping(
         "keys",
         "audit",
         "nvidia",
+        "snp",
         "admin",
         "nonces",
         "attest",
@@ -190,6 +193,7 @@ def settings_from_mapping(
         previous = audit.previous_signing_ref.uri
         audit = replace(audit, previous_signing_key=str(resolve_path(base_dir, previous)))
     nvidia = config_table(NvidiaSettings, "nvidia", raw, env, base_dir)
+    snp = config_table(SnpSettings, "snp", raw, env, base_dir)
     nonces = config_table(NonceSettings, "nonces", raw, env, base_dir)
     if nonces.challenge_key is None:
         nonces = replace(nonces, challenge_key=audit.log.parent / "challenge.key")
@@ -222,6 +226,7 @@ def settings_from_mapping(
         keys=keys,
         audit=audit,
         nvidia=nvidia,
+        snp=snp,
         admin=admin,
         nonces=nonces,
         attest=attest,

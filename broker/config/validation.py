@@ -20,6 +20,7 @@ from broker.config.checks import (
     validate_nvidia,
     validate_policy,
     validate_server,
+    validate_snp,
 )
 from broker.config.sections import ServerSettings, Settings, split_listen
 from broker.core.errors import ConfigError
@@ -84,6 +85,7 @@ def validate_settings(settings: Settings) -> None:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     validate_nvidia(settings.nvidia)
+    validate_snp(settings.snp)
     validate_nonces(settings.nonces)
     validate_attest(settings.attest, made_by_broker=makes_keys(settings))
     validate_identity(settings.identity, attest_enabled=settings.attest.enabled)

@@ -37,6 +37,7 @@ LAYER_OF: dict[str, int] = {
     "broker.attestation": DOMAIN,
     "broker.attestation.jwks_sources": ADAPTER,
     "broker.attestation.nvidia.sources": ADAPTER,
+    "broker.attestation.raw.snp_certs": ADAPTER,  # AMD certificates: files, KDS
     "broker.attestation.service": ADAPTER,
     "broker.policy": DOMAIN,
     "broker.policy.manager": ADAPTER,
