@@ -20,7 +20,7 @@ from broker.attestation import pipeline
 from broker.attestation.issuers import DEFAULT_ALGORITHMS, IssuerSettings
 from broker.attestation.nvidia import local
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
-from broker.cli import verify_tdx
+from broker.cli import verify_snp, verify_tdx
 from broker.core.errors import AttestationError, ConfigError
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
@@ -42,7 +42,7 @@ DEFAULT_ISSUERS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("kind", choices=["gca", "ita", "nras", "nvidia", "broker", "tdx"])
+    parser.add_argument("kind", choices=["gca", "ita", "nras", "nvidia", "broker", "tdx", "snp"])
     parser.add_argument(
         "files",
         nargs="+",
@@ -96,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="broker: trust its TLS certificate through a CA (default) or only through the "
         "attestation that binds its key (a sealed broker's own, self-signed certificate)",
     )
+    verify_snp.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     at = _time(args.at)
     if args.kind == "tdx":
         return verify_tdx.run(args, at)
+    if args.kind == "snp":
+        return verify_snp.run(args, at)
     evidence = {args.kind: _evidence(args)}
     issuer = _issuer_trust(args, evidence)
     trust = Trust(

@@ -50,6 +50,7 @@ from broker.config.sections import (
     SealedSettings,
     ServerSettings,
     Settings,
+    SnpSettings,
     TdxSettings,
     default_replica_id,
     split_listen,
@@ -90,6 +91,7 @@ __all__ = [
     "KeySettings",
     "NonceSettings",
     "NvidiaSettings",
+    "SnpSettings",
     "PolicySettings",
     "SealedSettings",
     "ServerSettings",
@@ -169,6 +171,7 @@ def settings_from_mapping(
         "keys",
         "audit",
         "nvidia",
+        "snp",
         "admin",
         "nonces",
         "attest",
@@ -193,6 +196,7 @@ def settings_from_mapping(
         previous = audit.previous_signing_ref.uri
         audit = replace(audit, previous_signing_key=str(resolve_path(base_dir, previous)))
     nvidia = config_table(NvidiaSettings, "nvidia", raw, env, base_dir)
+    snp = config_table(SnpSettings, "snp", raw, env, base_dir)
     nonces = config_table(NonceSettings, "nonces", raw, env, base_dir)
     if nonces.challenge_key is None:
         nonces = replace(nonces, challenge_key=audit.log.parent / "challenge.key")
@@ -226,6 +230,7 @@ def settings_from_mapping(
         keys=keys,
         audit=audit,
         nvidia=nvidia,
+        snp=snp,
         admin=admin,
         nonces=nonces,
         attest=attest,

@@ -19,6 +19,7 @@ from broker.config.sections import (
     NvidiaSettings,
     PolicySettings,
     ServerSettings,
+    SnpSettings,
     TdxSettings,
     split_listen,
 )
@@ -232,6 +233,19 @@ def validate_tdx(tdx: TdxSettings) -> None:
         raise ConfigError("tdx.root_certificate", f"no such file: {tdx.root_certificate}")
     if tdx.refresh_seconds <= 0 or tdx.upstream_timeout_seconds <= 0:
         raise ConfigError("tdx", "refresh_seconds and upstream_timeout_seconds must be positive")
+
+
+def validate_snp(snp: SnpSettings) -> None:
+    if snp.certs_dir is not None and not snp.certs_dir.is_dir():
+        raise ConfigError("snp.certs_dir", f"no such directory: {snp.certs_dir}")
+    if snp.roots is not None and not snp.roots.is_file():
+        raise ConfigError("snp.roots", f"no such file: {snp.roots}")
+    if snp.kds_url is not None and not url_allowed(snp.kds_url):
+        raise ConfigError("snp.kds_url", "must be https (http only on loopback)")
+    if not 0 <= snp.max_vmpl <= 3:
+        raise ConfigError("snp.max_vmpl", "must be 0 to 3")
+    if snp.kds_timeout_seconds <= 0:
+        raise ConfigError("snp.kds_timeout_seconds", "must be positive")
 
 
 def url_allowed(url: str) -> bool:

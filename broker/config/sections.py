@@ -138,6 +138,19 @@ class TdxSettings:
 
 
 @dataclass(frozen=True)
+class SnpSettings:
+    """``[snp]``: AMD SEV-SNP reports the broker verifies itself (Confidential Containers guests,
+    tee ``snp``; docs/evidence.md). The VCEK/VLEK comes from the guest's ``cert_chain``, then
+    ``certs_dir``, then AMD's key distribution service at ``kds_url``."""
+
+    kds_url: str | None = None  # e.g. https://kdsintf.amd.com ; unset: VCEKs are never fetched
+    certs_dir: Path | None = None  # VCEKs, VLEKs, ASKs, ASVKs (DER or PEM), read at start-up
+    roots: Path | None = None  # PEM of the AMD ARKs to pin; unset: certs/amd_sev_snp_roots.pem
+    max_vmpl: int = 0  # a report asked for from a higher VMPL is refused (snp_vmpl_refused)
+    kds_timeout_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
 class PolicySettings:
     """``[policy]``: which engine decides, and where the policy comes from (docs/policy.md)."""
 
@@ -365,6 +378,7 @@ class Settings:
     keys: KeySettings = field(default_factory=KeySettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
     nvidia: NvidiaSettings = field(default_factory=NvidiaSettings)
+    snp: SnpSettings = field(default_factory=SnpSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
     nonces: NonceSettings = field(default_factory=NonceSettings)
     attest: AttestSettings = field(default_factory=AttestSettings)

@@ -20,6 +20,7 @@ from broker.config.checks import (
     validate_nvidia,
     validate_policy,
     validate_server,
+    validate_snp,
     validate_tdx,
 )
 from broker.config.sections import ServerSettings, Settings, split_listen
@@ -86,6 +87,7 @@ def validate_settings(settings: Settings) -> None:
             raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     validate_nvidia(settings.nvidia)
     validate_tdx(settings.tdx)
+    validate_snp(settings.snp)
     validate_nonces(settings.nonces)
     validate_attest(settings.attest, made_by_broker=makes_keys(settings))
     validate_identity(settings.identity, attest_enabled=settings.attest.enabled)

@@ -144,6 +144,24 @@ class ErrorCode(StrEnum):
     TDX_COLLATERAL_INVALID = "tdx_collateral_invalid"
     TDX_COLLATERAL_EXPIRED = "tdx_collateral_expired"
     TDX_COLLATERAL_UNAVAILABLE = "tdx_collateral_unavailable"
+    # AMD SEV-SNP attestation reports verified by the broker (issue 33, attestation/raw/snp*.py):
+    # the report or the guest's evidence object does not parse, or is of a version not read (401);
+    # its CPU is no product known (401); it is signed by no VCEK/VLEK ECDSA P-384 key (401); the
+    # VCEK/VLEK does not chain to a pinned AMD root at that time (401); the signature does not
+    # verify (401); the certificate's TCB or hardware id is not the report's (401); the report
+    # was asked for from a VMPL above [snp] max_vmpl (401); no VCEK/VLEK to be had (401); AMD's
+    # key distribution service could not be reached (503)
+    SNP_REPORT_MALFORMED = "snp_report_malformed"
+    SNP_REPORT_VERSION_UNSUPPORTED = "snp_report_version_unsupported"
+    SNP_PRODUCT_UNKNOWN = "snp_product_unknown"
+    SNP_SIGNING_KEY_UNSUPPORTED = "snp_signing_key_unsupported"
+    SNP_CERT_CHAIN_INVALID = "snp_cert_chain_invalid"
+    SNP_SIGNATURE_INVALID = "snp_signature_invalid"
+    SNP_TCB_MISMATCH = "snp_tcb_mismatch"
+    SNP_CHIP_ID_MISMATCH = "snp_chip_id_mismatch"
+    SNP_VMPL_REFUSED = "snp_vmpl_refused"
+    SNP_VEK_MISSING = "snp_vek_missing"
+    SNP_KDS_UNAVAILABLE = "snp_kds_unavailable"
 
 
 class BrokerError(Exception):

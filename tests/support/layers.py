@@ -38,6 +38,7 @@ LAYER_OF: dict[str, int] = {
     "broker.attestation.jwks_sources": ADAPTER,
     "broker.attestation.nvidia.sources": ADAPTER,
     "broker.attestation.raw.tdx_sources": ADAPTER,  # DCAP collateral: files, PCS/PCCS
+    "broker.attestation.raw.snp_certs": ADAPTER,  # AMD certificates: files, KDS
     "broker.attestation.service": ADAPTER,
     "broker.policy": DOMAIN,
     "broker.policy.manager": ADAPTER,
