@@ -69,6 +69,7 @@ from broker.audit.records import LogCorrupt
 from broker.audit.sink import AuditSink
 from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
+from broker.console.web import install as install_console
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
 from broker.core.refs import (
@@ -135,6 +136,7 @@ def create_app(
     group = workers or WorkerGroup.for_log(settings.audit.log, {})
     app.cleanup_ctx.append(functools.partial(_services, group=group))
     register(app, settings.server)
+    install_console(app)  # /console (docs/console.md): served while a token holds auditor
     return app
 
 

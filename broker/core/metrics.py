@@ -157,6 +157,16 @@ class Metrics:
         ocsp)."""
         return self.outbound.labels(kind).inc
 
+    def value(self, name: str) -> float:
+        """A sample's value (``broker_audit_sink_dropped_total``): this registry's, or with
+        workers the sum over every worker's files (then blocking: a thread). 0 if none."""
+        directory = os.environ.get(MULTIPROCESS_ENV)
+        registry = self.registry
+        if directory:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        return registry.get_sample_value(name) or 0.0
+
     def render(self) -> bytes:
         """The exposition: this registry, or with workers the sum over every worker's files."""
         directory = os.environ.get(MULTIPROCESS_ENV)

@@ -1,0 +1,78 @@
+"""What the console's tests share: a broker with an auditor token (and a key-admin token that
+must not open the console), and an HTTP client that logs in as a browser does."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from http.cookies import SimpleCookie
+from typing import Any
+
+import aiohttp
+from multidict import CIMultiDictProxy
+
+from tests.integration.conftest import RunningBroker
+
+AUDITOR_TOKEN = "console-auditor-token-7c1e9a"
+KEY_ADMIN_TOKEN = "console-key-admin-token-2b8d40"
+COOKIE = "__Host-console-session"
+CONSOLE_TOML = f"""
+[[admin.tokens]]
+sha256 = "{hashlib.sha256(AUDITOR_TOKEN.encode()).hexdigest()}"
+roles = ["auditor"]
+
+[[admin.tokens]]
+sha256 = "{hashlib.sha256(KEY_ADMIN_TOKEN.encode()).hexdigest()}"
+roles = ["key-admin"]
+"""
+
+
+async def console_broker(start_broker: Callable[..., Any], **kwargs: Any) -> RunningBroker:
+    extra = CONSOLE_TOML + kwargs.pop("extra_toml", "")
+    broker: RunningBroker = await start_broker(extra_toml=extra, **kwargs)
+    return broker
+
+
+class Browser:
+    """Requests as the console's pages make them: same origin, the session cookie by hand
+    (aiohttp's jar keeps no cookie for an IP address)."""
+
+    def __init__(self, broker: RunningBroker, session: aiohttp.ClientSession) -> None:
+        self.broker = broker
+        self.session = session
+        self.cookie: str | None = None
+
+    def headers(self, origin: str | None = "own") -> dict[str, str]:
+        headers = {} if self.cookie is None else {"Cookie": f"{COOKIE}={self.cookie}"}
+        if origin is not None:
+            headers["Origin"] = self.broker.url if origin == "own" else origin
+        return headers
+
+    async def get(self, path: str) -> tuple[int, CIMultiDictProxy[str], str]:
+        async with self.session.get(
+            self.broker.url + path,
+            headers=self.headers(origin=None),
+            ssl=self.broker.client_tls,
+            allow_redirects=False,
+        ) as response:
+            return response.status, response.headers, await response.text()
+
+    async def post(
+        self, path: str, form: dict[str, str] | None = None, *, origin: str | None = "own"
+    ) -> tuple[int, aiohttp.ClientResponse, str]:
+        async with self.session.post(
+            self.broker.url + path,
+            data=form or {},
+            headers=self.headers(origin),
+            ssl=self.broker.client_tls,
+            allow_redirects=False,
+        ) as response:
+            return response.status, response, await response.text()
+
+    async def login(self, token: str = AUDITOR_TOKEN) -> SimpleCookie:
+        status, response, body = await self.post("/console/login", {"token": token})
+        assert status == 303, body
+        jar: SimpleCookie = SimpleCookie()
+        jar.load(response.headers["Set-Cookie"])
+        self.cookie = jar[COOKIE].value
+        return jar
