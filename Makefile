@@ -25,6 +25,8 @@ K8S_OPENAPI := $(VENV)/k8s-openapi-$(KUBERNETES_VERSION).json
 # Debian packages the tests need (installed by `make test` when missing).
 SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
 REDIS := /usr/bin/redis-server
+# Debian's Chromium and its driver: the console's browser test (tests/integration/test_console_browser.py).
+CHROMEDRIVER := /usr/bin/chromedriver
 
 .PHONY: demo test lint typecheck pytest policy-test bench soak clean postgresql deploy-tools deploy-check image image-lock
 
@@ -37,7 +39,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) $(OPA)
 	$(BIN)/broker demo
 
-test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools lint typecheck policy-test pytest
 
 # The layer contract (docs/architecture.md) is part of lint: an import up the layers fails here.
 lint: $(STAMP)
@@ -59,6 +61,12 @@ $(SOFTHSM):
 $(REDIS):
 	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq redis-server) \
 	  || (echo "install redis-server for the shared nonce store tests" >&2; exit 1)
+
+# Chromium and chromium-driver (the console's browser test) come from Debian too: no browser
+# download; Selenium is given both paths.
+$(CHROMEDRIVER):
+	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) \
+	  || (echo "install chromium and chromium-driver for the console's browser test" >&2; exit 1)
 
 # PostgreSQL server binaries (shared nonce store tests): usually present; else from Debian.
 postgresql:
@@ -106,7 +114,7 @@ policy-test: $(STAMP) $(OPA)
 
 # Three workers on two cores: much of the suite waits on broker processes, OPA and disks.
 PYTEST_WORKERS ?= 3
-pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools
+pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 bench: $(STAMP) $(OPA) $(FAKE_GCS)

@@ -1,17 +1,21 @@
-"""What the console's tests share: a broker with an auditor token (and a key-admin token that
-must not open the console), and an HTTP client that logs in as a browser does."""
+"""What the console's tests share: a broker with an auditor token (and an admin token without
+that role, which must not open the console), a per-key policy whose deny reason holds a script,
+and an HTTP client that logs in as a browser does."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from http.cookies import SimpleCookie
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from multidict import CIMultiDictProxy
 
 from tests.integration.conftest import RunningBroker
+from tests.support.constants import KEY
 
 AUDITOR_TOKEN = "console-auditor-token-7c1e9a"
 KEY_ADMIN_TOKEN = "console-key-admin-token-2b8d40"
@@ -23,8 +27,24 @@ roles = ["auditor"]
 
 [[admin.tokens]]
 sha256 = "{hashlib.sha256(KEY_ADMIN_TOKEN.encode()).hexdigest()}"
-roles = ["key-admin"]
+roles = ["key-admin", "policy-admin"]
 """
+
+OTHER_IMAGE = "sha256:" + "0" * 64
+XSS_REASON = "<script>document.title='pwned'</script> no release for this image"
+# A per-key policy added to the workspace's: a deny reason a page must show as text.
+XSS_POLICY = f"""package broker.key_policies.console_test
+
+import rego.v1
+
+applies_to := [{json.dumps(KEY)}]
+
+deny contains {json.dumps(XSS_REASON)} if input.tee.workload.image_digest == "{OTHER_IMAGE}"
+"""
+
+
+def with_xss_reason(workdir: Path) -> None:
+    (workdir / "policies" / "broker" / "xss_reason.rego").write_text(XSS_POLICY)
 
 
 async def console_broker(start_broker: Callable[..., Any], **kwargs: Any) -> RunningBroker:

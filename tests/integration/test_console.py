@@ -18,26 +18,13 @@ from tests.integration.console import (
     AUDITOR_TOKEN,
     COOKIE,
     KEY_ADMIN_TOKEN,
+    OTHER_IMAGE,
+    XSS_REASON,
     Browser,
     console_broker,
+    with_xss_reason,
 )
 from tests.support.constants import KEY
-
-OTHER_IMAGE = "sha256:" + "0" * 64
-XSS_REASON = "<script>document.title='pwned'</script> no release for this image"
-# A per-key policy added to the workspace's: a deny reason a page must show as text.
-XSS_POLICY = f"""package broker.key_policies.console_test
-
-import rego.v1
-
-applies_to := [{json.dumps(KEY)}]
-
-deny contains {json.dumps(XSS_REASON)} if input.tee.workload.image_digest == "{OTHER_IMAGE}"
-"""
-
-
-def with_xss_reason(workdir: Any) -> None:
-    (workdir / "policies" / "broker" / "xss_reason.rego").write_text(XSS_POLICY)
 
 
 async def test_console_is_absent_without_an_auditor_token(
