@@ -83,11 +83,13 @@ class Timeline:
 
 
 def _starts(filled: list[int], interval: int) -> list[int]:
-    """Every bucket from the first to the last filled one (empty ones count 0), bounded."""
+    """Every bucket from the first to the last filled one (empty ones count 0), bounded, and an
+    empty one each side (one bucket alone would give the chart a zero-width axis)."""
     if not filled:
         return []
-    count = min((filled[-1] - filled[0]) // interval + 1, MAX_BUCKETS * 4)
-    return [filled[-1] - (count - 1 - i) * interval for i in range(count)]
+    count = min((filled[-1] - filled[0]) // interval + 3, MAX_BUCKETS * 4)
+    last = filled[-1] + interval
+    return [last - (count - 1 - i) * interval for i in range(count)]
 
 
 def _marker(record: Envelope, when: int) -> dict[str, Any]:
