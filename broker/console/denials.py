@@ -26,7 +26,7 @@ from broker.audit.envelope import RecordError, parse_record
 from broker.audit.log import DecisionLog
 from broker.audit.outcomes import DENY
 from broker.audit.query import Filters, Row, rows
-from broker.console.reading import MAX_SCAN, Scan, filters_of, newest, read_record
+from broker.console.reading import Window, filters_of, paging, read, read_record, window_of
 from broker.console.templates import render
 from broker.core.errors import InputError, NotFound
 from broker.core.records import RecordType
@@ -38,7 +38,7 @@ DECIDING = frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE})
 
 @dataclass
 class Denials:
-    scan: Scan
+    span: Window
     codes: Counter[str] = field(default_factory=Counter)
     reasons: Counter[str] = field(default_factory=Counter)
     newest: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=NEWEST))
@@ -62,14 +62,12 @@ class Denials:
         )
 
 
-def _read(decisions: DecisionLog, filters: Filters) -> Denials:
-    scan, records = newest(decisions)
-    denials = Denials(scan)
-    for record in records:
-        if record.kind in DECIDING:
-            for row in rows(record):
-                if filters.matches(row):
-                    denials.add(row)
+def _read(decisions: DecisionLog, span: Window, filters: Filters) -> Denials:
+    denials = Denials(span)
+    for record in read(decisions, span, DECIDING):
+        for row in rows(record):
+            if filters.matches(row):
+                denials.add(row)
     return denials
 
 
@@ -78,12 +76,13 @@ async def denials_page(request: web.Request) -> web.Response:
     problem, denials = None, None
     try:
         filters = filters_of(request, result=DENY)
+        decisions = request.app[DECISIONS]
+        await decisions.refresh()
+        span = window_of(request.query, decisions)
     except InputError as exc:
         problem = exc.message
     else:
-        decisions = request.app[DECISIONS]
-        await decisions.refresh()
-        denials = await asyncio.to_thread(_read, decisions, filters)
+        denials = await asyncio.to_thread(_read, decisions, span, filters)
     return render(
         request,
         "denials.html",
@@ -94,8 +93,8 @@ async def denials_page(request: web.Request) -> web.Response:
         codes=[] if denials is None else denials.codes.most_common(TOP),
         reasons=[] if denials is None else denials.reasons.most_common(TOP),
         rows=[] if denials is None else list(reversed(denials.newest)),
-        scan=None if denials is None else denials.scan,
-        max_scan=MAX_SCAN,
+        span=None if denials is None else denials.span,
+        links=None if denials is None else paging(request, denials.span),
         intervals=None,
     )
 
@@ -146,6 +145,7 @@ async def record_page(request: web.Request) -> web.Response:
         index=index,
         record=record,
         decided=decided,
+        identity=None if record is None else dict(record.identity),  # tojson: a plain dict
         evidence=body.get("evidence_digests"),
         text=json.dumps(body, indent=2, sort_keys=True, ensure_ascii=False),
         prove=shlex.join(["broker", "audit", "prove", str(index), "--log", log]),

@@ -23,7 +23,7 @@ from broker.audit.envelope import Envelope
 from broker.audit.log import DecisionLog
 from broker.audit.outcomes import RESULTS
 from broker.audit.query import Filters, rows
-from broker.console.reading import MAX_SCAN, Scan, filters_of, newest
+from broker.console.reading import Window, filters_of, paging, read, window_of
 from broker.console.templates import render
 from broker.core.errors import InputError
 from broker.core.records import RecordType
@@ -38,7 +38,7 @@ MARKERS = frozenset({RecordType.POLICY_CHANGE, RecordType.POLICY_RELOAD_FAILED})
 class Timeline:
     """Decisions per interval and the policy markers of the records read."""
 
-    scan: Scan
+    span: Window
     interval: int | None  # None: chosen from the span
     points: list[tuple[int, str]] = field(default_factory=list)  # (epoch second, result)
     markers: list[dict[str, Any]] = field(default_factory=list)
@@ -77,7 +77,7 @@ class Timeline:
             "x": starts,
             "series": {r: [buckets.get(s, Counter())[r] for s in starts] for r in RESULTS},
             "markers": self.markers,
-            "scanned": {"first": self.scan.first, "end": self.scan.end},
+            "scanned": {"first": self.span.first, "end": self.span.end, "size": self.span.size},
             "totals": {r: self.totals[r] for r in RESULTS},
         }
 
@@ -129,13 +129,13 @@ async def _timeline(request: web.Request) -> Timeline:
     filters, interval = filters_of(request), interval_of(request)
     decisions = request.app[DECISIONS]
     await decisions.refresh()
-    return await asyncio.to_thread(_read, decisions, filters, interval)
+    span = window_of(request.query, decisions)
+    return await asyncio.to_thread(_read, decisions, span, filters, interval)
 
 
-def _read(decisions: DecisionLog, filters: Filters, interval: int | None) -> Timeline:
-    scan, records = newest(decisions)
-    timeline = Timeline(scan, interval)
-    for record in records:
+def _read(decisions: DecisionLog, span: Window, filters: Filters, interval: int | None) -> Timeline:
+    timeline = Timeline(span, interval)
+    for record in read(decisions, span):
         timeline.add(record, filters)
     return timeline
 
@@ -147,11 +147,13 @@ async def timeline_data(request: web.Request) -> web.Response:
 
 async def timeline_page(request: web.Request) -> web.Response:
     """``GET /console/timeline``: the form, the chart's frame, totals and markers."""
-    problem, data = None, None
+    problem, data, span, links = None, None, None, None
     try:
-        data = (await _timeline(request)).as_json()
+        timeline = await _timeline(request)
     except InputError as exc:
         problem = exc.message
+    else:
+        data, span, links = timeline.as_json(), timeline.span, paging(request, timeline.span)
     return render(
         request,
         "timeline.html",
@@ -162,7 +164,8 @@ async def timeline_page(request: web.Request) -> web.Response:
         data=data,
         interval_text=None if data is None else _duration(data["interval"]),
         intervals=INTERVALS,
-        max_scan=MAX_SCAN,
+        span=span,
+        links=links,
         query_string=request.query_string,
     )
 

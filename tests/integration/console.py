@@ -12,9 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from multidict import CIMultiDictProxy
 
+from broker.client import BrokerClientError
 from tests.integration.conftest import RunningBroker
+from tests.integration.every_record import every_kind_of_record
+from tests.integration.identity import identity_broker
 from tests.support.constants import KEY
 
 AUDITOR_TOKEN = "console-auditor-token-7c1e9a"
@@ -96,3 +100,17 @@ class Browser:
         jar.load(response.headers["Set-Cookie"])
         self.cookie = jar[COOKIE].value
         return jar
+
+
+async def every_kind_broker(start_broker: Callable[..., Any]) -> tuple[RunningBroker, str]:
+    """A console broker with attestation and workload certificates on, holding every kind of
+    record a live broker writes, and a refusal whose reason holds a script; the jti of the
+    attestation result it revoked."""
+    broker = await identity_broker(
+        start_broker, extra_toml=CONSOLE_TOML, workdir_setup=with_xss_reason
+    )
+    jti = await every_kind_of_record(broker)
+    async with broker.client() as client:
+        with pytest.raises(BrokerClientError):
+            await client.release(KEY, broker.token_source(digest=OTHER_IMAGE))
+    return broker, jti

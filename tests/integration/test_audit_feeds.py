@@ -17,20 +17,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from broker.audit.identity import adopt_signing_key, claim_origin
 from broker.audit.log import DecisionLog
 from broker.audit.ocsf import MAPPINGS
 from broker.audit.segments import repair_torn_tail
-from broker.client import BrokerClientError
 from broker.core.records import RecordType
 from broker.crypto.checkpoint import NoteSigner
-from tests.integration.attested import ADMIN, DENIED_KEY, Runner, admin_post
-from tests.integration.conftest import RunningBroker
-from tests.integration.identity import SPIFFE_ID, ask_identity, identity_broker, make_csr
+from tests.integration.attested import ADMIN, DENIED_KEY
+from tests.integration.every_record import EXTRA_KEY, every_kind_of_record
+from tests.integration.identity import SPIFFE_ID, identity_broker
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
 
@@ -42,7 +39,6 @@ TYPE_LITERAL = re.compile(
     r'|"type": RecordType\.([A-Z_]+)|RECORD_TYPE = RecordType\.([A-Z_]+)'
 )
 NOT_RECORDS = {"object", "string", "integer", "array", "boolean", "number", "null"}
-EXTRA_KEY = "models/feeds-extra"
 
 
 def written_types() -> set[str]:
@@ -73,42 +69,6 @@ async def _syslog(messages: list[bytes]) -> tuple[asyncio.DatagramTransport, int
     loop = asyncio.get_running_loop()
     transport, _ = await loop.create_datagram_endpoint(Collector, local_addr=("127.0.0.1", 0))
     return transport, transport.get_extra_info("sockname")[1]
-
-
-async def _every_kind_of_record(broker: RunningBroker) -> str:
-    """Drive a live broker through every decision and change it records; the attestation's
-    jti."""
-    async with broker.client() as client:
-        await client.release(KEY, broker.token_source())  # release allow
-        with pytest.raises(BrokerClientError):
-            await client.release(DENIED_KEY, broker.token_source())  # release deny
-        attestation = await client.attest(broker.token_source())  # attestation allow
-        await attestation.release(KEY)  # attested_release allow
-        await attestation.release_many([KEY, DENIED_KEY])  # attested_release partial
-        with pytest.raises(BrokerClientError):
-            await attestation.release(DENIED_KEY)  # attested_release deny (a key's)
-    async with aiohttp.ClientSession() as session:  # refused before any key: no proof
-        runner = Runner(broker)
-        await runner.attest(session)
-        status, _, _ = await runner.release(session, keys=(KEY,))
-        assert status == 401
-        if broker.settings.identity.enabled:  # identity allow: a workload certificate
-            status, body, _ = await ask_identity(runner, session, make_csr()[1])
-            assert status == 201, body
-    status, body = await admin_post(
-        broker, "/v1/admin/keys", {"name": EXTRA_KEY, "purpose": "model-weights"}
-    )
-    assert status == 201, body  # key_admin
-    status, body = await admin_post(
-        broker, f"/v1/admin/attestations/{attestation.jti}/revoke", {"reason": "feeds test"}
-    )
-    assert status == 200, body  # attestation_revoked
-    broken = broker.workdir / "policies" / "broker" / "broken.rego"
-    broken.write_text("package broker.release\nthis is not rego\n")
-    status, body = await admin_post(broker, "/v1/admin/policy/reload")
-    assert status >= 400, body  # policy_reload_failed
-    broken.unlink()
-    return attestation.jti
 
 
 def _with_a_repair(log: Path, into: Path) -> list[dict[str, Any]]:
@@ -155,7 +115,7 @@ async def test_feeds_report_each_key_and_every_record_type(
         broker = await identity_broker(
             start_broker, environ={"BROKER_AUDIT_SINK": f"syslog://127.0.0.1:{port}"}
         )
-        jti = await _every_kind_of_record(broker)
+        jti = await every_kind_of_record(broker)
         written = len(broker.records())
         for _ in range(200):  # the sink is best effort and asynchronous: wait for it
             if len(messages) >= written:

@@ -1,0 +1,146 @@
+"""The console's pages over a live broker that holds every kind of record (issue 34): each page
+renders (and every record's page), the keys page says what the log says each key version was
+released to and what the key store never released, the pages page back through the log in
+bounded windows, and the policy history lists every change."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from html.parser import HTMLParser
+from typing import Any
+
+import aiohttp
+import pytest
+
+from broker.console.reading import MAX_RECORDS
+from tests.integration.attested import DENIED_KEY
+from tests.integration.console import Browser, console_broker, every_kind_broker
+from tests.integration.every_record import EXTRA_KEY
+from tests.support.constants import ALLOWED, KEY
+
+TIMES, DASH = "\u00d7", "\u2013"  # as the pages write them
+PAGES = ("/console/", "/console/timeline", "/console/denials", "/console/keys")
+
+
+class Tables(HTMLParser):
+    """The text of each cell of each table with an id, row by row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self._table: str | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "table":
+            self._table = dict(attrs).get("id")
+            if self._table is not None:
+                self.tables[self._table] = []
+        elif self._table is not None and tag == "tr":
+            self.tables[self._table].append([])
+        elif self._table is not None and tag == "td":
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self._table = None
+        elif tag == "td" and self._table is not None and self._cell is not None:
+            self.tables[self._table][-1].append(" ".join(" ".join(self._cell).split()))
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def tables(page: str) -> dict[str, list[list[str]]]:
+    parser = Tables()
+    parser.feed(page)
+    return {name: [row for row in found if row] for name, found in parser.tables.items()}
+
+
+async def test_every_page_renders_over_every_kind_of_record(
+    start_broker: Callable[..., Any],
+) -> None:
+    broker, jti = await every_kind_broker(start_broker)
+    records = broker.records()
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        await browser.login()
+        for path in PAGES:
+            status, headers, page = await browser.get(path)
+            assert status == 200, (path, page)
+            assert headers["Content-Type"].startswith("text/html")
+            assert "Traceback" not in page
+        for record in records:  # every record's own page, whatever its type
+            status, _, page = await browser.get(f"/console/record/{record['index']}")
+            assert status == 200, (record["type"], page)
+            assert f"<td>{record['type']}</td>" in page
+        status, _, page = await browser.get("/console/keys")
+        found = tables(page)
+        by_version = {(row[0], row[1]): row for row in found["key-versions"]}
+        released = by_version[(KEY, "1")]
+        # a release, a release on the result, and its key of a partial one; one refused (the
+        # script reason); one image; two recipient keys (the release's, the result's); one result
+        assert released[3:7] == ["3", "1", f"1 {ALLOWED} {TIMES}3", "2"]
+        assert released[7] == "1"
+        assert by_version[(DENIED_KEY, "1")][3:5] == ["0", "3"]
+        never = {(row[0], row[1]) for row in found["never-released"]}
+        assert {(DENIED_KEY, "1"), (EXTRA_KEY, "1")} <= never
+        assert (KEY, "1") not in never
+        attestations = {row[0]: row for row in found["attestations"]}
+        assert len(attestations) == 2  # the SDK's (revoked), the hand-made runner's
+        assert attestations[jti][3] == f"{KEY} v1 {TIMES}2"
+        assert "by token:" in attestations[jti][4]
+        assert "feeds test" in attestations[jti][4]
+        assert [row[2] for row in found["revocations"]] == [jti]
+        assert [(row[2], row[3]) for row in found["key-changes"]] == [
+            (f"{EXTRA_KEY} v1", "create ok (enabled)")
+        ]
+        status, _, page = await browser.get(f"/console/keys?key={DENIED_KEY}")
+        found = tables(page)
+        assert [row[0] for row in found["key-versions"]] == [DENIED_KEY]
+        assert [row[0] for row in found["never-released"]] == [DENIED_KEY]
+        assert found["attestations"] == [["none among these records"]]
+
+
+async def test_pages_read_bounded_windows_and_page_back(start_broker: Callable[..., Any]) -> None:
+    broker, _ = await every_kind_broker(start_broker)
+    records = broker.records()
+    size = len(records)
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        await browser.login()
+        status, _, body = await browser.get("/console/api/timeline?records=4")
+        assert status == 200
+        assert json.loads(body)["scanned"] == {"first": size - 4, "end": size, "size": size}
+        status, _, page = await browser.get("/console/denials?records=4")
+        assert f"Records {size - 4}{DASH}{size - 1} of the {size}" in page
+        older = re.search(r'class="older" href="([^"]+)"', page)
+        assert older is not None
+        assert older.group(1).replace("&amp;", "&") == f"/console/denials?records=4&end={size - 4}"
+        status, _, page = await browser.get(f"/console/denials?records=4&end={size - 4}")
+        assert f"Records {size - 8}{DASH}{size - 5} of the {size}" in page
+        newer = re.search(r'class="newer" href="([^"]+)"', page)
+        assert newer is not None
+        assert newer.group(1) == "/console/denials?records=4"  # the newest window
+        denied = {r["index"] for r in records[size - 8 : size - 4] if r.get("result") == "deny"}
+        shown = {int(i) for i in re.findall(r'href="/console/record/(\d+)"', page)}
+        assert shown == denied
+        for query in (f"records={MAX_RECORDS + 1}", "records=0", "end=-1", "records=1e3"):
+            status, _, page = await browser.get(f"/console/keys?{query}")
+            assert status == 400, query
+            assert 'class="problem"' in page
+        status, _, body = await browser.get(f"/console/api/timeline?records={MAX_RECORDS + 1}")
+        assert status == 400
+        assert '"bad_request"' in body
+
+
+@pytest.mark.parametrize("path", ["/console/keys"])
+async def test_new_pages_need_a_session(start_broker: Callable[..., Any], path: str) -> None:
+    broker = await console_broker(start_broker)
+    async with aiohttp.ClientSession() as session:
+        status, headers, _ = await Browser(broker, session).get(path)
+        assert (status, headers["Location"]) == (303, "/console/login")
