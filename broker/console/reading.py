@@ -111,12 +111,14 @@ def read(
                 yield record
 
 
-def paging(request: web.Request, span: Window) -> dict[str, str | None]:
-    """The links to the older, newer and newest windows, the page's other parameters kept."""
+def paging(request: web.Request, span: Window, *, path: str | None = None) -> dict[str, str | None]:
+    """The links to the older, newer and newest windows of the page at ``path`` (default: the
+    request's), the page's other parameters kept."""
     kept = {k: v for k, v in request.query.items() if k != "end"}
 
     def link(end: int | None) -> str:
-        return request.path + "?" + urlencode({**kept, **({} if end is None else {"end": end})})
+        query = urlencode({**kept, **({} if end is None else {"end": end})})
+        return (path or request.path) + ("?" + query if query else "")
 
     older, newer = span.older(), span.newer()
     return {

@@ -19,7 +19,7 @@ from aiohttp import web
 from broker.api.limits import rate_limited
 from broker.api.routes import Permission
 from broker.api.services import SETTINGS
-from broker.console import auth, denials, health, keys, timeline
+from broker.console import auth, denials, health, keys, policy, timeline
 from broker.console.session import SessionKeys
 from broker.console.templates import ENVIRONMENT, load_templates, render
 
@@ -75,6 +75,8 @@ ROUTES: tuple[ConsoleRoute, ...] = (
     ConsoleRoute("GET", PREFIX + "/denials", denials.denials_page, Permission.AUDITOR),
     ConsoleRoute("GET", PREFIX + "/record/{index:[0-9]+}", denials.record_page, Permission.AUDITOR),
     ConsoleRoute("GET", PREFIX + "/keys", keys.keys_page, Permission.AUDITOR),
+    ConsoleRoute("GET", PREFIX + "/policy", policy.history_page, Permission.AUDITOR),
+    ConsoleRoute("POST", PREFIX + "/policy/compare", policy.compare, Permission.AUDITOR),
     ConsoleRoute(
         "GET",
         PREFIX + "/api/record/{index:[0-9]+}",
@@ -126,7 +128,8 @@ async def _security_headers(request: web.Request, response: web.StreamResponse) 
 
 
 async def _start(app: web.Application) -> AsyncIterator[None]:
-    """The templates and the session key (files: in a thread)."""
+    """The templates and the session key (files: in a thread), the comparison lock."""
     app[ENVIRONMENT] = await asyncio.to_thread(load_templates)
     app[auth.SESSION_KEYS] = await asyncio.to_thread(SessionKeys.beside, app[SETTINGS].audit.log)
+    app[policy.COMPARING] = asyncio.Lock()  # one candidate compared at a time per worker
     yield

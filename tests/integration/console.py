@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from html.parser import HTMLParser
 from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
@@ -114,3 +115,40 @@ async def every_kind_broker(start_broker: Callable[..., Any]) -> tuple[RunningBr
         with pytest.raises(BrokerClientError):
             await client.release(KEY, broker.token_source(digest=OTHER_IMAGE))
     return broker, jti
+
+
+class Tables(HTMLParser):
+    """The text of each cell of each table with an id, row by row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self._table: str | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "table":
+            self._table = dict(attrs).get("id")
+            if self._table is not None:
+                self.tables[self._table] = []
+        elif self._table is not None and tag == "tr":
+            self.tables[self._table].append([])
+        elif self._table is not None and tag == "td":
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self._table = None
+        elif tag == "td" and self._table is not None and self._cell is not None:
+            self.tables[self._table][-1].append(" ".join(" ".join(self._cell).split()))
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def tables(page: str) -> dict[str, list[list[str]]]:
+    parser = Tables()
+    parser.feed(page)
+    return {name: [row for row in found if row] for name, found in parser.tables.items()}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from html.parser import HTMLParser
 from typing import Any
 
 import aiohttp
@@ -16,49 +15,12 @@ import pytest
 
 from broker.console.reading import MAX_RECORDS
 from tests.integration.attested import DENIED_KEY
-from tests.integration.console import Browser, console_broker, every_kind_broker
+from tests.integration.console import Browser, console_broker, every_kind_broker, tables
 from tests.integration.every_record import EXTRA_KEY
 from tests.support.constants import ALLOWED, KEY
 
 TIMES, DASH = "\u00d7", "\u2013"  # as the pages write them
-PAGES = ("/console/", "/console/timeline", "/console/denials", "/console/keys")
-
-
-class Tables(HTMLParser):
-    """The text of each cell of each table with an id, row by row."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tables: dict[str, list[list[str]]] = {}
-        self._table: str | None = None
-        self._cell: list[str] | None = None
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "table":
-            self._table = dict(attrs).get("id")
-            if self._table is not None:
-                self.tables[self._table] = []
-        elif self._table is not None and tag == "tr":
-            self.tables[self._table].append([])
-        elif self._table is not None and tag == "td":
-            self._cell = []
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag == "table":
-            self._table = None
-        elif tag == "td" and self._table is not None and self._cell is not None:
-            self.tables[self._table][-1].append(" ".join(" ".join(self._cell).split()))
-            self._cell = None
-
-    def handle_data(self, data: str) -> None:
-        if self._cell is not None:
-            self._cell.append(data)
-
-
-def tables(page: str) -> dict[str, list[list[str]]]:
-    parser = Tables()
-    parser.feed(page)
-    return {name: [row for row in found if row] for name, found in parser.tables.items()}
+PAGES = ("/console/", "/console/timeline", "/console/denials", "/console/keys", "/console/policy")
 
 
 async def test_every_page_renders_over_every_kind_of_record(
@@ -138,7 +100,7 @@ async def test_pages_read_bounded_windows_and_page_back(start_broker: Callable[.
         assert '"bad_request"' in body
 
 
-@pytest.mark.parametrize("path", ["/console/keys"])
+@pytest.mark.parametrize("path", ["/console/keys", "/console/policy"])
 async def test_new_pages_need_a_session(start_broker: Callable[..., Any], path: str) -> None:
     broker = await console_broker(start_broker)
     async with aiohttp.ClientSession() as session:

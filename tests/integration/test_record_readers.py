@@ -36,13 +36,9 @@ from broker.keys.service import KeyService
 from broker.keys.store.base import KeyVersionRecord
 from tests.integration.attested import DENIED_KEY, Runner
 from tests.integration.conftest import RunningBroker
+from tests.integration.every_record import every_kind_of_record
 from tests.integration.identity import identity_broker
-from tests.integration.test_audit_feeds import (
-    CHECKS,
-    _every_kind_of_record,
-    _with_a_repair,
-    written_types,
-)
+from tests.integration.test_audit_feeds import CHECKS, _with_a_repair, written_types
 from tests.support.cli import Ran, run
 from tests.support.constants import KEY
 
@@ -124,7 +120,7 @@ async def test_every_reader_reads_every_record_type(
     start_broker: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     broker = await identity_broker(start_broker)
-    jti = await _every_kind_of_record(broker)
+    jti = await every_kind_of_record(broker)
     await _a_bug_after_the_first_key(broker, monkeypatch)
     log = tmp_path / "decisions.log"
     await asyncio.to_thread(_with_a_repair, broker.settings.audit.log, log)

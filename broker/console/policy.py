@@ -1,0 +1,222 @@
+"""The policy history, and the replay impact of a candidate policy uploaded for comparison.
+
+``GET /console/policy?end=&records=`` lists every ``policy_change`` and ``policy_reload_failed``
+record of a window of the log (who, trigger, revision, digest, the previous digest, signature
+and version, the reload's problem). Only lines naming those types are parsed, so the page reads
+a larger window than the others (``HISTORY_RECORDS``).
+
+``POST /console/policy/compare`` (a form: ``bundle``, a ``.tar.gz`` as ``broker policy build``
+writes it, signed or not; ``records``, ``end``) re-decides the decisions of a window of the log
+with the candidate — the comparison ``broker policy replay`` prints (``decisions/replay.py``) —
+and shows the counts and the newest changed decisions. **Compare only**: the candidate is read
+(``opa_bundle.read_bundle``: a signed one verified with ``[policy] bundle_verification_key``
+when the broker has one, else compared unverified and said so), held to the structure rules
+and compiled by the pinned ``opa`` as a reload would (``build.load_verified_bundle``), used for
+this answer and dropped. Nothing here reaches the policy manager: the auditor role cannot
+change policy. Bounded: ``MAX_CANDIDATE_BYTES`` per upload, ``MAX_REPLAY_RECORDS`` records
+re-decided, one comparison at a time per worker (``COMPARING``), the form ``Origin``-checked as
+every console POST.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from broker.api.services import DECISIONS, POLICY, SETTINGS
+from broker.audit.envelope import Envelope
+from broker.audit.log import DecisionLog
+from broker.config import PolicySettings
+from broker.console.auth import check_origin
+from broker.console.reading import DEFAULT_RECORDS, Window, paging, read, window_of
+from broker.console.templates import render
+from broker.core.errors import BodyTooLarge, ConfigError, InputError, RequestTimeout
+from broker.core.records import DECISION_TYPES, RecordType
+from broker.decisions.replay import SUMMARY, Changed, Replay
+from broker.policy import opa_bundle
+from broker.policy.build import load_verified_bundle
+from broker.policy.testing import find_opa
+from broker.policy.wasm import CompiledPolicy, PolicyLoadError
+
+HISTORY = frozenset({RecordType.POLICY_CHANGE, RecordType.POLICY_RELOAD_FAILED})
+HISTORY_RECORDS = 1_000_000  # the policy history's window (only its two types are parsed)
+MAX_CANDIDATE_BYTES = 4 * 1024 * 1024  # an uploaded bundle (the default policy's is ~120 KiB)
+MAX_REPLAY_RECORDS = DEFAULT_RECORDS  # records whose decisions one comparison re-decides
+MAX_FIELD_BYTES = 64  # ``records``, ``end``
+MAX_PARTS = 4
+CHANGES_SHOWN = 100  # the newest changed decisions listed (the counts are exact)
+CANDIDATE = "the uploaded candidate"
+COMPARING: web.AppKey[asyncio.Lock] = web.AppKey("console_comparing", asyncio.Lock)
+FORM_FIELDS = ("end", "records")
+PATH = "/console/policy"
+
+
+async def history_page(request: web.Request) -> web.Response:
+    """``GET /console/policy``."""
+    return await _page(request, None, None)
+
+
+async def _page(
+    request: web.Request, comparison: Comparison | None, problem: str | None, status: int = 200
+) -> web.Response:
+    decisions = request.app[DECISIONS]
+    await decisions.refresh()
+    history, span, links, history_problem = [], None, None, None
+    try:
+        span = window_of(request.query, decisions, default=HISTORY_RECORDS, maximum=HISTORY_RECORDS)
+    except InputError as exc:
+        history_problem, status = exc.message, 400
+    else:
+        history = await asyncio.to_thread(_history, decisions, span)
+        links = paging(request, span, path=PATH)
+    return render(
+        request,
+        "policy.html",
+        status=status,
+        title="Policy history",
+        problem=history_problem,
+        span=span,
+        links=links,
+        history=list(reversed(history)),
+        in_force=request.app[POLICY].digest,
+        verification=request.app[SETTINGS].policy.bundle_verification_key is not None,
+        comparison=comparison,
+        compare_problem=problem,
+        summary=SUMMARY,
+        max_candidate_kib=MAX_CANDIDATE_BYTES // 1024,
+        max_replay=MAX_REPLAY_RECORDS,
+        shown=CHANGES_SHOWN,
+    )
+
+
+def _history(decisions: DecisionLog, span: Window) -> list[Envelope]:
+    return list(read(decisions, span, HISTORY))
+
+
+@dataclass
+class Comparison:
+    """A candidate re-deciding a window's decisions: counts, and the newest changes."""
+
+    compiled: CompiledPolicy
+    span: Window
+    verified: bool  # its signature checked with the broker's bundle key
+    summary: dict[str, int] = field(default_factory=dict)
+    changes: deque[Changed] = field(default_factory=lambda: deque(maxlen=CHANGES_SHOWN))
+
+
+async def compare(request: web.Request) -> web.Response:
+    """``POST /console/policy/compare`` (multipart form: ``bundle``, ``records``, ``end``)."""
+    check_origin(request)
+    lock = request.app[COMPARING]
+    if lock.locked():
+        return await _page(request, None, "another comparison is running here; try again", 429)
+    async with lock:
+        try:
+            fields = await _form(request)
+            decisions = request.app[DECISIONS]
+            await decisions.refresh()
+            span = window_of(fields, decisions, maximum=MAX_REPLAY_RECORDS)
+            compiled, verified = await asyncio.to_thread(
+                _candidate, fields["bundle"], request.app[SETTINGS].policy
+            )
+            comparison = await asyncio.to_thread(_compare, decisions, span, compiled, verified)
+        except InputError as exc:  # the upload: not the form, too large, too slow
+            return await _page(request, None, exc.message, exc.status)
+        except PolicyLoadError as exc:  # the candidate: does not read, verify or compile
+            return await _page(request, None, str(exc), 400)
+        except ConfigError as exc:  # no opa here to compile it with
+            return await _page(request, None, f"cannot compile a candidate here: {exc}", 503)
+    return await _page(request, comparison, None)
+
+
+async def _form(request: web.Request) -> dict[str, Any]:
+    """The form's fields, the bundle as bytes (at most ``MAX_CANDIDATE_BYTES``).
+
+    Raises:
+        InputError: not the form, a field too large, no bundle, or a body that breaks off.
+    """
+    if request.content_type != "multipart/form-data":
+        raise InputError("upload the candidate with the form of /console/policy")
+    declared = request.content_length
+    if declared is not None and declared > MAX_CANDIDATE_BYTES + MAX_PARTS * 1024:
+        raise BodyTooLarge(f"a candidate bundle is at most {MAX_CANDIDATE_BYTES} bytes")
+    server = request.app[SETTINGS].server
+    found: dict[str, Any] = {}
+    try:
+        async with asyncio.timeout(server.body_timeout_seconds):
+            async for name, part in _parts(request):
+                limit = MAX_CANDIDATE_BYTES if name == "bundle" else MAX_FIELD_BYTES
+                raw = await _bounded(part, limit, name)
+                found[name] = raw if name == "bundle" else raw.decode("ascii", "replace")
+    except TimeoutError as exc:
+        raise RequestTimeout("the upload did not arrive in time") from exc
+    except (HttpProcessingError, web.RequestPayloadError, ConnectionError, ValueError) as exc:
+        raise InputError("the upload is not a well-formed form") from exc
+    if not found.get("bundle"):
+        raise InputError("choose a bundle (.tar.gz, as `broker policy build` writes it)")
+    return found
+
+
+async def _parts(request: web.Request) -> AsyncIterator[tuple[str, BodyPartReader]]:
+    """The form's known parts (others are refused), at most ``MAX_PARTS``."""
+    reader = await request.multipart()
+    for _ in range(MAX_PARTS + 1):
+        part = await reader.next()
+        if part is None:
+            return
+        if not isinstance(part, BodyPartReader) or part.name not in ("bundle", *FORM_FIELDS):
+            raise InputError("the form has a part it does not ask for")
+        yield part.name, part
+    raise InputError(f"the form has more than {MAX_PARTS} parts")
+
+
+async def _bounded(part: BodyPartReader, limit: int, name: str) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await part.read_chunk(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"{name} is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _candidate(raw: bytes, settings: PolicySettings) -> tuple[CompiledPolicy, bool]:
+    """The candidate read, verified when it is signed and the broker has a bundle key (an
+    unsigned one, or a signed one on a broker without a key, is compared unverified), held to
+    the structure rules and compiled by the pinned ``opa``. Blocking (``opa``): a thread.
+
+    Raises:
+        PolicyLoadError: it does not read, verify, keep the rules or compile.
+        ConfigError: no ``opa`` here.
+    """
+    files = opa_bundle.unpack(raw, source=CANDIDATE)
+    signed = opa_bundle.SIGNATURES in files
+    key = settings.bundle_verification_key
+    if signed and key is not None:
+        verification = opa_bundle.verification_from_file(key, settings.bundle_verification_scope)
+        verified = opa_bundle.read_bundle(raw, source=CANDIDATE, verification=verification)
+    else:  # compared, not trusted: the signature (if any) is set aside
+        unsigned = {n: content for n, content in files.items() if n != opa_bundle.SIGNATURES}
+        verified = opa_bundle.read_bundle(
+            opa_bundle.pack(unsigned), source=CANDIDATE, verification=None
+        )
+    opa = find_opa(str(settings.opa_binary) if settings.opa_binary else None)
+    return load_verified_bundle(verified, source=CANDIDATE, opa=opa), signed and key is not None
+
+
+def _compare(
+    decisions: DecisionLog, span: Window, compiled: CompiledPolicy, verified: bool
+) -> Comparison:
+    replaying = Replay(compiled)
+    comparison = Comparison(compiled, span, verified)
+    for record in read(decisions, span, DECISION_TYPES):
+        comparison.changes.extend(replaying.changes(record))
+    comparison.summary = dict(replaying.summary)
+    return comparison

@@ -1,0 +1,156 @@
+"""The console's policy history and candidate comparison (issue 34): every policy change and
+failed reload with who, trigger and digest; a candidate bundle uploaded by an auditor re-decides
+the logged decisions as ``broker policy replay`` does, and never becomes the broker's policy;
+the upload is bounded and Origin-checked, and a bundle that does not load is said so in the
+page."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from broker.console.policy import MAX_CANDIDATE_BYTES
+from broker.policy import opa_bundle
+from broker.policy.build import compile_policy_dir
+from broker.policy.testing import find_opa
+from tests.integration.console import (
+    KEY_ADMIN_TOKEN,
+    Browser,
+    console_broker,
+    tables,
+    with_xss_reason,
+)
+from tests.support.cli import run
+from tests.support.constants import KEY
+
+
+def _candidate(policies: Path, into: Path, *, withdraw: str | None) -> bytes:
+    """The broker's policy as a bundle, with ``withdraw``'s allow-list emptied. Blocking."""
+    copy = into / "policies"
+    shutil.copytree(policies, copy)
+    if withdraw is not None:
+        data_file = copy / "broker" / "data.json"
+        data = json.loads(data_file.read_text(encoding="utf-8"))
+        data["images"][withdraw] = []
+        data_file.write_text(json.dumps(data), encoding="utf-8")
+    compiled = compile_policy_dir(copy, opa=find_opa())
+    return opa_bundle.pack(dict(compiled.files))
+
+
+async def _upload(
+    browser: Browser, bundle: bytes, *, records: str = "", origin: str = "own"
+) -> tuple[int, str]:
+    form = aiohttp.FormData()
+    form.add_field(
+        "bundle", io.BytesIO(bundle), filename="candidate.tar.gz", content_type="application/gzip"
+    )
+    if records:
+        form.add_field("records", records)
+    async with browser.session.post(
+        browser.broker.url + "/console/policy/compare",
+        data=form,
+        headers=browser.headers(origin),
+        ssl=browser.broker.client_tls,
+        allow_redirects=False,
+    ) as response:
+        return response.status, await response.text()
+
+
+async def test_history_and_a_candidate_compared_never_made_live(
+    start_broker: Callable[..., Any], tmp_path: Path
+) -> None:
+    broker = await console_broker(start_broker, workdir_setup=with_xss_reason)
+    async with broker.client() as client:
+        for _ in range(3):
+            await client.release(KEY, broker.token_source())
+    broken = broker.workdir / "policies" / "broker" / "broken.rego"
+    broken.write_text("package broker.release\nthis is not rego\n")
+    policies = broker.workdir / "policies"
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        async with session.post(
+            broker.url + "/v1/admin/policy/reload",
+            headers={"Authorization": f"Bearer {KEY_ADMIN_TOKEN}"},
+            ssl=broker.client_tls,
+        ) as response:
+            assert response.status == 409
+        broken.unlink()
+        await browser.login()
+        status, _, page = await browser.get("/console/policy")
+        assert status == 200
+        history = tables(page)["history"]
+        assert [row[2:4] for row in history] == [
+            ["policy_reload_failed", "admin"],
+            ["policy_change", "startup"],
+        ]
+        assert history[0][4].startswith("token:")
+        assert "opa check --strict failed" in history[0][8]
+        in_force = re.search(r'id="in-force">([^<]+)<', page)
+        assert in_force is not None
+        assert history[1][6].startswith(in_force.group(1))
+
+        same = await asyncio.to_thread(_candidate, policies, tmp_path / "same", withdraw=None)
+        status, page = await _upload(browser, same)
+        assert status == 200, page
+        summary = tables(page)["summary"][0]
+        assert summary[:3] == ["3", "3", "0"]  # three releases re-decided alike
+        withdrawn = await asyncio.to_thread(_candidate, policies, tmp_path / "w", withdraw=KEY)
+        status, page = await _upload(browser, withdrawn)
+        assert status == 200, page
+        found = tables(page)
+        assert found["summary"][0][:3] == ["3", "0", "3"]  # allow_to_deny
+        assert {row[3] for row in found["changes"]} == {KEY}
+        assert {row[4] for row in found["changes"]} == {"allow_to_deny"}
+        assert "Compare only." in page
+        status, page = await _upload(browser, withdrawn, records="3")
+        # the newest three records: two releases and the failed reload
+        assert tables(page)["summary"][0][:3] == ["2", "0", "2"]
+
+        # never made live: the broker still releases, under the policy it had
+        async with broker.client() as client:
+            released = await client.release(KEY, broker.token_source())
+        assert released.key == KEY
+        status, _, page = await browser.get("/console/policy")
+        assert f'id="in-force">{in_force.group(1)}<' in page
+        assert [row[2] for row in tables(page)["history"]] == [
+            "policy_reload_failed",
+            "policy_change",
+        ]
+        # what `broker policy replay` prints for the same records
+        bundle = tmp_path / "withdrawn.tar.gz"
+        bundle.write_bytes(withdrawn)
+        replayed = await asyncio.to_thread(
+            run, "policy", "replay", "--log", str(broker.settings.audit.log),
+            "--policy", str(bundle),
+        )  # fmt: skip
+        assert replayed.returncode == 0, replayed.stderr
+        summary_line = json.loads(replayed.stdout.splitlines()[-1])["summary"]
+        assert summary_line["allow_to_deny"] == 4  # the three compared, and the one since
+
+
+async def test_a_bad_candidate_is_refused_in_the_page(start_broker: Callable[..., Any]) -> None:
+    broker = await console_broker(start_broker)
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        await browser.login()
+        status, page = await _upload(browser, b"not a bundle")
+        assert status == 400
+        assert 'id="compare-problem"' in page
+        assert "the uploaded candidate" in page
+        status, page = await _upload(browser, b"x" * (MAX_CANDIDATE_BYTES + 1))
+        assert status == 413
+        assert f"bundle is larger than {MAX_CANDIDATE_BYTES} bytes" in page
+        status, body = await _upload(browser, b"not a bundle", origin="https://evil.example")
+        assert status == 403
+        assert '"origin_refused"' in body
+        browser.cookie = None
+        status, _ = await _upload(browser, b"not a bundle")
+        assert status == 303  # no session: to the log-in page
