@@ -21,6 +21,8 @@ every console POST.
 from __future__ import annotations
 
 import asyncio
+import json
+import shlex
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -65,7 +67,7 @@ async def history_page(request: web.Request) -> web.Response:
 async def _page(
     request: web.Request, comparison: Comparison | None, problem: str | None, status: int = 200
 ) -> web.Response:
-    decisions = request.app[DECISIONS]
+    decisions, settings = request.app[DECISIONS], request.app[SETTINGS]
     await decisions.refresh()
     history, span, links, history_problem = [], None, None, None
     try:
@@ -85,8 +87,10 @@ async def _page(
         links=links,
         history=list(reversed(history)),
         in_force=request.app[POLICY].digest,
-        verification=request.app[SETTINGS].policy.bundle_verification_key is not None,
+        verification=settings.policy.bundle_verification_key is not None,
         comparison=comparison,
+        printed=None if comparison is None else comparison.printed(),
+        command=None if comparison is None else comparison.command(str(settings.audit.log)),
         compare_problem=problem,
         summary=SUMMARY,
         max_candidate_kib=MAX_CANDIDATE_BYTES // 1024,
@@ -108,6 +112,20 @@ class Comparison:
     verified: bool  # its signature checked with the broker's bundle key
     summary: dict[str, int] = field(default_factory=dict)
     changes: deque[Changed] = field(default_factory=lambda: deque(maxlen=CHANGES_SHOWN))
+    since: str | None = None  # the time of the window's first decision record
+
+    def printed(self) -> list[str]:
+        """What ``broker policy replay`` prints for these decisions: a JSON line per changed
+        decision (the newest ``CHANGES_SHOWN``), then the summary line."""
+        last = {"summary": self.summary, "policy_digest": self.compiled.digest}
+        return [json.dumps(c.as_json()) for c in self.changes] + [json.dumps(last)]
+
+    def command(self, log: str) -> str:
+        """The ``broker policy replay`` that re-decides these decisions (and any newer)."""
+        command = ["broker", "policy", "replay", "--log", log, "--policy", "candidate.tar.gz"]
+        if self.verified:
+            command += ["--verification-key", "KEY.pem", "--scope", "SCOPE"]
+        return shlex.join(command + ([] if self.since is None else ["--since", self.since]))
 
 
 async def compare(request: web.Request) -> web.Response:
@@ -188,27 +206,26 @@ async def _bounded(part: BodyPartReader, limit: int, name: str) -> bytes:
 
 
 def _candidate(raw: bytes, settings: PolicySettings) -> tuple[CompiledPolicy, bool]:
-    """The candidate read, verified when it is signed and the broker has a bundle key (an
-    unsigned one, or a signed one on a broker without a key, is compared unverified), held to
-    the structure rules and compiled by the pinned ``opa``. Blocking (``opa``): a thread.
+    """The candidate unpacked once (the strict tar reader) and every check run on those files:
+    its signature verified when it is signed and the broker has a bundle key (an unsigned one,
+    or a signed one on a broker without a key, is compared unverified), held to the structure
+    rules and compiled by the pinned ``opa``. Blocking (``opa``): a thread.
 
     Raises:
         PolicyLoadError: it does not read, verify, keep the rules or compile.
         ConfigError: no ``opa`` here.
     """
     files = opa_bundle.unpack(raw, source=CANDIDATE)
-    signed = opa_bundle.SIGNATURES in files
     key = settings.bundle_verification_key
-    if signed and key is not None:
+    checked = opa_bundle.SIGNATURES in files and key is not None
+    verification = None
+    if checked:
         verification = opa_bundle.verification_from_file(key, settings.bundle_verification_scope)
-        verified = opa_bundle.read_bundle(raw, source=CANDIDATE, verification=verification)
     else:  # compared, not trusted: the signature (if any) is set aside
-        unsigned = {n: content for n, content in files.items() if n != opa_bundle.SIGNATURES}
-        verified = opa_bundle.read_bundle(
-            opa_bundle.pack(unsigned), source=CANDIDATE, verification=None
-        )
+        files = {name: content for name, content in files.items() if name != opa_bundle.SIGNATURES}
+    verified = opa_bundle.read_files(files, source=CANDIDATE, verification=verification)
     opa = find_opa(str(settings.opa_binary) if settings.opa_binary else None)
-    return load_verified_bundle(verified, source=CANDIDATE, opa=opa), signed and key is not None
+    return load_verified_bundle(verified, source=CANDIDATE, opa=opa), checked
 
 
 def _compare(
@@ -217,6 +234,8 @@ def _compare(
     replaying = Replay(compiled)
     comparison = Comparison(compiled, span, verified)
     for record in read(decisions, span, DECISION_TYPES):
+        if comparison.since is None:
+            comparison.since = record.time
         comparison.changes.extend(replaying.changes(record))
     comparison.summary = dict(replaying.summary)
     return comparison

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from html.parser import HTMLParser
 from http.cookies import SimpleCookie
@@ -17,6 +18,9 @@ import pytest
 from multidict import CIMultiDictProxy
 
 from broker.client import BrokerClientError
+from broker.policy import opa_bundle
+from broker.policy.build import compile_policy_dir
+from broker.policy.testing import find_opa
 from tests.integration.conftest import RunningBroker
 from tests.integration.every_record import every_kind_of_record
 from tests.integration.identity import identity_broker
@@ -56,6 +60,19 @@ async def console_broker(start_broker: Callable[..., Any], **kwargs: Any) -> Run
     extra = CONSOLE_TOML + kwargs.pop("extra_toml", "")
     broker: RunningBroker = await start_broker(extra_toml=extra, **kwargs)
     return broker
+
+
+def candidate_bundle(policies: Path, into: Path, *, withdraw: str | None) -> bytes:
+    """A policy directory as an unsigned bundle, with ``withdraw``'s allow-list emptied (a
+    candidate to compare in the console). Blocking."""
+    copy = into / "policies"
+    shutil.copytree(policies, copy)
+    if withdraw is not None:
+        data_file = copy / "broker" / "data.json"
+        data = json.loads(data_file.read_text(encoding="utf-8"))
+        data["images"][withdraw] = []
+        data_file.write_text(json.dumps(data), encoding="utf-8")
+    return opa_bundle.pack(dict(compile_policy_dir(copy, opa=find_opa()).files))
 
 
 class Browser:

@@ -4,14 +4,15 @@ verified in the page (Ed25519 and SHA-256 in WebCrypto) and, after new records, 
 proof verified; a checkpoint whose signature has one byte flipped, and an older genuine one (a
 shrunk tree), are shown as FAILED and leave this browser's state alone; a record's inclusion
 proof verifies in the page; a deny reason holding ``<script>`` is shown as text; the timeline
-draws; it logs out. No page loads anything from another origin, and the console log has no
-error (a CSP violation would be one)."""
+draws; a candidate policy uploaded from a file input is compared; it logs out. No page loads
+anything from another origin, and the console log has no error (a CSP violation would be one)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,6 +28,7 @@ from tests.integration.console import (
     KEY_ADMIN_TOKEN,
     OTHER_IMAGE,
     XSS_REASON,
+    candidate_bundle,
     console_broker,
     with_xss_reason,
 )
@@ -113,9 +115,14 @@ def _stop_intercepting(driver: WebDriver, identifier: str) -> None:
 
 
 def _browse(
-    broker: RunningBroker, run: Callable[[Coroutine[Any, Any, None]], None], key: str, old: str
+    broker: RunningBroker,
+    run: Callable[[Coroutine[Any, Any, None]], None],
+    key: str,
+    old: str,
+    candidate: Path,
 ) -> None:
-    """The auditor's visit (blocking: a thread). ``old``: an earlier genuine checkpoint."""
+    """The auditor's visit (blocking: a thread). ``old``: an earlier genuine checkpoint;
+    ``candidate``: a bundle that withdraws the key's image, to compare."""
     seen: list[str] = []
     with headless_chromium(broker.workdir / "tls" / "server.pem") as driver:
         driver.get(broker.url + "/console/")
@@ -178,6 +185,17 @@ def _browse(
         assert {"marker-policy_change", "marker-policy_reload_failed"} <= markers
         seen += resources(driver)
 
+        driver.get(broker.url + "/console/policy")  # a candidate compared, in the browser
+        history = [
+            e.text for e in driver.find_elements(By.CSS_SELECTOR, "#history td:nth-child(3)")
+        ]
+        assert history == ["policy_reload_failed", "policy_change"]
+        driver.find_element(By.ID, "bundle").send_keys(str(candidate))
+        driver.find_element(By.ID, "compare").click()
+        wait_for(driver, "return document.getElementById('replay-output') !== null")
+        assert int(driver.find_element(By.CSS_SELECTOR, "#summary .summary-allow_to_deny").text)
+        seen += resources(driver)
+
         driver.find_element(By.ID, "logout").click()
         wait_for(driver, "return location.pathname === '/console/login'")
         driver.get(broker.url + "/console/")
@@ -187,7 +205,9 @@ def _browse(
     assert [url for url in seen if not url.startswith(broker.url + "/")] == []
 
 
-async def test_the_console_verifies_in_a_real_browser(start_broker: Callable[..., Any]) -> None:
+async def test_the_console_verifies_in_a_real_browser(
+    start_broker: Callable[..., Any], tmp_path: Path
+) -> None:
     assert CHROMIUM.exists(), "install Debian's chromium (`make test` does)"
     assert CHROMEDRIVER.exists(), "install Debian's chromium-driver (`make test` does)"
     broker = await console_broker(start_broker, workdir_setup=with_xss_reason)
@@ -207,4 +227,10 @@ async def test_the_console_verifies_in_a_real_browser(start_broker: Callable[...
     def run(coroutine: Coroutine[Any, Any, None]) -> None:
         asyncio.run_coroutine_threadsafe(coroutine, loop).result(30)
 
-    await asyncio.to_thread(_browse, broker, run, signer.verifier_key(), old)
+    candidate = tmp_path / "candidate.tar.gz"
+    candidate.write_bytes(
+        await asyncio.to_thread(
+            candidate_bundle, broker.workdir / "policies", tmp_path, withdraw=KEY
+        )
+    )
+    await asyncio.to_thread(_browse, broker, run, signer.verifier_key(), old, candidate)

@@ -7,6 +7,7 @@ page."""
 from __future__ import annotations
 
 import asyncio
+import html
 import io
 import json
 import re
@@ -19,30 +20,18 @@ import aiohttp
 
 from broker.console.policy import MAX_CANDIDATE_BYTES
 from broker.policy import opa_bundle
-from broker.policy.build import compile_policy_dir
-from broker.policy.testing import find_opa
 from tests.integration.console import (
     KEY_ADMIN_TOKEN,
     Browser,
+    candidate_bundle,
     console_broker,
     tables,
     with_xss_reason,
 )
+from tests.policy_helpers import SHIPPED
+from tests.support.bundle_server import SCOPE, WIDENING_MODULE, build, opa_built, signing_keys
 from tests.support.cli import run
 from tests.support.constants import KEY
-
-
-def _candidate(policies: Path, into: Path, *, withdraw: str | None) -> bytes:
-    """The broker's policy as a bundle, with ``withdraw``'s allow-list emptied. Blocking."""
-    copy = into / "policies"
-    shutil.copytree(policies, copy)
-    if withdraw is not None:
-        data_file = copy / "broker" / "data.json"
-        data = json.loads(data_file.read_text(encoding="utf-8"))
-        data["images"][withdraw] = []
-        data_file.write_text(json.dumps(data), encoding="utf-8")
-    compiled = compile_policy_dir(copy, opa=find_opa())
-    return opa_bundle.pack(dict(compiled.files))
 
 
 async def _upload(
@@ -97,12 +86,14 @@ async def test_history_and_a_candidate_compared_never_made_live(
         assert in_force is not None
         assert history[1][6].startswith(in_force.group(1))
 
-        same = await asyncio.to_thread(_candidate, policies, tmp_path / "same", withdraw=None)
+        same = await asyncio.to_thread(candidate_bundle, policies, tmp_path / "same", withdraw=None)
         status, page = await _upload(browser, same)
         assert status == 200, page
         summary = tables(page)["summary"][0]
         assert summary[:3] == ["3", "3", "0"]  # three releases re-decided alike
-        withdrawn = await asyncio.to_thread(_candidate, policies, tmp_path / "w", withdraw=KEY)
+        withdrawn = await asyncio.to_thread(
+            candidate_bundle, policies, tmp_path / "w", withdraw=KEY
+        )
         status, page = await _upload(browser, withdrawn)
         assert status == 200, page
         found = tables(page)
@@ -110,6 +101,21 @@ async def test_history_and_a_candidate_compared_never_made_live(
         assert {row[3] for row in found["changes"]} == {KEY}
         assert {row[4] for row in found["changes"]} == {"allow_to_deny"}
         assert "Compare only." in page
+        # what `broker policy replay` prints for the same records, line for line
+        bundle = tmp_path / "withdrawn.tar.gz"
+        bundle.write_bytes(withdrawn)
+        replayed = await asyncio.to_thread(
+            run, "policy", "replay", "--log", str(broker.settings.audit.log),
+            "--policy", str(bundle),
+        )  # fmt: skip
+        assert replayed.returncode == 0, replayed.stderr
+        assert _printed(page) == replayed.stdout.splitlines()
+        assert len(replayed.stdout.splitlines()) == 4  # three changes and the summary
+        command = re.search(r'id="replay-command">([^<]+)<', page)
+        assert command is not None
+        assert html.unescape(command.group(1)).startswith(
+            f"broker policy replay --log {broker.settings.audit.log} --policy candidate.tar.gz"
+        )
         status, page = await _upload(browser, withdrawn, records="3")
         # the newest three records: two releases and the failed reload
         assert tables(page)["summary"][0][:3] == ["2", "0", "2"]
@@ -124,16 +130,18 @@ async def test_history_and_a_candidate_compared_never_made_live(
             "policy_reload_failed",
             "policy_change",
         ]
-        # what `broker policy replay` prints for the same records
-        bundle = tmp_path / "withdrawn.tar.gz"
-        bundle.write_bytes(withdrawn)
         replayed = await asyncio.to_thread(
             run, "policy", "replay", "--log", str(broker.settings.audit.log),
             "--policy", str(bundle),
         )  # fmt: skip
-        assert replayed.returncode == 0, replayed.stderr
         summary_line = json.loads(replayed.stdout.splitlines()[-1])["summary"]
         assert summary_line["allow_to_deny"] == 4  # the three compared, and the one since
+
+
+def _printed(page: str) -> list[str]:
+    found = re.search(r'<pre id="replay-output"><code>(.*?)</code></pre>', page, re.DOTALL)
+    assert found is not None
+    return html.unescape(found.group(1)).splitlines()
 
 
 async def test_a_bad_candidate_is_refused_in_the_page(start_broker: Callable[..., Any]) -> None:
@@ -148,9 +156,64 @@ async def test_a_bad_candidate_is_refused_in_the_page(start_broker: Callable[...
         status, page = await _upload(browser, b"x" * (MAX_CANDIDATE_BYTES + 1))
         assert status == 413
         assert f"bundle is larger than {MAX_CANDIDATE_BYTES} bytes" in page
+        widening = opa_bundle.pack(
+            await asyncio.to_thread(opa_built, SHIPPED, {"broker/widen.rego": WIDENING_MODULE})
+        )  # held to the structure rules as a reload would be
+        status, page = await _upload(browser, widening)
+        assert status == 400
+        assert "the uploaded candidate" in page
+        assert 'id="comparison"' not in page
         status, body = await _upload(browser, b"not a bundle", origin="https://evil.example")
         assert status == 403
         assert '"origin_refused"' in body
         browser.cookie = None
         status, _ = await _upload(browser, b"not a bundle")
         assert status == 303  # no session: to the log-in page
+
+
+async def test_a_signed_candidate_is_verified_with_the_brokers_bundle_key(
+    start_broker: Callable[..., Any], tmp_path: Path
+) -> None:
+    """On a broker that loads signed bundles, a signed candidate is checked with its key (one
+    signed by another key is refused); an unsigned one is compared and said unverified."""
+
+    def signed_policy(workdir: Path) -> None:
+        signing_keys(workdir)
+        build(workdir, "v1", allowed=True)
+
+    broker = await console_broker(
+        start_broker,
+        workdir_setup=signed_policy,
+        environ={
+            "BROKER_POLICY_BUNDLE": "bundle-v1.tar.gz",
+            "BROKER_POLICY_BUNDLE_VERIFICATION_KEY": "verify.pem",
+            "BROKER_POLICY_BUNDLE_VERIFICATION_SCOPE": SCOPE,
+        },
+    )
+    async with broker.client() as client:
+        await client.release(KEY, broker.token_source())
+    withdrawn, digest = await asyncio.to_thread(build, broker.workdir, "v2", allowed=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    await asyncio.to_thread(signing_keys, other)
+    shutil.copytree(broker.workdir / "policies", other / "policies")
+    forged, _ = await asyncio.to_thread(build, other, "v2", allowed=False)
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        await browser.login()
+        status, page = await _upload(browser, withdrawn)
+        assert status == 200, page
+        assert f'id="candidate-digest">{digest}<' in page
+        assert "(revision v2), signature verified" in " ".join(page.split())
+        assert tables(page)["summary"][0][:3] == ["1", "0", "1"]
+        assert "--verification-key KEY.pem --scope SCOPE" in page
+        status, page = await _upload(browser, forged)
+        assert status == 400
+        assert "the uploaded candidate: bundle signature does not verify" in page
+        assert 'id="comparison"' not in page
+        unsigned = dict(opa_bundle.unpack(withdrawn, source="t"))
+        del unsigned[opa_bundle.SIGNATURES]
+        status, page = await _upload(browser, opa_bundle.pack(unsigned))
+        assert status == 200, page
+        assert f'id="candidate-digest">{digest}<' in page  # a signature is not policy
+        assert "not verified" in " ".join(page.split())
