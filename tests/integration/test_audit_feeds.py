@@ -11,22 +11,20 @@ import asyncio
 import hashlib
 import json
 import re
-import shutil
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric import ed25519
-
-from broker.audit.identity import adopt_signing_key, claim_origin
-from broker.audit.log import DecisionLog
 from broker.audit.ocsf import MAPPINGS
-from broker.audit.segments import repair_torn_tail
 from broker.core.records import RecordType
-from broker.crypto.checkpoint import NoteSigner
 from tests.integration.attested import ADMIN, DENIED_KEY
-from tests.integration.every_record import EXTRA_KEY, every_kind_of_record
+from tests.integration.every_record import (
+    EXTRA_KEY,
+    every_kind_of_record,
+    with_a_key_rotation,
+    with_a_repair,
+)
 from tests.integration.identity import SPIFFE_ID, identity_broker
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
@@ -71,31 +69,6 @@ async def _syslog(messages: list[bytes]) -> tuple[asyncio.DatagramTransport, int
     return transport, transport.get_extra_info("sockname")[1]
 
 
-def _with_a_repair(log: Path, into: Path) -> list[dict[str, Any]]:
-    """The broker's records, then a torn final line repaired by the real repair writer."""
-    shutil.copyfile(log, into)
-    with into.open("ab") as handle:
-        handle.write(b'{"type":"release","torn')
-    assert repair_torn_tail(into, now="2026-12-02T12:00:00+00:00") is not None
-    return [json.loads(line) for line in into.read_bytes().splitlines()]
-
-
-async def _with_a_key_rotation(log: Path) -> None:
-    """A checkpoint-key hand-over appended by the real writer (``audit/identity.py``)."""
-    origin = "feeds.it.invalid/decisions"
-    await asyncio.to_thread(claim_origin, log, origin=origin, replica="feeds")
-    decisions = DecisionLog(log, replica="feeds")
-    await decisions.open()
-    try:
-        old = NoteSigner(origin, ed25519.Ed25519PrivateKey.generate())
-        new = NoteSigner(origin, ed25519.Ed25519PrivateKey.generate())
-        now = "2026-12-02T12:00:01+00:00"
-        assert await adopt_signing_key(decisions, old, None, now=now) is None  # known from now
-        assert await adopt_signing_key(decisions, new, old, now=now) is not None  # handed over
-    finally:
-        await decisions.close()
-
-
 def _export(log: Path) -> list[dict[str, Any]]:
     exported = run("audit", "export", str(log), "--format", "ocsf")
     assert exported.returncode == 0, exported.stderr
@@ -123,8 +96,8 @@ async def test_feeds_report_each_key_and_every_record_type(
             await asyncio.sleep(0.05)
     finally:
         transport.close()
-    await asyncio.to_thread(_with_a_repair, broker.settings.audit.log, tmp_path / "l")
-    await _with_a_key_rotation(tmp_path / "l")
+    await asyncio.to_thread(with_a_repair, broker.settings.audit.log, tmp_path / "l")
+    await with_a_key_rotation(tmp_path / "l")
     records = [json.loads(line) for line in (tmp_path / "l").read_bytes().splitlines()]
     assert {r["type"] for r in records} == written_types()  # the log holds every type
     events = await asyncio.to_thread(_export, tmp_path / "l")

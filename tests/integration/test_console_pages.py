@@ -5,22 +5,33 @@ bounded windows, and the policy history lists every change."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from broker.console.reading import MAX_RECORDS
+from broker.core.records import RecordType
 from tests.integration.attested import DENIED_KEY
 from tests.integration.console import Browser, console_broker, every_kind_broker, tables
-from tests.integration.every_record import EXTRA_KEY
+from tests.integration.every_record import (
+    EXTRA_KEY,
+    NEWER_TYPE,
+    a_bug_after_the_first_key,
+    every_kind_of_log,
+)
 from tests.support.constants import ALLOWED, KEY
 
 TIMES, DASH = "\u00d7", "\u2013"  # as the pages write them
-PAGES = ("/console/", "/console/timeline", "/console/denials", "/console/keys", "/console/policy")
+LISTS = ("/console/timeline", "/console/denials", "/console/keys", "/console/policy")
+PAGES = ("/console/", *LISTS)
+WINDOW = re.compile(r"Records (\d+)\u2013(\d+) of the (\d+) in this replica's log")
 
 
 async def test_every_page_renders_over_every_kind_of_record(
@@ -106,3 +117,58 @@ async def test_new_pages_need_a_session(start_broker: Callable[..., Any], path: 
     async with aiohttp.ClientSession() as session:
         status, headers, _ = await Browser(broker, session).get(path)
         assert (status, headers["Location"]) == (303, "/console/login")
+
+
+async def test_every_record_type_renders_and_every_list_pages_through_the_log(
+    start_broker: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log holding every record type a log can hold — every decision and change of a live
+    broker, a release cut short by a bug, a repaired torn line, a checkpoint-key hand-over, a
+    newer broker's type — served by a broker: every page and every record's page renders, and
+    each list page's older links walk the whole log in windows that neither gap nor overlap."""
+    source, _ = await every_kind_broker(start_broker)
+    await a_bug_after_the_first_key(source, monkeypatch)
+    log = tmp_path / "every.log"
+    await every_kind_of_log(source.settings.audit.log, log)
+
+    def with_the_log(workdir: Path) -> None:
+        shutil.copyfile(log, workdir / "decisions.log")
+
+    broker = await console_broker(start_broker, workdir_setup=with_the_log)
+    records = broker.records()
+    types = {r["type"] for r in records}
+    assert types == {t.value for t in RecordType} - {"unknown"} | {NEWER_TYPE}
+    assert "internal_error" in {r.get("code") for r in records}
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        await browser.login()
+        for path in PAGES:
+            status, _, page = await browser.get(path)
+            assert status == 200, (path, page)
+        for record in records:
+            status, _, page = await browser.get(f"/console/record/{record['index']}")
+            assert status == 200, (record["type"], page)
+            assert f"<td>{record['type']}</td>" in page
+        for path in LISTS:
+            windows = await _walk_back(browser, f"{path}?records=7")
+            assert windows[0][1] == len(records) - 1  # the newest record first
+            assert windows[-1][0] == 0  # back to the first
+            for newer, older in itertools.pairwise(windows):
+                assert older[1] == newer[0] - 1, (path, windows)  # no gap, no overlap
+
+
+async def _walk_back(browser: Browser, path: str) -> list[tuple[int, int]]:
+    """The windows (first, last record) a list page shows, following its older links."""
+    windows: list[tuple[int, int]] = []
+    next_path: str | None = path
+    while next_path is not None:
+        status, _, page = await browser.get(next_path)
+        assert status == 200, (next_path, page)
+        assert "Traceback" not in page
+        shown = WINDOW.search(page)
+        assert shown is not None, next_path
+        windows.append((int(shown.group(1)), int(shown.group(2))))
+        older = re.search(r'class="older" href="([^"]+)"', page)
+        next_path = None if older is None else older.group(1).replace("&amp;", "&")
+        assert len(windows) < 100
+    return windows
