@@ -1,9 +1,8 @@
 """The policy history, and the replay impact of a candidate policy uploaded for comparison.
 
-``GET /console/policy?end=&records=`` lists every ``policy_change`` and ``policy_reload_failed``
-record of a window of the log (who, trigger, revision, digest, the previous digest, signature
-and version, the reload's problem). Only lines naming those types are parsed, so the page reads
-a larger window than the others (``HISTORY_RECORDS``).
+``GET /console/policy?end=`` lists every ``policy_change`` and ``policy_reload_failed`` record
+of the log, newest first, a page at a time (``history.py``: who, trigger, revision, digest, the
+previous digest, signature and version, the reload's problem).
 
 ``POST /console/policy/compare`` (a form: ``bundle``, a ``.tar.gz`` as ``broker policy build``
 writes it, signed or not; ``records``, ``end``) re-decides the decisions of a window of the log
@@ -32,22 +31,20 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from broker.api.services import DECISIONS, POLICY, SETTINGS
-from broker.audit.envelope import Envelope
 from broker.audit.log import DecisionLog
 from broker.config import PolicySettings
 from broker.console.auth import check_origin
-from broker.console.reading import DEFAULT_RECORDS, Window, paging, read, window_of
+from broker.console.history import history
+from broker.console.reading import DEFAULT_RECORDS, Window, read, window_of
 from broker.console.templates import render
 from broker.core.errors import BodyTooLarge, ConfigError, InputError, RequestTimeout
-from broker.core.records import DECISION_TYPES, RecordType
+from broker.core.records import DECISION_TYPES
 from broker.decisions.replay import SUMMARY, Changed, Replay
 from broker.policy import opa_bundle
 from broker.policy.build import load_verified_bundle
 from broker.policy.testing import find_opa
 from broker.policy.wasm import CompiledPolicy, PolicyLoadError
 
-HISTORY = frozenset({RecordType.POLICY_CHANGE, RecordType.POLICY_RELOAD_FAILED})
-HISTORY_RECORDS = 1_000_000  # the policy history's window (only its two types are parsed)
 MAX_CANDIDATE_BYTES = 4 * 1024 * 1024  # an uploaded bundle (the default policy's is ~120 KiB)
 MAX_REPLAY_RECORDS = DEFAULT_RECORDS  # records whose decisions one comparison re-decides
 MAX_FIELD_BYTES = 64  # ``records``, ``end``
@@ -56,7 +53,6 @@ CHANGES_SHOWN = 100  # the newest changed decisions listed (the counts are exact
 CANDIDATE = "the uploaded candidate"
 COMPARING: web.AppKey[asyncio.Lock] = web.AppKey("console_comparing", asyncio.Lock)
 FORM_FIELDS = ("end", "records")
-PATH = "/console/policy"
 
 
 async def history_page(request: web.Request) -> web.Response:
@@ -69,23 +65,18 @@ async def _page(
 ) -> web.Response:
     decisions, settings = request.app[DECISIONS], request.app[SETTINGS]
     await decisions.refresh()
-    history, span, links, history_problem = [], None, None, None
+    found, history_problem = None, None
     try:
-        span = window_of(request.query, decisions, default=HISTORY_RECORDS, maximum=HISTORY_RECORDS)
+        found = await history(request.app, decisions, request.query)
     except InputError as exc:
         history_problem, status = exc.message, 400
-    else:
-        history = await asyncio.to_thread(_history, decisions, span)
-        links = paging(request, span, path=PATH)
     return render(
         request,
         "policy.html",
         status=status,
         title="Policy history",
         problem=history_problem,
-        span=span,
-        links=links,
-        history=list(reversed(history)),
+        history=found,
         in_force=request.app[POLICY].digest,
         verification=settings.policy.bundle_verification_key is not None,
         comparison=comparison,
@@ -97,10 +88,6 @@ async def _page(
         max_replay=MAX_REPLAY_RECORDS,
         shown=CHANGES_SHOWN,
     )
-
-
-def _history(decisions: DecisionLog, span: Window) -> list[Envelope]:
-    return list(read(decisions, span, HISTORY))
 
 
 @dataclass

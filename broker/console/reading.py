@@ -6,8 +6,8 @@ A page reads the records ``[first, end)`` of a ``Window``: by default the newest
 ``DEFAULT_RECORDS``; ``?end=`` (a leaf index) and ``?records=`` (at most ``MAX_RECORDS``) page
 back through the whole log. The records are read ``PAGE`` lines per file read and kept by no
 one: the callers fold what they need into counts as they pass. A page that wants a few record
-types only (the policy history) names them, and lines without the type's name are skipped
-before they are parsed (the cost of a window is then a read, not a parse).
+types only names them, and lines without the type's name are skipped before they are parsed.
+(The policy history reads no window: ``history.py`` keeps the places of its records.)
 """
 
 from __future__ import annotations
@@ -76,14 +76,14 @@ def window_of(
     Raises:
         InputError: ``end`` or ``records`` not a number, or ``records`` over ``maximum``.
     """
-    end = _number(query, "end")
-    records = _number(query, "records")
+    end = number(query, "end")
+    records = number(query, "records")
     if records is not None and not 0 < records <= maximum:
         raise InputError(f"records must be between 1 and {maximum}")
     return window(decisions, end=end, records=default if records is None else records)
 
 
-def _number(query: Mapping[str, str], name: str) -> int | None:
+def number(query: Mapping[str, str], name: str) -> int | None:
     text = query.get(name, "").strip()
     if not text:
         return None
@@ -111,14 +111,13 @@ def read(
                 yield record
 
 
-def paging(request: web.Request, span: Window, *, path: str | None = None) -> dict[str, str | None]:
-    """The links to the older, newer and newest windows of the page at ``path`` (default: the
-    request's), the page's other parameters kept."""
+def paging(request: web.Request, span: Window) -> dict[str, str | None]:
+    """The links to the older, newer and newest windows, the page's other parameters kept."""
     kept = {k: v for k, v in request.query.items() if k != "end"}
 
     def link(end: int | None) -> str:
         query = urlencode({**kept, **({} if end is None else {"end": end})})
-        return (path or request.path) + ("?" + query if query else "")
+        return request.path + ("?" + query if query else "")
 
     older, newer = span.older(), span.newer()
     return {

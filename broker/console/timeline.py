@@ -166,7 +166,6 @@ async def timeline_page(request: web.Request) -> web.Response:
         intervals=INTERVALS,
         span=span,
         links=links,
-        query_string=request.query_string,
     )
 
 

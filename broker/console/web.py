@@ -19,7 +19,7 @@ from aiohttp import web
 from broker.api.limits import rate_limited
 from broker.api.routes import Permission
 from broker.api.services import SETTINGS
-from broker.console import auth, denials, health, keys, policy, timeline
+from broker.console import auth, denials, health, history, keys, policy, timeline
 from broker.console.session import SessionKeys
 from broker.console.templates import ENVIRONMENT, load_templates, render
 
@@ -128,8 +128,10 @@ async def _security_headers(request: web.Request, response: web.StreamResponse) 
 
 
 async def _start(app: web.Application) -> AsyncIterator[None]:
-    """The templates and the session key (files: in a thread), the comparison lock."""
+    """The templates and the session key (files: in a thread), the comparison lock, the
+    policy history's index."""
     app[ENVIRONMENT] = await asyncio.to_thread(load_templates)
     app[auth.SESSION_KEYS] = await asyncio.to_thread(SessionKeys.beside, app[SETTINGS].audit.log)
     app[policy.COMPARING] = asyncio.Lock()  # one candidate compared at a time per worker
+    app[history.HISTORY_INDEX] = history.HistoryIndex()  # found at the first visit
     yield

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from broker.console import history
 from broker.console.reading import MAX_RECORDS
 from broker.core.records import RecordType
 from tests.integration.attested import DENIED_KEY
@@ -29,8 +30,8 @@ from tests.integration.every_record import (
 from tests.support.constants import ALLOWED, KEY
 
 TIMES, DASH = "\u00d7", "\u2013"  # as the pages write them
-LISTS = ("/console/timeline", "/console/denials", "/console/keys", "/console/policy")
-PAGES = ("/console/", *LISTS)
+WINDOWED = ("/console/timeline", "/console/denials", "/console/keys")
+PAGES = ("/console/", *WINDOWED, "/console/policy")
 WINDOW = re.compile(r"Records (\d+)\u2013(\d+) of the (\d+) in this replica's log")
 
 
@@ -124,8 +125,9 @@ async def test_every_record_type_renders_and_every_list_pages_through_the_log(
 ) -> None:
     """A log holding every record type a log can hold — every decision and change of a live
     broker, a release cut short by a bug, a repaired torn line, a checkpoint-key hand-over, a
-    newer broker's type — served by a broker: every page and every record's page renders, and
-    each list page's older links walk the whole log in windows that neither gap nor overlap."""
+    newer broker's type — served by a broker: every page and every record's page renders; each
+    windowed page's older links walk the whole log in windows that neither gap nor overlap, and
+    the policy history's walk every policy record once, newest first."""
     source, _ = await every_kind_broker(start_broker)
     await a_bug_after_the_first_key(source, monkeypatch)
     log = tmp_path / "every.log"
@@ -149,12 +151,25 @@ async def test_every_record_type_renders_and_every_list_pages_through_the_log(
             status, _, page = await browser.get(f"/console/record/{record['index']}")
             assert status == 200, (record["type"], page)
             assert f"<td>{record['type']}</td>" in page
-        for path in LISTS:
+        for path in WINDOWED:
             windows = await _walk_back(browser, f"{path}?records=7")
             assert windows[0][1] == len(records) - 1  # the newest record first
             assert windows[-1][0] == 0  # back to the first
             for newer, older in itertools.pairwise(windows):
                 assert older[1] == newer[0] - 1, (path, windows)  # no gap, no overlap
+        monkeypatch.setattr(history, "SHOWN", 1)  # the history pages one record at a time
+        listed: list[int] = []
+        next_path: str | None = "/console/policy"
+        while next_path is not None:
+            status, _, page = await browser.get(next_path)
+            assert status == 200, page
+            listed += [int(row[0]) for row in tables(page)["history"]]
+            link = re.search(r'class="older" href="([^"]+)"', page)
+            next_path = None if link is None else link.group(1)
+            assert len(listed) < 100
+        policy = ("policy_change", "policy_reload_failed")
+        assert listed == [r["index"] for r in reversed(records) if r["type"] in policy]
+        assert len(listed) >= 3  # two brokers' start-ups and a failed reload
 
 
 async def _walk_back(browser: Browser, path: str) -> list[tuple[int, int]]:

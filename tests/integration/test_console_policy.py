@@ -137,6 +137,23 @@ async def test_history_and_a_candidate_compared_never_made_live(
         summary_line = json.loads(replayed.stdout.splitlines()[-1])["summary"]
         assert summary_line["allow_to_deny"] == 4  # the three compared, and the one since
 
+        # a policy record written after the history was first read joins it
+        broken.write_text("package broker.release\nthis is not rego either\n")
+        async with session.post(
+            broker.url + "/v1/admin/policy/reload",
+            headers={"Authorization": f"Bearer {KEY_ADMIN_TOKEN}"},
+            ssl=broker.client_tls,
+        ) as response:
+            assert response.status == 409
+        status, _, page = await browser.get("/console/policy")
+        history = tables(page)["history"]
+        assert [row[2] for row in history] == [
+            "policy_reload_failed",
+            "policy_reload_failed",
+            "policy_change",
+        ]
+        assert int(history[0][0]) == len(broker.records()) - 1
+
 
 def _printed(page: str) -> list[str]:
     found = re.search(r'<pre id="replay-output"><code>(.*?)</code></pre>', page, re.DOTALL)
