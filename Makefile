@@ -36,8 +36,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[server,gcs,dev]'
 	@touch $(STAMP)
 
+# The workspace is kept (build/demo): the demo ends with its console's URL and auditor token.
 demo: $(STAMP) $(OPA)
-	$(BIN)/broker demo
+	rm -rf build/demo
+	$(BIN)/broker demo --workdir build/demo
 
 test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools lint typecheck policy-test pytest
 
