@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from tests.support.browser import (
 )
 from tests.support.constants import KEY
 
+SHOTS = os.environ.get("CONSOLE_SCREENSHOTS", "")
 VERDICT = """const v = document.querySelector('tr.log .verdict');
 return v && /^(verified|FAILED)/.test(v.textContent) ? v.textContent : null;"""
 PROOF = """const p = document.getElementById('proof');
@@ -114,6 +116,14 @@ def _stop_intercepting(driver: WebDriver, identifier: str) -> None:
     driver.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": identifier})
 
 
+def _shot(driver: WebDriver, name: str) -> None:
+    """With ``CONSOLE_SCREENSHOTS=DIR``, the page as shown, as DIR/NAME.png (docs/console.md's
+    screenshots are taken so: ``CONSOLE_SCREENSHOTS=docs/img/console pytest`` this file)."""
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        assert driver.save_screenshot(str(Path(SHOTS) / f"{name}.png"))
+
+
 def _browse(
     broker: RunningBroker,
     run: Callable[[Coroutine[Any, Any, None]], None],
@@ -127,6 +137,7 @@ def _browse(
     with headless_chromium(broker.workdir / "tls" / "server.pem") as driver:
         driver.get(broker.url + "/console/")
         assert driver.current_url == broker.url + "/console/login"
+        _shot(driver, "login")
         driver.find_element(By.ID, "token").send_keys(AUDITOR_TOKEN)
         driver.find_element(By.ID, "login").click()
         wait_for(driver, "return location.pathname === '/console/'")
@@ -148,10 +159,12 @@ def _browse(
             f"verified: signed by the pinned key; consistent with size {first_size}"
         ), verdict
         seen += resources(driver)
+        _shot(driver, "health")
 
         flipped = _intercept(driver, FLIP_A_SIGNATURE_BYTE)
         driver.refresh()
         assert wait_for(driver, VERDICT) == "FAILED: the signature does not verify"
+        _shot(driver, "health-failed")
         _stop_intercepting(driver, flipped)
         shrunk = _intercept(driver, f"() => {json.dumps(old)}")
         driver.refresh()
@@ -169,11 +182,13 @@ def _browse(
         assert driver.title != "pwned"
         assert not driver.find_elements(By.CSS_SELECTOR, "#results script")
         seen += resources(driver)
+        _shot(driver, "denials")
         driver.find_element(By.CSS_SELECTOR, "#refusals a").click()
         proof = wait_for(driver, PROOF)
         assert proof.startswith("verified: record"), proof
         assert XSS_REASON in [e.text for e in driver.find_elements(By.CSS_SELECTOR, "li.reason")]
         seen += resources(driver)
+        _shot(driver, "record")
 
         driver.get(broker.url + f"/console/timeline?key={KEY}")
         assert int(wait_for(driver, "return document.getElementById('chart').dataset.points")) > 0
@@ -184,6 +199,13 @@ def _browse(
         }
         assert {"marker-policy_change", "marker-policy_reload_failed"} <= markers
         seen += resources(driver)
+        _shot(driver, "timeline")
+
+        driver.get(broker.url + "/console/keys")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#key-versions tbody tr td:first-child")
+        assert KEY in [e.text for e in rows]
+        seen += resources(driver)
+        _shot(driver, "keys")
 
         driver.get(broker.url + "/console/policy")  # a candidate compared, in the browser
         history = [
@@ -195,6 +217,7 @@ def _browse(
         wait_for(driver, "return document.getElementById('replay-output') !== null")
         assert int(driver.find_element(By.CSS_SELECTOR, "#summary .summary-allow_to_deny").text)
         seen += resources(driver)
+        _shot(driver, "policy")
 
         driver.find_element(By.ID, "logout").click()
         wait_for(driver, "return location.pathname === '/console/login'")
