@@ -1,0 +1,145 @@
+"""Watch rules (issue 34), pure: a rules file that cannot be used is refused naming the rule, and
+each rule kind reports exactly the records it should on the records the broker's plans write
+(the pinned vectors of tests/vectors/decision_records). The same rules on a live broker's log,
+through ``broker audit monitor``, are tests/integration/test_audit_watch.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.audit.watch import RulesError, Watch, parse_rules
+from broker.core.encoding import canonical
+
+VECTORS = Path(__file__).parents[1] / "vectors" / "decision_records"
+IMAGE = "sha256:" + "a1" * 32  # the vectors' workload
+WEDNESDAY_0304 = "2030-01-02T03:04:05+00:00"  # the vectors' time
+
+
+def record(name: str, **changes: Any) -> bytes:
+    return canonical({**json.loads((VECTORS / f"{name}.json").read_text()), **changes})
+
+
+def hits(rules: str, *lines: bytes, watch: Watch | None = None) -> list[tuple[str, int, str]]:
+    watch = watch or Watch(parse_rules(rules.encode()))
+    return [
+        (h.rule, h.index, h.key or "") for i, line in enumerate(lines) for h in watch.check(i, line)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("rule = 1", "rule must be an array of tables"),
+        ("", "no rule"),
+        ("[[rules]]\nname='a'", "unknown table or key 'rules'"),
+        ("[[rule]]\nkind='key_images'\nkey='k'\nimages=['x']", "rule #1: name: a non-empty"),
+        ("[[rule]]\nname='a'\nkind='nope'", "rule #1 ('a'): kind 'nope' is not one of"),
+        ("[[rule]]\nname='a'\nkind='key_images'\nkey='k'\nimages=[]", "images: at least one"),
+        ("[[rule]]\nname='a'\nkind='key_images'\nkey='k'\nimage=['x']", "unknown member 'image'"),
+        ("[[rule]]\nname='a'\nkind='release_hours'\nhours='7-19'", 'hours: "HH:MM-HH:MM"'),
+        ("[[rule]]\nname='a'\nkind='release_hours'\nhours='07:00-19:60'", "hours:"),
+        ("[[rule]]\nname='a'\nkind='release_hours'\nhours='07:00-07:00'", "hours:"),
+        ("[[rule]]\nname='a'\nkind='release_hours'\nhours='07:00-19:00'\ndays=['monday']", "days"),
+        ("[[rule]]\nname='a'\nkind='record_type'\ntype='policy_reload_fail'", "not a record type"),
+        ("[[rule]]\nname='a'\nkind='recipients'\nkey='k'\nmax=0\nwindow_seconds=60", "max:"),
+        ("[[rule]]\nname='a'\nkind='recipients'\nkey='k'\nmax=2\nwindow_seconds=true", "window"),
+        (
+            "[[rule]]\nname='a'\nkind='record_type'\ntype='release'\n"
+            "[[rule]]\nname='a'\nkind='record_type'\ntype='release'",
+            "rule #2 ('a'): another rule has this name",
+        ),
+        ("[[rule]\nname='a'", "not a TOML file"),
+    ],
+)
+def test_a_rules_file_that_cannot_be_used_is_refused_naming_the_rule(
+    text: str, problem: str
+) -> None:
+    with pytest.raises(RulesError) as refused:
+        parse_rules(text.encode())
+    assert problem in str(refused.value)
+
+
+def test_key_images_reports_a_release_to_an_image_not_listed_and_a_missing_image() -> None:
+    rules = f"""
+[[rule]]
+name = "llama listed"
+kind = "key_images"
+key = "models/llama"
+images = ["{IMAGE}"]
+
+[[rule]]
+name = "models elsewhere"
+kind = "key_images"
+key = "models/*"
+images = ["sha256:{"0" * 64}"]
+"""
+    allowed, partial = record("release.allow"), record("attested_release.partial")
+    denied = record("release.deny-policy")  # refused: never a hit, whatever the image
+    no_image = record("release.allow", identity={})
+    found = hits(rules, allowed, partial, denied, no_image)
+    assert found == [
+        ("models elsewhere", 0, "models/llama"),
+        ("models elsewhere", 1, "models/llama"),  # the key it released, not the one refused
+        ("llama listed", 3, "models/llama"),  # no image recorded: in no list (fail closed)
+        ("models elsewhere", 3, "models/llama"),
+    ]
+
+
+def test_release_hours_reports_releases_outside_the_hours_or_days() -> None:
+    inside = '[[rule]]\nname="night"\nkind="release_hours"\nhours="22:00-06:00"\n'
+    assert hits(inside, record("release.allow")) == []  # 03:04 is inside a wrapping window
+    weekend = inside + 'days = ["sat", "sun"]\n'
+    assert hits(weekend, record("release.allow")) == [("night", 0, "models/llama")]
+    office = '[[rule]]\nname="office"\nkind="release_hours"\nhours="07:00-19:00"\nkeys=["x/*"]\n'
+    assert hits(office, record("release.allow")) == []  # another key
+    office = office.replace('["x/*"]', '["models/*"]')
+    assert hits(office, record("release.allow"), record("release.allow", time="yesterday")) == [
+        ("office", 0, "models/llama"),
+        ("office", 1, "models/llama"),  # a time that does not read: outside every hour
+    ]
+
+
+def test_record_type_reports_every_record_of_the_type_and_result() -> None:
+    rules = (
+        '[[rule]]\nname="reloads"\nkind="record_type"\ntype="policy_reload_failed"\n'
+        '[[rule]]\nname="partial"\nkind="record_type"\ntype="attested_release"\nresult="partial"\n'
+        '[[rule]]\nname="newer"\nkind="record_type"\ntype="unknown"\n'
+    )
+    failed = canonical({"type": "policy_reload_failed", "time": WEDNESDAY_0304, "problem": "x"})
+    newer = canonical({"type": "from_a_newer_broker", "time": WEDNESDAY_0304})
+    found = hits(rules, record("release.allow"), record("attested_release.partial"), failed, newer)
+    assert [(rule, index) for rule, index, _ in found] == [
+        ("partial", 1),
+        ("reloads", 2),
+        ("newer", 3),
+    ]
+
+
+def test_recipients_reports_once_per_window_and_carries_its_window_across_runs() -> None:
+    rules = parse_rules(
+        b'[[rule]]\nname="fan-out"\nkind="recipients"\nkey="models/*"\nmax=2\nwindow_seconds=3600\n'
+    )
+
+    def release(minute: int, recipient: str) -> bytes:
+        when = f"2030-01-02T03:{minute:02d}:00+00:00"
+        return record("release.allow", time=when, runner_key_thumbprint=recipient)
+
+    first = Watch(rules)
+    assert hits("", release(0, "a"), release(1, "b"), release(2, "b"), watch=first) == []
+    second = Watch(rules, json.loads(json.dumps(first.windows)))  # as saved, as read back
+    found = hits("", release(3, "c"), release(4, "d"), watch=second)
+    assert found == [("fan-out", 0, "models/llama")]  # the third recipient; then quiet
+    later = Watch(rules, second.windows)
+    assert [h.rule for h in later.check(9, record("release.allow"))] == []  # 03:04, quiet
+    outside = "2030-01-02T05:00:00+00:00"  # past the window: a, b, c, d have aged out
+    assert later.check(10, record("release.allow", time=outside)) == []
+
+
+def test_a_line_that_is_not_a_record_is_a_hit_of_its_own() -> None:
+    watch = Watch(parse_rules(b'[[rule]]\nname="r"\nkind="record_type"\ntype="release"\n'))
+    (hit,) = watch.check(7, b"not json")
+    assert (hit.kind, hit.index, hit.rule) == ("unreadable_record", 7, "")
