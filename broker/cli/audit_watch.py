@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import sys
 from dataclasses import dataclass, field, replace
@@ -30,11 +29,11 @@ import aiohttp
 
 from broker.audit.sink import WARNING, AuditSink
 from broker.audit.watch import KIND_OF, Hit, Rule, RulesError, Watch, describe, parse_rules
+from broker.audit.watch_state import KEPT_HITS, LogWatch, watch_member
 from broker.cli.audit_sources import Inconsistent, Source, Unreachable
 from broker.config import load_settings
 from broker.config.checks import SINK_FORMS, sink_allowed
 from broker.core.errors import ConfigError, FileFormatError
-from broker.core.jsonsafe import loads_bounded
 from broker.core.metrics import Metrics
 from broker.crypto.merkle import CompactRange, leaf_hash
 
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 EXIT_WATCH_HIT = 4
 EXIT_UNREACHABLE = 3
 EXIT_INCONSISTENT = 1
-KEPT_HITS = 500  # the newest hits the state keeps for the console
 SINK_TIMEOUT_SECONDS = 10
 
 
@@ -66,23 +64,6 @@ def add_arguments(monitor: argparse.ArgumentParser) -> None:
     monitor.add_argument(
         "--config", type=Path, help="with --rules: a broker config whose [audit] sink gets hits"
     )
-
-
-@dataclass(frozen=True)
-class LogWatch:
-    """How far the rules ran over one log: ``index``, the compact range of ``[0, index)``, and
-    the recipients rules' windows."""
-
-    index: int = 0
-    frontier: tuple[bytes, ...] = ()
-    windows: dict[str, Any] = field(default_factory=dict)
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "frontier": [base64.b64encode(h).decode() for h in self.frontier],
-            "windows": self.windows,
-        }
 
 
 @dataclass
@@ -123,17 +104,8 @@ class WatchRun:
 
     def _saved_log(self, origin: str) -> LogWatch:
         """The saved progress over ``origin`` (a fresh start when absent or unreadable)."""
-        entry = self.saved.get("logs", {}).get(origin)
-        if not isinstance(entry, dict):
-            return LogWatch()
-        try:
-            frontier = tuple(base64.b64decode(h, validate=True) for h in entry["frontier"])
-            index = int(entry["index"])
-            CompactRange(index, frontier)  # hashes that fit the size
-        except (KeyError, TypeError, ValueError):
-            return LogWatch()
-        windows = entry.get("windows")
-        return LogWatch(index, frontier, windows if isinstance(windows, dict) else {})
+        logs = self.saved.get("logs")
+        return LogWatch.of(logs.get(origin) if isinstance(logs, dict) else None)
 
     def document(self) -> dict[str, Any]:
         """The state's ``watch`` member after this run (what the console reads)."""
@@ -141,7 +113,7 @@ class WatchRun:
         logs.update({origin: done.as_json() for origin, done in self.logs.items()})
         kept = self.saved.get("hits") if isinstance(self.saved.get("hits"), list) else []
         return {
-            "rules_file": str(self.rules_file),
+            "rules_file": str(self.rules_file.absolute()),
             "rules": [
                 {"name": r.name, "kind": KIND_OF[type(r)], "watches": describe(r)}
                 for r in self.rules
@@ -209,11 +181,9 @@ def saved_member(path: Path) -> dict[str, Any]:
     """The ``watch`` member of a state file ({} when none; a run without ``--rules`` keeps it
     as it is)."""
     try:
-        value = loads_bounded(path.read_bytes())
-    except (OSError, ValueError):
+        return watch_member(path.read_bytes())
+    except OSError:
         return {}  # no state yet (an unreadable one is refused by the monitor itself)
-    watch = value.get("watch") if isinstance(value, dict) else None
-    return watch if isinstance(watch, dict) else {}
 
 
 def _run_rules(

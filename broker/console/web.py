@@ -19,7 +19,7 @@ from aiohttp import web
 from broker.api.limits import rate_limited
 from broker.api.routes import Permission
 from broker.api.services import SETTINGS
-from broker.console import auth, denials, health, timeline
+from broker.console import auth, denials, health, timeline, watch
 from broker.console.session import SessionKeys
 from broker.console.templates import ENVIRONMENT, load_templates, render
 
@@ -74,6 +74,7 @@ ROUTES: tuple[ConsoleRoute, ...] = (
     ),
     ConsoleRoute("GET", PREFIX + "/denials", denials.denials_page, Permission.AUDITOR),
     ConsoleRoute("GET", PREFIX + "/record/{index:[0-9]+}", denials.record_page, Permission.AUDITOR),
+    ConsoleRoute("GET", PREFIX + "/watch", watch.watch_page, Permission.AUDITOR),
     ConsoleRoute(
         "GET",
         PREFIX + "/api/record/{index:[0-9]+}",

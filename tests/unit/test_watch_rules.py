@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from broker.audit.watch import RulesError, Watch, parse_rules
+from broker.audit.watch import RulesError, Watch, describe, parse_rules
+from broker.audit.watch_state import LogWatch, watch_member, watch_view
 from broker.core.encoding import canonical
+from broker.crypto.merkle import CompactRange, leaf_hash
 
 VECTORS = Path(__file__).parents[1] / "vectors" / "decision_records"
 IMAGE = "sha256:" + "a1" * 32  # the vectors' workload
@@ -143,3 +145,42 @@ def test_a_line_that_is_not_a_record_is_a_hit_of_its_own() -> None:
     watch = Watch(parse_rules(b'[[rule]]\nname="r"\nkind="record_type"\ntype="release"\n'))
     (hit,) = watch.check(7, b"not json")
     assert (hit.kind, hit.index, hit.rule) == ("unreadable_record", 7, "")
+
+
+def test_a_saved_progress_that_does_not_fit_its_size_restarts_from_record_zero() -> None:
+    """The monitor's state, read back: a compact range that does not fit its index (an edited
+    or truncated state) is a fresh start, never a range checked against the wrong root."""
+    carried = CompactRange()
+    for n in range(5):
+        carried.append(leaf_hash(b"%d" % n))
+    saved = LogWatch(carried.size, tuple(carried.hashes), {"r": {}}).as_json()
+    assert LogWatch.of(json.loads(json.dumps(saved))) == LogWatch(
+        5, tuple(carried.hashes), {"r": {}}
+    )
+    for broken in ({**saved, "index": 4}, {**saved, "index": True}, {**saved, "frontier": ["!"]}):
+        assert LogWatch.of(broken) == LogWatch()
+    assert LogWatch.of(None) == LogWatch()
+
+
+def test_the_console_reads_the_state_the_monitor_writes_and_drops_what_does_not_read() -> None:
+    rules = parse_rules(b'[[rule]]\nname="r"\nkind="record_type"\ntype="release"\n')
+    (hit,) = Watch(rules).check(3, record("release.allow"))
+    saved = {**hit.as_json(), "origin": "o", "found_at": WEDNESDAY_0304}
+    member = watch_member(
+        json.dumps(
+            {
+                "watch": {
+                    "rules": [{"name": "r", "kind": "record_type", "watches": describe(rules[0])}],
+                    "checked_at": WEDNESDAY_0304,
+                    "logs": {"o": {"index": 4, "frontier": ["!"]}},
+                    "hits": [saved, {**saved, "index": "3"}, {**saved, "key": 7}, "x"],
+                }
+            }
+        ).encode()
+    )
+    view = watch_view(member)
+    assert [(r.name, r.watches) for r in view.rules] == [("r", "any release record")]
+    assert view.logs == (("o", 0),)  # a range that does not fit: restarts, and says so
+    assert [(s.origin, s.hit) for s in view.hits] == [("o", hit)]
+    assert view.checked_at is not None
+    assert watch_member(b"not json") == watch_member(b"[]") == {}
