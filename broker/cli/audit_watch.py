@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from broker.audit.sink import WARNING, AuditSink
-from broker.audit.watch import KIND_OF, Hit, Rule, RulesError, Watch, describe, parse_rules
+from broker.audit.watch import Hit, Watch
+from broker.audit.watch_rules import KIND_OF, Rule, RulesError, describe, parse_rules
 from broker.audit.watch_state import KEPT_HITS, LogWatch, watch_member
 from broker.cli.audit_sources import Inconsistent, Source, Unreachable
 from broker.config import load_settings

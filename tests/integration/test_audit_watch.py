@@ -26,7 +26,7 @@ from tests.support.constants import ALLOWED, KEY
 from tests.support.syslog import syslog_collector
 
 OTHER_IMAGE = "sha256:" + "0" * 64
-MISSES = {"llama to its image", "any hour", "identity CAs", "wide fan-out"}
+MISSES = {"llama to its image", "any hour", "identity CAs", "wide fan-out", "refusal burst"}
 
 
 def rules(now: datetime) -> str:
@@ -70,6 +70,12 @@ name = "fan-out"
 kind = "recipients"
 key = "{KEY}"
 max = 2
+window_seconds = 3600
+
+[[rule]]
+name = "refusal burst"
+kind = "deny_rate"
+max = 1
 window_seconds = 3600
 
 [[rule]]

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from broker.audit.watch import RulesError, Watch, describe, parse_rules
+from broker.audit.watch import Watch
+from broker.audit.watch_rules import RulesError, describe, parse_rules
 from broker.audit.watch_state import LogWatch, watch_member, watch_view
 from broker.core.encoding import canonical
 from broker.crypto.merkle import CompactRange, leaf_hash
@@ -48,6 +49,8 @@ def hits(rules: str, *lines: bytes, watch: Watch | None = None) -> list[tuple[st
         ("[[rule]]\nname='a'\nkind='release_hours'\nhours='07:00-19:00'\ndays=['monday']", "days"),
         ("[[rule]]\nname='a'\nkind='record_type'\ntype='policy_reload_fail'", "not a record type"),
         ("[[rule]]\nname='a'\nkind='recipients'\nkey='k'\nmax=0\nwindow_seconds=60", "max:"),
+        ("[[rule]]\nname='a'\nkind='deny_rate'\nkey='k'\nmax=1\nwindow_seconds=60", "'key'"),
+        ("[[rule]]\nname='a'\nkind='deny_rate'\nmax=10000\nwindow_seconds=60", "max: a whole"),
         ("[[rule]]\nname='a'\nkind='recipients'\nkey='k'\nmax=2\nwindow_seconds=true", "window"),
         (
             "[[rule]]\nname='a'\nkind='record_type'\ntype='release'\n"
@@ -184,3 +187,43 @@ def test_the_console_reads_the_state_the_monitor_writes_and_drops_what_does_not_
     assert [(s.origin, s.hit) for s in view.hits] == [("o", hit)]
     assert view.checked_at is not None
     assert watch_member(b"not json") == watch_member(b"[]") == {}
+
+
+def test_deny_rate_reports_a_burst_of_refusals_once_per_window_across_runs() -> None:
+    """Every refused decision counts (a release, a key of a release on a result, an attestation,
+    a release on a result refused before it named a key); allowed and failed (5xx) ones do not."""
+    rules = parse_rules(b'[[rule]]\nname="burst"\nkind="deny_rate"\nmax=2\nwindow_seconds=300\n')
+
+    def at(name: str, minute: int) -> bytes:
+        return record(name, time=f"2030-01-02T03:{minute:02d}:00+00:00")
+
+    first = Watch(rules)
+    quiet = [at("release.deny-policy", 0), at("release.allow", 1), at("release.error-kek", 1)]
+    assert hits("", *quiet, watch=first) == []
+    second = Watch(rules, json.loads(json.dumps(first.windows)))  # as saved, as read back
+    burst = [
+        at("attestation.deny-policy", 2),
+        at("attested_release.deny-result-invalid", 3),  # the third refusal within 300 s
+        at("attested_release.partial", 4),  # quiet for one window after a hit
+    ]
+    assert [
+        (h.rule, h.index, h.detail)
+        for i, line in enumerate(burst, start=3)
+        for h in second.check(i, line)
+    ] == [("burst", 4, "3 refused decisions within 300 s (at most 2)")]
+    later = Watch(rules, second.windows)
+    assert later.check(9, at("release.deny-policy", 8)) == []  # in the window: 03:04, 03:08
+    assert [h.index for h in later.check(10, at("release.deny-policy", 9))] == []  # 2 in window
+    assert describe(rules[0]) == "at most 2 refused decision(s) per 300 s"
+
+
+def test_deny_rate_of_some_keys_counts_only_their_refusals() -> None:
+    rules = parse_rules(
+        b'[[rule]]\nname="k"\nkind="deny_rate"\nmax=1\nwindow_seconds=60\nkeys=["models/not-*"]\n'
+    )
+    watch = Watch(rules)
+    assert watch.check(0, record("release.deny-policy")) == []  # models/llama
+    assert watch.check(1, record("attestation.deny-policy")) == []  # no key
+    assert watch.check(2, record("attested_release.partial")) == []  # the first of its key
+    (hit,) = watch.check(3, record("attested_release.partial", decision_id="another"))
+    assert (hit.index, hit.key) == (3, "models/not-for-this-image")
