@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import urllib.error
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -91,8 +92,9 @@ class Source(Protocol):
 
     def handovers(self, origin: str) -> list[str]: ...
 
-    def entries(self, origin: str, start: int, end: int) -> list[bytes]:
-        """Records from ``start`` (at least one, at most up to ``end``) exactly as stored."""
+    def entries(self, origin: str, start: int, end: int) -> Iterable[bytes]:
+        """Records from ``start`` (at least one, at most up to ``end``) exactly as stored;
+        read as they are iterated (a source may stop short: ask again from there)."""
         ...
 
 
@@ -205,13 +207,22 @@ class LocalLog:
     def handovers(self, origin: str) -> list[str]:
         return read_handovers(self._path)
 
-    def entries(self, origin: str, start: int, end: int) -> list[bytes]:
-        """Records ``[start, end)`` read from the log's files (every segment, in order).
+    def entries(self, origin: str, start: int, end: int) -> Iterator[bytes]:
+        """Records ``[start, end)`` read from the log's files (every segment, in order), one
+        at a time as they are iterated: a large log is never held in memory.
 
-        Raises:
+        Raises (while iterated):
             Unreachable: a file cannot be read, or holds fewer records.
         """
-        lines: list[bytes] = []
+        index = start
+        for line in self._lines(start, end):
+            yield line
+            index += 1
+        if index < end:
+            raise Unreachable(f"{self._path} holds {index} records, its checkpoint {end}")
+
+    def _lines(self, start: int, end: int) -> Iterator[bytes]:
+        """The complete lines ``[start, end)`` of the log's files (fewer if they end first)."""
         index = 0
         try:
             for path in log_files(self._path):
@@ -219,16 +230,13 @@ class LocalLog:
                     continue
                 with path.open("rb") as handle:
                     for line in handle:
-                        if index >= end:
-                            return lines
-                        if index >= start and line.endswith(b"\n"):
-                            lines.append(line[:-1])
+                        if index >= end or not line.endswith(b"\n"):  # a torn line ends it
+                            return
+                        if index >= start:
+                            yield line[:-1]
                         index += 1
         except OSError as exc:
             raise Unreachable(f"{self._path}: {exc.strerror}") from exc
-        if len(lines) < end - start:
-            raise Unreachable(f"{self._path} holds {index} records, its checkpoint {end}")
-        return lines
 
 
 def check_url(text: str) -> None:
