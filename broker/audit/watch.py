@@ -20,8 +20,9 @@ Pure: records in (``parse_record``), hits out; no I/O, no clock (record times on
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from fnmatch import fnmatchcase
 from typing import Any
@@ -138,20 +139,31 @@ class Watch:
 
 @dataclass
 class _Window:
-    """One key's recent recipients under one recipients rule."""
+    """One window of a windowed rule: a key's recent recipients (``recipients``), or the recent
+    refusals (``deny_rate``). Each entry expires through a heap of (time, entry): a record costs
+    O(log n), whatever the window holds (at most ``MAX_TRACKED``, the newest)."""
 
-    seen: dict[str, datetime]  # recipient thumbprint -> its latest release of the key
+    seen: dict[str, datetime]  # recipient thumbprint (or refusal) -> its latest time
     quiet_until: datetime | None  # after a hit: no other one before this
+    _expiry: list[tuple[datetime, str]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._expiry = [(t, r) for r, t in self.seen.items()]
+        heapq.heapify(self._expiry)
 
     def count(
         self, rule: Windowed, at: datetime, recipient: str, what: str = "distinct recipient keys"
     ) -> str | None:
-        self.seen[recipient] = max(at, self.seen.get(recipient, at))
+        latest = max(at, self.seen.get(recipient, at))
+        self.seen[recipient] = latest
+        heapq.heappush(self._expiry, (latest, recipient))
         oldest = at - rule.window
-        self.seen = {r: t for r, t in self.seen.items() if t > oldest}
-        if len(self.seen) > MAX_TRACKED:
-            newest = sorted(self.seen.items(), key=lambda item: item[1])[-MAX_TRACKED:]
-            self.seen = dict(newest)
+        while self._expiry and (self._expiry[0][0] <= oldest or len(self.seen) > MAX_TRACKED):
+            when, entry = heapq.heappop(self._expiry)
+            if self.seen.get(entry) == when:  # else an older time of an entry seen since
+                del self.seen[entry]
+        if len(self._expiry) > 2 * len(self.seen) + 64:  # drop the older times of entries
+            self.__post_init__()
         if len(self.seen) <= rule.max or (self.quiet_until is not None and at < self.quiet_until):
             return None
         self.quiet_until = at + rule.window

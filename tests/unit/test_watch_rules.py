@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from broker.audit.watch import Watch
-from broker.audit.watch_rules import RulesError, describe, parse_rules
+from broker.audit.watch_rules import MAX_TRACKED, RulesError, describe, parse_rules
 from broker.audit.watch_state import LogWatch, watch_member, watch_view
 from broker.core.encoding import canonical
 from broker.crypto.merkle import CompactRange, leaf_hash
@@ -227,3 +227,18 @@ def test_deny_rate_of_some_keys_counts_only_their_refusals() -> None:
     assert watch.check(2, record("attested_release.partial")) == []  # the first of its key
     (hit,) = watch.check(3, record("attested_release.partial", decision_id="another"))
     assert (hit.index, hit.key) == (3, "models/not-for-this-image")
+
+
+def test_a_window_keeps_the_newest_entries_up_to_its_bound_and_still_counts_past_max() -> None:
+    """A window holds at most MAX_TRACKED entries (the newest): a deny_rate rule with the largest
+    max still reports when the refusals within its window exceed it, and its saved window stays
+    bounded (each record costs a heap operation, not a pass over the window)."""
+    most = MAX_TRACKED - 1
+    rules = parse_rules(
+        f'[[rule]]\nname="b"\nkind="deny_rate"\nmax={most}\nwindow_seconds=3600\n'.encode()
+    )
+    watch = Watch(rules)
+    denied = record("release.deny-policy")
+    found = [h.index for i in range(MAX_TRACKED + 5) for h in watch.check(i, denied)]
+    assert found == [most]  # the (max + 1)-th refusal; then quiet for the window
+    assert len(watch.windows["b"][""]["seen"]) == MAX_TRACKED
