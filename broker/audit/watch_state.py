@@ -25,7 +25,7 @@ from broker.core.jsonsafe import loads_bounded
 from broker.crypto.merkle import CompactRange
 
 KEPT_HITS = 500  # the newest hits a state keeps (the console shows them)
-MAX_STATE_BYTES = 16 * 1024 * 1024  # a state file read whole (its hits and windows are bounded)
+MAX_STATE_BYTES = 64 * 1024 * 1024  # a state file read whole (its hits and windows are bounded)
 
 
 @dataclass(frozen=True)

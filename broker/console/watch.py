@@ -30,7 +30,7 @@ def _read(path: Path) -> tuple[WatchView | None, str | None]:
     except OSError as exc:
         return None, f"{path} cannot be read: {exc.strerror}"
     if len(raw) > MAX_STATE_BYTES:
-        return None, f"{path} is over {MAX_STATE_BYTES} bytes: not a monitor's state"
+        return None, f"{path} is over {MAX_STATE_BYTES} bytes: not shown"
     member = watch_member(raw)
     if not member:
         return None, f"{path} holds no watch rules: run broker audit monitor with --rules"
