@@ -27,6 +27,9 @@ SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
 REDIS := /usr/bin/redis-server
 # Debian's Chromium and its driver: the console's browser test (tests/integration/test_console_browser.py).
 CHROMEDRIVER := /usr/bin/chromedriver
+# promtool (Debian's prometheus package; its daemon is not started) checks deploy/prometheus/alerts.yml
+# and runs its alert unit tests (tests/integration/test_deploy_monitoring.py).
+PROMTOOL := /usr/bin/promtool
 
 .PHONY: demo test lint typecheck pytest policy-test bench soak clean postgresql deploy-tools deploy-check image image-lock
 
@@ -41,7 +44,7 @@ demo: $(STAMP) $(OPA)
 	rm -rf build/demo
 	$(BIN)/broker demo --workdir build/demo
 
-test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(PROMTOOL) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools lint typecheck policy-test pytest
 
 # The layer contract (docs/architecture.md) is part of lint: an import up the layers fails here.
 lint: $(STAMP)
@@ -69,6 +72,10 @@ $(REDIS):
 $(CHROMEDRIVER):
 	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) \
 	  || (echo "install chromium and chromium-driver for the console's browser test" >&2; exit 1)
+
+$(PROMTOOL):
+	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
+	  || (echo "install prometheus (for promtool) to check the alerting rules" >&2; exit 1)
 
 # PostgreSQL server binaries (shared nonce store tests): usually present; else from Debian.
 postgresql:
@@ -116,7 +123,7 @@ policy-test: $(STAMP) $(OPA)
 
 # Three workers on two cores: much of the suite waits on broker processes, OPA and disks.
 PYTEST_WORKERS ?= 3
-pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools
+pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(PROMTOOL) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 bench: $(STAMP) $(OPA) $(FAKE_GCS)

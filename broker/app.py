@@ -192,7 +192,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             seen=None if attestations.service is None else attestations.service.seen,
         )
         statements = StatementKey(await _statement_signer(settings))
-        publisher = await _checkpoints(settings, audit, session, stack, now=clock())
+        publisher = await _checkpoints(settings, audit, session, stack, metrics, now=clock())
         facts = {
             "keys": settings.keys.store_ref.kind,  # never credentials in it
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
@@ -222,6 +222,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             clock=clock,
             interval=settings.server.health_interval_seconds,
             attestation_expired=None if sealed is None else sealed.expired,
+            metrics=metrics,
         )
         await readiness.refresh()  # /readyz answers from this until the background task runs
         background = _background(policies, publisher, sink, sealed)
@@ -290,6 +291,7 @@ async def _checkpoints(
     audit: DecisionLog,
     session: aiohttp.ClientSession,
     stack: AsyncExitStack,
+    metrics: Metrics,
     *,
     now: datetime,
 ) -> CheckpointPublisher | None:
@@ -314,6 +316,7 @@ async def _checkpoints(
         interval=settings.audit.checkpoint_seconds,
         witnesses=witnesses,
         session=session,
+        metrics=metrics,
     )
     stack.callback(publisher.close)
     await publisher.publish()

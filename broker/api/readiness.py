@@ -27,6 +27,7 @@ from typing import Literal
 
 from broker.audit.log import DecisionLog
 from broker.core.errors import UpstreamError
+from broker.core.metrics import Metrics
 from broker.keys.service import KeyService
 from broker.policy.engine import PolicyEngine
 from broker.policy.manager import PolicyManager
@@ -75,6 +76,8 @@ class Readiness:
     interval: float = 5.0
     # [sealed]: whether the broker's own attestation token has expired at a given time
     attestation_expired: Callable[[datetime], bool] | None = None
+    # each round's findings exported: the stores' and the log writer's state, the log's size
+    metrics: Metrics | None = None
     _last: HealthRound | None = field(default=None, init=False)
 
     @property
@@ -124,6 +127,13 @@ class Readiness:
             warnings=warnings,
         )
         self._last = state
+        if self.metrics is not None:
+            self.metrics.health_round(
+                nonce_store=checks["nonce_store"] == "ok",
+                key_store=checks["key_store"] == "ok",
+                log_records=self.decisions.committed_size,
+                log_writing=not self.decisions.refusing,
+            )
         return state
 
     def report(self, now: float) -> Report:

@@ -19,7 +19,7 @@ from aiohttp import web
 from broker.api.limits import rate_limited
 from broker.api.routes import Permission
 from broker.api.services import SETTINGS
-from broker.console import auth, denials, health, history, keys, policy, timeline
+from broker.console import auth, denials, health, history, keys, policy, timeline, watch
 from broker.console.session import SessionKeys
 from broker.console.templates import ENVIRONMENT, load_templates, render
 
@@ -77,6 +77,7 @@ ROUTES: tuple[ConsoleRoute, ...] = (
     ConsoleRoute("GET", PREFIX + "/keys", keys.keys_page, Permission.AUDITOR),
     ConsoleRoute("GET", PREFIX + "/policy", policy.history_page, Permission.AUDITOR),
     ConsoleRoute("POST", PREFIX + "/policy/compare", policy.compare, Permission.AUDITOR),
+    ConsoleRoute("GET", PREFIX + "/watch", watch.watch_page, Permission.AUDITOR),
     ConsoleRoute(
         "GET",
         PREFIX + "/api/record/{index:[0-9]+}",

@@ -28,6 +28,7 @@ from tests.integration.every_record import (
 from tests.integration.identity import SPIFFE_ID, identity_broker
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
+from tests.support.syslog import syslog_collector
 
 BROKER_SOURCE = Path(__file__).parents[2] / "broker"
 # a record's type as its writers spell it: {"type": "…"} literals, {"type": RecordType.X} and
@@ -59,16 +60,6 @@ def test_every_record_type_a_writer_writes_has_an_ocsf_mapping() -> None:
     assert set(CHECKS) == set(MAPPINGS)  # and the test below checks each mapping
 
 
-async def _syslog(messages: list[bytes]) -> tuple[asyncio.DatagramTransport, int]:
-    class Collector(asyncio.DatagramProtocol):
-        def datagram_received(self, data: bytes, addr: Any) -> None:
-            messages.append(data)
-
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(Collector, local_addr=("127.0.0.1", 0))
-    return transport, transport.get_extra_info("sockname")[1]
-
-
 def _export(log: Path) -> list[dict[str, Any]]:
     exported = run("audit", "export", str(log), "--format", "ocsf")
     assert exported.returncode == 0, exported.stderr
@@ -83,7 +74,7 @@ async def test_feeds_report_each_key_and_every_record_type(
     start_broker: Callable[..., Any], tmp_path: Path
 ) -> None:
     messages: list[bytes] = []
-    transport, port = await _syslog(messages)
+    transport, port = await syslog_collector(messages)
     try:
         broker = await identity_broker(
             start_broker, environ={"BROKER_AUDIT_SINK": f"syslog://127.0.0.1:{port}"}
