@@ -320,6 +320,25 @@ class IdentitySettings:
 
 
 @dataclass(frozen=True)
+class KbsSettings:
+    """``[kbs]``: the KBS protocol facade for Confidential Containers guests (docs/kbs.md,
+    issue 33). Off by default; needs ``[attest] enabled`` (its tokens are attestation results)."""
+
+    enabled: bool = False
+    # DEVELOPMENT ONLY: accept the unsigned `sample` evidence a guest without a TEE sends
+    # (loopback brokers only); off, it is refused with kbs_sample_refused
+    allow_sample_evidence: bool = False
+    session_ttl_seconds: int = 300  # a kbs-session-id cookie lives this long (10..3600)
+    token_ttl_seconds: int = 300  # a guest's token (10..900; never past [attest] keys' reach)
+    # the status of a policy deny: 403 (the guest stops) or 401 (as Trustee: the guest runs
+    # the handshake again, up to 3 times per resource); logged either way
+    deny_status: int = 403
+    # [kbs.resources] "<repository>/<type>/<tag>" = "<key name>" or "<key name>@<version>";
+    # a path outside it is 404 (parsed by ``load_settings``, not from the environment)
+    resources: tuple[tuple[str, str, int | None], ...] = ()
+
+
+@dataclass(frozen=True)
 class SealedSettings:
     """``[sealed]``: the broker attests itself through the Confidential Space launcher and
     publishes the token at ``/.well-known/broker-attestation`` (docs/api.md). Off by default."""
@@ -350,6 +369,7 @@ class Settings:
     attest: AttestSettings = field(default_factory=AttestSettings)
     identity: IdentitySettings = field(default_factory=IdentitySettings)
     sealed: SealedSettings = field(default_factory=SealedSettings)
+    kbs: KbsSettings = field(default_factory=KbsSettings)
 
 
 def split_listen(listen: str) -> tuple[str, int]:

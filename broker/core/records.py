@@ -23,6 +23,11 @@ class RecordType(StrEnum):
     ATTESTATION = "attestation"
     ATTESTATION_REVOKED = "attestation_revoked"
     IDENTITY = "identity"  # a workload certificate (X.509-SVID) on an attestation result
+    # the KBS protocol facade (docs/kbs.md): a guest's handshake, its attestation (a result
+    # bound to its tee-pubkey), and a resource released to it
+    KBS_AUTH = "kbs_auth"
+    KBS_ATTEST = "kbs_attest"
+    KBS_RESOURCE = "kbs_resource"
     POLICY_CHANGE = "policy_change"
     POLICY_RELOAD_FAILED = "policy_reload_failed"
     KEY_ADMIN = "key_admin"
@@ -49,7 +54,13 @@ CHANGE_INTENT = "intent"
 KNOWN_TYPES = frozenset(t.value for t in RecordType if t is not RecordType.UNKNOWN)
 # records of a policy decision (``broker policy replay`` re-decides them)
 DECISION_TYPES = frozenset(
-    {RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.ATTESTATION}
+    {
+        RecordType.RELEASE,
+        RecordType.ATTESTED_RELEASE,
+        RecordType.ATTESTATION,
+        RecordType.KBS_ATTEST,
+        RecordType.KBS_RESOURCE,
+    }
 )
 
 

@@ -43,3 +43,48 @@ test_a_missing_field_denies if {
 	bad := json.patch(good, [{"op": "remove", "path": "/tee/secure_boot"}])
 	not attest.allow with input as bad with data.broker.images as images
 }
+
+# --- KBS guests (docs/kbs.md) ------------------------------------------------------------------
+
+kbs_guest := {
+	"schema": "broker.input/v1",
+	"request": {"kind": "attest", "runner_key_thumbprint": "tee"},
+	"tee": {"verifier": "local", "technology": "tdx", "debug": false, "measurements": {"mrtd": "aa", "rtmr": ["00"]}},
+	"gpus": [],
+	"claims": {"kbs": {"protocol": "0.4.0", "tee": "tdx"}},
+}
+
+kbs_guests := {"models/llama": [{"technology": "tdx", "measurements": {"mrtd": "aa"}}]}
+
+test_a_kbs_guest_some_key_knows_gets_a_result if {
+	attest.allow with input as kbs_guest with data.broker.kbs_guests as kbs_guests
+	count(attest.reasons) == 0 with input as kbs_guest with data.broker.kbs_guests as kbs_guests
+}
+
+test_a_kbs_guest_with_other_measurements_gets_none if {
+	other := {"models/llama": [{"technology": "tdx", "measurements": {"mrtd": "bb"}}]}
+	not attest.allow with input as kbs_guest with data.broker.kbs_guests as other
+	"KBS guest (tdx) with these measurements is not allowed for any key" in attest.reasons with input as kbs_guest
+		with data.broker.kbs_guests as other
+}
+
+test_a_kbs_guest_of_another_technology_gets_none if {
+	snp := json.patch(kbs_guest, [{"op": "replace", "path": "/tee/technology", "value": "sev-snp"}])
+	not attest.allow with input as snp with data.broker.kbs_guests as kbs_guests
+}
+
+test_a_debug_kbs_guest_gets_none if {
+	debug := json.patch(kbs_guest, [{"op": "replace", "path": "/tee/debug", "value": true}])
+	not attest.allow with input as debug with data.broker.kbs_guests as kbs_guests
+	"KBS guest: debug, or evidence the broker did not verify" in attest.reasons with input as debug
+		with data.broker.kbs_guests as kbs_guests
+}
+
+test_a_kbs_guest_without_data_gets_none if {
+	not attest.allow with input as kbs_guest
+}
+
+test_a_token_verifier_is_no_kbs_guest if {
+	gca := json.patch(kbs_guest, [{"op": "replace", "path": "/tee/verifier", "value": "gca"}])
+	not attest.allow with input as gca with data.broker.kbs_guests as kbs_guests
+}

@@ -18,6 +18,17 @@ allow if {
 	count(key_policy_denials) == 0
 }
 
+# A Confidential Containers guest over the KBS protocol (docs/kbs.md): its measurements on the
+# key's references (below) instead of an image digest; GPUs and per-key policies as for any
+# runner. A key with requirements (key_requirements: Confidential Space fields) is never
+# released to one: its evidence has none of the fields they test.
+allow if {
+	kbs_guest_allowed
+	gpus_acceptable
+	not data.broker.key_requirements[input.request.key]
+	count(key_policy_denials) == 0
+}
+
 # The evidence came from a verified Google Cloud Attestation token for Confidential Space.
 confidential_space if {
 	input.tee.verifier == "gca"
@@ -36,25 +47,35 @@ hardware_tee if input.tee.technology in data.broker.hardware_tees
 # The workload's image digest is on the allow-list of the requested key.
 image_allowed if input.tee.workload.image_digest in data.broker.images[input.request.key]
 
-reasons contains "evidence is not a Confidential Space attestation" if not confidential_space
+reasons contains "evidence is not a Confidential Space attestation" if {
+	not kbs_guest
+	not confidential_space
+}
 
 reasons contains "debug image: a production Confidential Space image is required" if {
+	not kbs_guest
 	input.tee.debug != false
 }
 
-reasons contains "secure boot is not on" if not input.tee.secure_boot == true
+reasons contains "secure boot is not on" if {
+	not kbs_guest
+	not input.tee.secure_boot == true
+}
 
 reasons contains msg if {
+	not kbs_guest
 	not data.broker.required_support in input.tee.software.support
 	msg := sprintf("image lacks the %s support attribute", [data.broker.required_support])
 }
 
 reasons contains msg if {
+	not kbs_guest
 	not hardware_tee
 	msg := sprintf("technology '%v' is not an allowed hardware TEE", [input.tee.technology])
 }
 
 reasons contains msg if {
+	not kbs_guest
 	not image_allowed
 	msg := sprintf("image %s is not allowed for key %s", [
 		input.tee.workload.image_digest,
@@ -270,3 +291,43 @@ key_policy_denials contains reason if {
 }
 
 reasons contains reason if some reason in key_policy_denials
+
+# --- Confidential Containers guests (the KBS facade, docs/kbs.md) -------------------------------
+# As in attest.rego: raw evidence the broker verified itself, not debug, whose technology and
+# measurements match one of data.broker.kbs_guests[<key>]'s references.
+kbs_guest if input.claims.kbs.protocol
+
+kbs_guest_production if {
+	kbs_guest
+	input.tee.verifier == "local"
+	input.tee.debug == false
+}
+
+kbs_guest_allowed if {
+	kbs_guest_production
+	some reference in data.broker.kbs_guests[input.request.key]
+	reference.technology == input.tee.technology
+	every name, value in object.get(reference, "measurements", {}) {
+		input.tee.measurements[name] == value
+	}
+}
+
+reasons contains "KBS guest: debug, or evidence the broker did not verify" if {
+	kbs_guest
+	not kbs_guest_production
+}
+
+reasons contains msg if {
+	kbs_guest
+	data.broker.key_requirements[input.request.key]
+	msg := sprintf("key %v has requirements only a Confidential Space runner can meet", [input.request.key])
+}
+
+reasons contains msg if {
+	kbs_guest_production
+	not kbs_guest_allowed
+	msg := sprintf("KBS guest (%v) with these measurements is not allowed for key %v", [
+		input.tee.technology,
+		input.request.key,
+	])
+}

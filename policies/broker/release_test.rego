@@ -236,3 +236,47 @@ test_malformed_driver_versions_denied if {
 			with data.broker.gpu_keys as gpu_keys
 	}
 }
+
+# --- KBS guests (docs/kbs.md) ------------------------------------------------------------------
+
+kbs_guest := {
+	"schema": "broker.input/v1",
+	"request": {"key": "models/llama", "version": 1, "purpose": "model-weights", "attestation": {"jti": "j"}},
+	"tee": {"verifier": "local", "technology": "sample", "debug": false, "measurements": {"svn": "1"}},
+	"gpus": [],
+	"claims": {"kbs": {"protocol": "0.4.0", "tee": "sample"}, "sample": {"svn": "1"}},
+}
+
+kbs_guests := {"models/llama": [{"technology": "sample", "measurements": {}}]}
+
+test_kbs_guest_released_a_key_that_knows_it if {
+	release.allow with input as kbs_guest with data.broker.kbs_guests as kbs_guests
+	count(release.reasons) == 0 with input as kbs_guest with data.broker.kbs_guests as kbs_guests
+}
+
+test_kbs_guest_denied_a_key_that_does_not_know_it if {
+	other := {"models/other": [{"technology": "sample"}]}
+	not release.allow with input as kbs_guest with data.broker.kbs_guests as other
+	"KBS guest (sample) with these measurements is not allowed for key models/llama" in release.reasons with input as kbs_guest
+		with data.broker.kbs_guests as other
+}
+
+test_kbs_guest_denied_on_a_measurement_mismatch if {
+	pinned := {"models/llama": [{"technology": "sample", "measurements": {"svn": "2"}}]}
+	not release.allow with input as kbs_guest with data.broker.kbs_guests as pinned
+}
+
+test_kbs_guest_denied_a_gpu_key if {
+	not release.allow with input as kbs_guest with data.broker.kbs_guests as kbs_guests
+		with data.broker.gpu_keys as {"models/llama": {"min_gpus": 1, "min_driver": "550.0"}}
+}
+
+test_kbs_guest_denied_a_key_with_confidential_space_requirements if {
+	not release.allow with input as kbs_guest with data.broker.kbs_guests as kbs_guests
+		with data.broker.key_requirements as {"models/llama": {"projects": ["p"]}}
+}
+
+test_kbs_guest_with_an_image_digest_is_still_no_confidential_space_runner if {
+	spoof := json.patch(kbs_guest, [{"op": "add", "path": "/tee/workload", "value": {"image_digest": digest}}])
+	not release.allow with input as spoof with data.broker.images as images
+}

@@ -1,0 +1,242 @@
+"""The KBS protocol facade's HTTP side (docs/kbs.md): ``POST /kbs/v0/auth``, ``POST
+/kbs/v0/attest``, ``GET /kbs/v0/resource/<repository>/<type>/<tag>`` for Confidential Containers
+guests, registered only when ``[kbs] enabled``.
+
+Thin handlers: what arrived (the body's bytes, or why they could not be read; the session
+cookie; ``Authorization``; the path) goes whole into the decision kernel, so that every request
+that reached a handler, malformed JSON included, leaves one record. The wire is Trustee's, not
+this broker's API (no OpenAPI, no ``{"error": …}``): every non-200 answer is kbs-types'
+``ErrorInformation`` with the status the guest acts on (``kbs_status``): 401 makes it run the
+handshake again, 404 is "not found", anything else is fatal to it. A policy deny is ``[kbs]
+deny_status`` (403 by default, docs/decisions.md). The error's stable code names the type
+(``…/errors/<CamelCase code>``); ``X-Request-Id`` and, once logged, ``Broker-Log-Origin`` and
+``Broker-Log-Index`` say where the record is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from broker.api.body import read_body
+from broker.api.limits import rate_limited
+from broker.api.middleware import REQUEST_ID, REQUEST_ID_HEADER
+from broker.api.routes import Permission, Route
+from broker.api.services import CLOCK, KERNEL, SETTINGS
+from broker.config import Settings
+from broker.core.errors import (
+    BrokerError,
+    ErrorCode,
+    InputError,
+    PolicyDenied,
+    UnsupportedMediaType,
+)
+from broker.decisions.kbs_attest import KbsAttestPlan
+from broker.decisions.kbs_auth import KbsAuthPlan
+from broker.decisions.kbs_request import KbsArrival
+from broker.decisions.kbs_resource import KbsResourcePlan
+from broker.decisions.kbs_session import COOKIE_NAME
+from broker.decisions.kbs_standin import error_body
+from broker.decisions.kernel import Plan
+
+Answer = TypeVar("Answer")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PREFIX = "/kbs/v0"
+# a refusal at /resource that means "there is no such resource here" (the guest stops asking)
+NOT_FOUND = frozenset(
+    {ErrorCode.KBS_RESOURCE_NOT_FOUND, ErrorCode.KEY_UNKNOWN, ErrorCode.KEY_VERSION_UNAVAILABLE}
+)
+
+
+@dataclass(frozen=True)
+class KbsFacade:
+    """The three plans and how their answers are shaped."""
+
+    auth: KbsAuthPlan
+    attest: KbsAttestPlan
+    resource: KbsResourcePlan
+    deny_status: int  # [kbs] deny_status
+    secure_cookie: bool  # served over TLS: the cookie is Secure
+
+    @property
+    def development_note(self) -> str:
+        """What /readyz says of it beside "on": whether unsigned sample evidence is accepted."""
+        sample = "sample" in self.auth.verifiers
+        return " (sample evidence accepted: DEVELOPMENT ONLY)" if sample else ""
+
+
+KBS: web.AppKey[KbsFacade] = web.AppKey("kbs", KbsFacade)
+
+
+def kbs_status(error: BrokerError, *, resource: bool, deny_status: int) -> int:
+    """The status the guest acts on: a policy deny ``deny_status``; an upstream failure, a bug
+    or a rate limit as they are (fatal to the guest); not found 404 (``/resource`` only); any
+    other refusal 401 (as Trustee answers it: the guest runs the handshake again)."""
+    if isinstance(error, PolicyDenied):
+        return deny_status
+    if error.status >= 500 or error.status == 429:
+        return error.status
+    if resource and error.code in NOT_FOUND:
+        return 404
+    return 401
+
+
+def error_name(code: ErrorCode) -> str:
+    """The ``ErrorInformation`` type's last part: the stable code in CamelCase."""
+    return "".join(part.capitalize() for part in code.value.split("_"))
+
+
+async def auth(request: web.Request) -> web.StreamResponse:
+    facade = request.app[KBS]
+    shake = await _run(request, facade.auth, await _arrival(request, body=True))
+    response = web.json_response(shake.challenge, headers=_logged(request, shake.log_index))
+    _set_cookie(response, facade, shake.cookie, shake.max_age)
+    return response
+
+
+async def attest(request: web.Request) -> web.StreamResponse:
+    facade = request.app[KBS]
+    arrival = await _arrival(request, body=True)
+    attested = await _run(request, facade.attest, arrival)
+    return web.json_response(
+        {"token": attested.token}, headers=_logged(request, attested.log_index)
+    )
+
+
+async def resource(request: web.Request) -> web.StreamResponse:
+    facade = request.app[KBS]
+    released = await _run(request, facade.resource, await _arrival(request, body=False))
+    return web.json_response(released.jwe, headers=_logged(request, released.log_index))
+
+
+async def not_found(request: web.Request) -> web.StreamResponse:
+    """Any other path or method under ``/kbs/v0`` (nothing to decide: no record)."""
+    raise InputError(
+        f"no KBS endpoint {request.method} {request.path[:80]} here",
+        code=ErrorCode.NOT_FOUND,
+    )
+
+
+async def _arrival(request: web.Request, *, body: bool) -> KbsArrival:
+    """What arrived, unread parts as the reason they could not be read (the plan refuses them,
+    on the record)."""
+    headers = KbsArrival(
+        cookie=request.cookies.get(COOKIE_NAME),
+        authorization=request.headers.get("Authorization"),
+        path=request.match_info.get("path"),
+        query=request.query_string,
+    )
+    if not body:
+        return headers
+    if request.content_type != "application/json":
+        refused = UnsupportedMediaType("Content-Type must be application/json")
+        return dataclasses.replace(headers, unreadable=refused)
+    server = request.app[SETTINGS].server
+    try:
+        raw = await read_body(
+            request, max_bytes=server.max_body_bytes, timeout_seconds=server.body_timeout_seconds
+        )
+    except BrokerError as exc:
+        return dataclasses.replace(headers, unreadable=exc)
+    return dataclasses.replace(headers, body=raw)
+
+
+async def _run(
+    request: web.Request, plan: Plan[KbsArrival, Any, Any, Answer], arrival: KbsArrival
+) -> Answer:
+    return await request.app[KERNEL].run(
+        plan, arrival, now=request.app[CLOCK](), request_id=request[REQUEST_ID]
+    )
+
+
+def _logged(request: web.Request, index: int) -> dict[str, str]:
+    return {
+        "Broker-Log-Origin": request.app[SETTINGS].audit.origin,
+        "Broker-Log-Index": str(index),
+        "Cache-Control": "no-store",
+    }
+
+
+def _set_cookie(response: web.Response, facade: KbsFacade, cookie: str, max_age: int) -> None:
+    response.set_cookie(
+        COOKIE_NAME,
+        cookie,
+        max_age=max_age,
+        path=PREFIX,
+        httponly=True,
+        secure=facade.secure_cookie,
+        samesite="Strict",
+    )
+
+
+def kbs_shaped(handler: Handler, *, resource: bool) -> Handler:
+    """``handler``'s refusals, and aiohttp's (a rate limit), as ``ErrorInformation``."""
+
+    @functools.wraps(handler)
+    async def shaped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BrokerError as exc:
+            return _refusal(request, exc, resource=resource)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = ErrorCode.RATE_LIMITED if exc.status == 429 else ErrorCode.BAD_REQUEST
+            error = BrokerError(exc.reason, code=code)
+            error.status = exc.status
+            rendered = _refusal(request, error, resource=resource)
+            if "Retry-After" in exc.headers:
+                rendered.headers["Retry-After"] = exc.headers["Retry-After"]
+            return rendered
+
+    return shaped
+
+
+def _refusal(request: web.Request, error: BrokerError, *, resource: bool) -> web.Response:
+    facade = request.app.get(KBS)
+    deny_status = facade.deny_status if facade is not None else 403
+    detail = error.message
+    reasons = error.details.get("reasons")
+    if isinstance(error, PolicyDenied) and reasons:
+        detail = f"{detail}: {'; '.join(str(r) for r in reasons)}"
+    response = web.Response(
+        status=kbs_status(error, resource=resource, deny_status=deny_status),
+        body=error_body(error_name(error.code), detail),
+        content_type="application/json",
+    )
+    response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
+    if "log_index" in error.details:
+        response.headers.update(_logged(request, int(error.details["log_index"])))
+    response.headers.update(error.headers)
+    return response
+
+
+KBS_ROUTES: tuple[Route, ...] = (
+    Route("POST", f"{PREFIX}/auth", auth, Permission.RUNNER, rate_limited=True),
+    Route("POST", f"{PREFIX}/attest", attest, Permission.RUNNER, rate_limited=True),
+    Route("GET", PREFIX + "/resource/{path:.*}", resource, Permission.RUNNER, rate_limited=True),
+    Route("*", PREFIX + "/{tail:.*}", not_found, Permission.PUBLIC, rate_limited=True),
+)
+
+
+def register_kbs(app: web.Application, settings: Settings) -> None:
+    """The facade's routes (``KBS_ROUTES``), when ``[kbs] enabled``: rate-limited per address as
+    the runner routes are, every refusal (the rate limit's too) as ``ErrorInformation``. Any
+    other path or method under ``/kbs/v0`` is a 404 of that shape. The guest's credentials are
+    its evidence, session and token, checked in the plans: no route needs an admin role."""
+    if not settings.kbs.enabled:
+        return
+    server = settings.server
+    for route in KBS_ROUTES:
+        if route.permission not in (Permission.RUNNER, Permission.PUBLIC):
+            raise TypeError(f"route {route.path}: the KBS facade has no admin routes")
+        handler = route.handler
+        if route.rate_limited:
+            handler = rate_limited(handler, server.rate_limit_per_ip, server.rate_limit_burst)
+        shaped = kbs_shaped(handler, resource=route.handler is resource)
+        app.router.add_route(route.method, route.path, shaped)

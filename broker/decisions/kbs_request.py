@@ -1,0 +1,281 @@
+"""What a Confidential Containers guest sends the KBS facade, parsed at the boundary (docs/kbs.md).
+
+The shapes are kbs-types 0.18's, as guest-components' ``kbs_protocol`` client (0.4.0) writes
+them: ``Request`` (``version``, ``tee``, ``extra-params``), ``Attestation`` (kebab-case outer
+members ``init-data``, ``runtime-data``, ``tee-evidence``; ``runtime-data`` is ``nonce`` and
+``tee-pubkey``; ``tee-evidence`` is snake_case ``primary_evidence`` and ``additional_evidence``,
+a string), and the resource path ``<repository>/<type>/<tag>``. Parsing is strict: an unknown
+member, a missing one or a value of the wrong type is refused naming it (the guest sends none);
+the evidence itself stays unverified (``unverified_evidence``). Pure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from broker.core.encoding import b64url_decode
+from broker.core.errors import AttestationError, BrokerError, ErrorCode, InputError, NotFound
+from broker.core.jsonsafe import loads_bounded
+from broker.core.protocol import KBS_PATH_SEGMENT
+from broker.crypto.jwk import MAX_RSA_BITS, MIN_RSA_BITS, thumbprint
+from broker.stores.nonces import MAX_NONCE_CHARS
+
+PROTOCOL_VERSION = "0.4.0"  # guest-components' KBS_PROTOCOL_VERSION: the only one accepted
+# Trustee's words, which guests match (kbs/src/attestation/backend.rs: VERSION_REQ is "=0.4.0")
+VERSION_MISMATCH = "KBS Client Protocol Version Mismatch: expect ={} while the request is {}"
+HASH_ALGORITHM = "sha384"  # the report data's hash: the guest's default (no negotiation)
+# kbs-types 0.18 ``Tee`` (serde names): any other value is not the protocol's
+KBS_TEES = frozenset(
+    {
+        "az-snp-vtpm",
+        "az-tdx-vtpm",
+        "nvidia",
+        "sgx",
+        "snp",
+        "tdx",
+        "cca",
+        "csv",
+        "se",
+        "hygondcu",
+        "nvidia-dpu",
+        "tpm",
+        "sample",
+        "sampledevice",
+    }
+)
+EC_ALG, RSA_ALG = "ECDH-ES+A256KW", "RSA-OAEP-256"  # the guest's TeeKeyAlgorithm values
+EC_CURVES: dict[str, tuple[ec.EllipticCurve, int]] = {
+    "P-256": (ec.SECP256R1(), 32),
+    "P-384": (ec.SECP384R1(), 48),
+    "P-521": (ec.SECP521R1(), 66),
+}
+SEGMENT = re.compile(KBS_PATH_SEGMENT)  # one part of a resource path
+MAX_SHOWN = 64  # characters of a guest's string a record or an answer repeats
+
+
+@dataclass(frozen=True)
+class KbsArrival:
+    """One request as the handler read it, unverified: the body (``None`` for a GET) or why it
+    could not be read, the session cookie, ``Authorization`` and the resource path."""
+
+    body: bytes | None = None
+    unreadable: BrokerError | None = None  # too large, too slow, not JSON media
+    cookie: str | None = None
+    authorization: str | None = None
+    path: str | None = None
+    query: str = ""
+
+
+@dataclass(frozen=True)
+class AuthRequest:
+    version: str
+    tee: str
+
+
+@dataclass(frozen=True)
+class TeePubKey:
+    """The guest's ``tee-pubkey``: its JWK as sent (answers are sealed to it) and its RFC 7638
+    thumbprint."""
+
+    jwk: Mapping[str, str]
+    thumbprint: str
+
+
+@dataclass(frozen=True)
+class AttestRequest:
+    nonce: str
+    tee_pubkey: TeePubKey
+    unverified_evidence: Mapping[str, Any]  # ``primary_evidence``
+    additional_evidence: str
+    init_data_digest: str | None  # SHA-256 of ``init-data.body``, for the record
+
+
+@dataclass(frozen=True)
+class ResourcePath:
+    repository: str
+    type: str
+    tag: str
+
+    def __str__(self) -> str:
+        return f"{self.repository}/{self.type}/{self.tag}"
+
+
+def shown(value: Any) -> str | None:
+    """A guest's string as a record or an answer repeats it: printable, at most ``MAX_SHOWN``
+    characters, else ``None`` (a hostile value is not copied anywhere)."""
+    if isinstance(value, str) and len(value) <= MAX_SHOWN and value.isprintable():
+        return value
+    return None
+
+
+def json_object(
+    arrival: KbsArrival, members: frozenset[str], optional: frozenset[str]
+) -> dict[str, Any]:
+    """The body as a JSON object with exactly ``members`` (and any of ``optional``).
+
+    Raises:
+        BrokerError: the reason the body could not be read; ``malformed_json``; ``bad_request``.
+    """
+    if arrival.unreadable is not None:
+        raise arrival.unreadable
+    try:
+        body = loads_bounded(arrival.body or b"")
+    except ValueError as exc:
+        raise InputError("request body is not valid JSON", code=ErrorCode.MALFORMED_JSON) from exc
+    return _members(body, "request body", members, optional)
+
+
+def parse_auth(arrival: KbsArrival) -> AuthRequest:
+    """``Request``: ``version`` exactly ``PROTOCOL_VERSION`` (else 401 in Trustee's words),
+    ``tee`` a kbs-types name, ``extra-params`` an object, ``""`` or absent.
+
+    Raises:
+        InputError: ``bad_request``, ``malformed_json``; AttestationError:
+            ``kbs_version_mismatch``.
+    """
+    body = json_object(arrival, frozenset({"version", "tee"}), frozenset({"extra-params"}))
+    version = body["version"]
+    if not isinstance(version, str):
+        raise InputError("version must be a string")
+    if version != PROTOCOL_VERSION:
+        raise AttestationError(
+            VERSION_MISMATCH.format(PROTOCOL_VERSION, shown(version) or "(unprintable)"),
+            code=ErrorCode.KBS_VERSION_MISMATCH,
+        )
+    tee = body["tee"]
+    if not isinstance(tee, str) or tee not in KBS_TEES:
+        raise InputError("tee must be one of the KBS protocol's TEE names")
+    extra = body.get("extra-params", "")
+    if extra not in ("", None) and not isinstance(extra, dict):
+        raise InputError("extra-params must be an object")
+    return AuthRequest(version, tee)
+
+
+def parse_attest(arrival: KbsArrival) -> AttestRequest:
+    """``Attestation``, member by member (the module's docstring).
+
+    Raises:
+        InputError: ``bad_request``, ``malformed_json``, ``kbs_tee_pubkey_invalid``.
+    """
+    body = json_object(
+        arrival, frozenset({"runtime-data", "tee-evidence"}), frozenset({"init-data"})
+    )
+    runtime = _members(body["runtime-data"], "runtime-data", frozenset({"nonce", "tee-pubkey"}))
+    evidence = _members(
+        body["tee-evidence"],
+        "tee-evidence",
+        frozenset({"primary_evidence", "additional_evidence"}),
+    )
+    nonce = runtime["nonce"]
+    if not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_CHARS:
+        raise InputError(f"runtime-data.nonce must be a string of 1 to {MAX_NONCE_CHARS}")
+    primary, additional = evidence["primary_evidence"], evidence["additional_evidence"]
+    if not isinstance(primary, dict):
+        raise InputError("tee-evidence.primary_evidence must be an object")
+    if not isinstance(additional, str):
+        raise InputError("tee-evidence.additional_evidence must be a string")
+    return AttestRequest(
+        nonce=nonce,
+        tee_pubkey=parse_tee_pubkey(runtime["tee-pubkey"]),
+        unverified_evidence=primary,
+        additional_evidence=additional,
+        init_data_digest=_init_data_digest(body.get("init-data")),
+    )
+
+
+def parse_tee_pubkey(unverified: Any) -> TeePubKey:
+    """The guest's key as kbs-types' ``TeePubKey`` writes it: EC (P-256, P-384, P-521) for
+    ``ECDH-ES+A256KW``, or RSA (2048 to 8192 bits) for ``RSA-OAEP-256``; the point on its
+    curve, public members only.
+
+    Raises:
+        InputError: ``kbs_tee_pubkey_invalid``.
+    """
+    if not isinstance(unverified, dict) or not all(isinstance(v, str) for v in unverified.values()):
+        raise _bad_key("tee-pubkey must be a JWK object of strings")
+    try:
+        if unverified.get("kty") == "EC" and set(unverified) == {"kty", "crv", "alg", "x", "y"}:
+            required = _ec_members(unverified)
+        elif unverified.get("kty") == "RSA" and set(unverified) == {"kty", "alg", "n", "e"}:
+            required = _rsa_members(unverified)
+        else:
+            raise _bad_key(
+                "tee-pubkey must be an EC (kty, crv, alg, x, y) or RSA (kty, alg, n, e) key"
+            )
+    except ValueError as exc:
+        raise _bad_key("tee-pubkey members are not a valid public key") from exc
+    return TeePubKey(jwk=dict(unverified), thumbprint=thumbprint(required))
+
+
+def parse_resource_path(path: str | None, query: str) -> ResourcePath:
+    """``<repository>/<type>/<tag>``, each part a short name (``SEGMENT``), no query.
+
+    Raises:
+        NotFound: ``kbs_resource_not_found`` (Trustee answers 404 for a path it cannot read).
+    """
+    parts = (path or "").split("/")
+    if query or len(parts) != 3 or not all(SEGMENT.fullmatch(p) for p in parts):
+        raise NotFound(
+            "a resource is addressed as <repository>/<type>/<tag> (short names, no query)",
+            code=ErrorCode.KBS_RESOURCE_NOT_FOUND,
+        )
+    return ResourcePath(*parts)
+
+
+def _members(
+    value: Any, where: str, members: frozenset[str], optional: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InputError(f"{where} must be a JSON object")
+    unknown = sorted(set(value) - members - optional)
+    if unknown:
+        names = ", ".join(shown(n) or "<unprintable or long>" for n in unknown[:5])
+        raise InputError(f"{where}: unknown members: {names}")
+    missing = sorted(members - set(value))
+    if missing:
+        raise InputError(f"{where}: missing members: {', '.join(missing)}")
+    return value
+
+
+def _init_data_digest(value: Any) -> str | None:
+    if value is None:
+        return None
+    init = _members(value, "init-data", frozenset({"format", "body"}))
+    if not isinstance(init["format"], str) or not isinstance(init["body"], str):
+        raise InputError("init-data format and body must be strings")
+    return "sha256:" + hashlib.sha256(init["body"].encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _ec_members(jwk: Mapping[str, str]) -> dict[str, str]:
+    crv = jwk["crv"]
+    if jwk["alg"] != EC_ALG or crv not in EC_CURVES:
+        raise _bad_key(f"an EC tee-pubkey is P-256, P-384 or P-521 for {EC_ALG}")
+    curve, size = EC_CURVES[crv]
+    x, y = b64url_decode(jwk["x"]), b64url_decode(jwk["y"])
+    if len(x) != size or len(y) != size:
+        raise _bad_key("tee-pubkey EC coordinates have the wrong length")
+    # checks the point is on the curve (invalid-curve attacks); these curves have cofactor 1
+    ec.EllipticCurvePublicKey.from_encoded_point(curve, b"\x04" + x + y)
+    return {"crv": crv, "kty": "EC", "x": jwk["x"], "y": jwk["y"]}
+
+
+def _rsa_members(jwk: Mapping[str, str]) -> dict[str, str]:
+    if jwk["alg"] != RSA_ALG:
+        raise _bad_key(f"an RSA tee-pubkey is for {RSA_ALG}")
+    n = int.from_bytes(b64url_decode(jwk["n"]), "big")
+    e = int.from_bytes(b64url_decode(jwk["e"]), "big")
+    if not MIN_RSA_BITS <= n.bit_length() <= MAX_RSA_BITS or n % 2 == 0:
+        raise _bad_key(f"an RSA tee-pubkey modulus is {MIN_RSA_BITS} to {MAX_RSA_BITS} bits")
+    if e < 3 or e % 2 == 0 or e >= n:
+        raise _bad_key("the RSA tee-pubkey exponent is not valid")
+    return {"e": jwk["e"], "kty": "RSA", "n": jwk["n"]}
+
+
+def _bad_key(message: str) -> InputError:
+    return InputError(message, code=ErrorCode.KBS_TEE_PUBKEY_INVALID)
