@@ -32,7 +32,7 @@ from broker.config import Settings
 from broker.core.errors import (
     BrokerError,
     ErrorCode,
-    InputError,
+    NotFound,
     PolicyDenied,
     UnsupportedMediaType,
 )
@@ -75,13 +75,14 @@ KBS: web.AppKey[KbsFacade] = web.AppKey("kbs", KbsFacade)
 
 def kbs_status(error: BrokerError, *, resource: bool, deny_status: int) -> int:
     """The status the guest acts on: a policy deny ``deny_status``; an upstream failure, a bug
-    or a rate limit as they are (fatal to the guest); not found 404 (``/resource`` only); any
-    other refusal 401 (as Trustee answers it: the guest runs the handshake again)."""
+    or a rate limit as they are (fatal to the guest); not found 404 (at ``/resource`` a missing
+    or disabled key version too); any other refusal 401 (as Trustee answers it: the guest runs
+    the handshake again)."""
     if isinstance(error, PolicyDenied):
         return deny_status
     if error.status >= 500 or error.status == 429:
         return error.status
-    if resource and error.code in NOT_FOUND:
+    if error.status == 404 or (resource and error.code in NOT_FOUND):
         return 404
     return 401
 
@@ -116,10 +117,7 @@ async def resource(request: web.Request) -> web.StreamResponse:
 
 async def not_found(request: web.Request) -> web.StreamResponse:
     """Any other path or method under ``/kbs/v0`` (nothing to decide: no record)."""
-    raise InputError(
-        f"no KBS endpoint {request.method} {request.path[:80]} here",
-        code=ErrorCode.NOT_FOUND,
-    )
+    raise NotFound(f"no KBS endpoint {request.method} {request.path[:80]} here")
 
 
 async def _arrival(request: web.Request, *, body: bool) -> KbsArrival:

@@ -104,7 +104,7 @@ def verify_kbs_token(
         keys=keys,
         audience=audience,
         now=now,
-        required=("exp", "iat", "nbf", "jti", "iss", "aud", CLAIM),
+        required=("exp", "iat", "jti", "iss", "aud", CLAIM),
     )
     own = claims.get(CLAIM)
     own = own if isinstance(own, Mapping) else {}

@@ -1,0 +1,117 @@
+"""The KBS protocol facade end to end (issue 33): a guest as guest-components' client behaves
+(``tests/support/kbs_guest.py``) runs auth → attest (sample evidence, development switch on) →
+resource against a live broker, and the answer decrypts, as the guest decrypts it, to the very
+DEK the key service holds; the Bearer path (the confidential data hub's) does the same. Each
+request is one record of the kind the readers know, naming the protocol, the guest's ``tee``, the
+session by its hash (never the cookie), the path and the key."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import jwt
+import pytest
+
+from broker.core.encoding import b64url_decode
+from broker.keys.factory import open_key_service
+from tests.integration.conftest import RunningBroker
+from tests.integration.kbs import PINNED, RESOURCE, guest, kbs_broker
+from tests.support.constants import KEY
+from tests.support.kbs_guest import open_as_guest
+
+EAR_TEE_PUBKEY = ("submods", "cpu0", "ear.veraison.annotated-evidence", "runtime_data_claims")
+
+
+async def dek_of(broker: RunningBroker, version: int | None = None) -> tuple[bytes, int]:
+    async with open_key_service(broker.settings.keys) as keys:
+        record = await keys.resolve(KEY, version)
+        return await keys.unwrap(record), record.version
+
+
+def _at(claims: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for part in path:
+        claims = claims[part]
+    return claims
+
+
+@pytest.mark.parametrize("deployment", ["process", "workers"], indirect=True)
+async def test_a_guest_fetches_its_key_through_the_facade(
+    start_broker: Callable[..., Any],
+) -> None:
+    broker = (await kbs_broker(start_broker)).from_now_on()
+    dek, version = await dek_of(broker)
+    one = guest(broker)
+    async with aiohttp.ClientSession() as session:
+        status, challenge, headers = await one.call(
+            session, "POST", "/auth", {"version": "0.4.0", "tee": "sample", "extra-params": {}}
+        )
+        assert status == 200, challenge
+        assert challenge["extra-params"] == {"selected-hash-algorithm": "sha384"}
+        one.nonce = challenge["nonce"]
+        set_cookie = headers["Set-Cookie"]
+        for attribute in ("HttpOnly", "Secure", "Max-Age=300", "Path=/kbs/v0", "SameSite=Strict"):
+            assert attribute in set_cookie, set_cookie
+        status, body = await one.attest(session)
+        assert status == 200, body
+        status, answer, _ = await one.resource(session, RESOURCE)
+        assert status == 200, answer
+        assert open_as_guest(answer, one.private) == dek
+        assert set(answer) == {"protected", "encrypted_key", "iv", "ciphertext", "tag"}
+    claims = jwt.decode(one.token or "", options={"verify_signature": False})
+    assert _at(claims, EAR_TEE_PUBKEY)["tee-pubkey"] == one.tee_pubkey  # where Trustee reads it
+    assert isinstance(claims["exp"], int)
+    assert isinstance(claims["nbf"], int)
+    assert "cnf" not in claims  # never a result usable under DPoP
+    header = json.loads(b64url_decode(answer["protected"]))
+    auth, attest, released = broker.records()
+    assert [r["type"] for r in (auth, attest, released)] == [
+        "kbs_auth",
+        "kbs_attest",
+        "kbs_resource",
+    ]
+    assert {r["result"] for r in (auth, attest, released)} == {"allow"}
+    session_hash = auth["kbs"]["session"]
+    assert one.cookie is not None
+    assert one.cookie not in json.dumps(broker.records())
+    assert auth["kbs"] | {"session_expires_at": None} == {
+        "protocol": "0.4.0",
+        "tee": "sample",
+        "session": session_hash,
+        "session_expires_at": None,
+    }
+    assert attest["kbs"]["session"] == released["kbs"]["session"] == session_hash
+    assert attest["jti"] == claims["jti"] == released["attestation"]["jti"]
+    assert released["attestation"]["log_index"] == attest["index"]
+    assert (released["key"], released["version"], released["kid"]) == (KEY, version, header["kid"])
+    assert released["kbs"] == {
+        "protocol": "0.4.0",
+        "tee": "sample",
+        "session": session_hash,
+        "credential": "cookie",
+        "path": RESOURCE,
+    }
+    assert header["release_id"] == released["decision_id"]
+    assert header["policy_digest"] == released["policy_digest"]
+    assert released["input"]["request"]["key"] == KEY
+    assert released["input"]["claims"]["kbs"]["tee"] == "sample"
+
+
+async def test_the_data_hubs_bearer_token_fetches_a_pinned_version(
+    start_broker: Callable[..., Any],
+) -> None:
+    """The confidential data hub presents the token, no cookie (a fresh HTTP session)."""
+    broker = await kbs_broker(start_broker)
+    dek, _ = await dek_of(broker, 1)
+    one = guest(broker, "RSA")
+    async with aiohttp.ClientSession() as session:
+        await one.handshake(session)
+    async with aiohttp.ClientSession() as session:
+        status, answer, _ = await one.resource(session, PINNED, cookie="", bearer=one.token)
+    assert status == 200, answer
+    assert open_as_guest(answer, one.private) == dek
+    released = broker.records()[-1]
+    assert (released["kbs"]["credential"], released["kbs"]["session"]) == ("bearer", None)
+    assert (released["key"], released["version"]) == (KEY, 1)
