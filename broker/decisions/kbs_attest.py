@@ -64,6 +64,8 @@ from broker.stores.nonces import NonceStore
 log = logging.getLogger(__name__)
 HARDWARE = frozenset({"tdx", "sev-snp"})  # technologies whose evidence a vendor key signs
 
+RECORD_TYPE = RecordType.KBS_ATTEST
+
 
 @dataclass(frozen=True)
 class KbsAttested:
@@ -129,7 +131,7 @@ def kbs_appraisal(evidence: VerifiedRawEvidence, policy_digest: str) -> list[Sub
 class KbsAttestPlan(Plan[KbsArrival, AttestRequest, KbsAttestFacts, KbsAttested]):
     """A guest's attestation (steps 0 to 6 above)."""
 
-    record_type = RecordType.KBS_ATTEST
+    record_type = RECORD_TYPE
     family = Family.ATTEST
     codec: SessionCodec
     nonces: NonceStore

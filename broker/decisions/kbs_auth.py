@@ -30,6 +30,8 @@ from broker.decisions.kbs_session import KbsSession, SessionCodec
 from broker.decisions.kernel import Case, Family, Plan
 from broker.stores.nonces import NonceStore
 
+RECORD_TYPE = RecordType.KBS_AUTH
+
 
 @dataclass(frozen=True)
 class Handshake:
@@ -90,7 +92,7 @@ AuthCase = Case[KbsArrival, AuthRequest, AuthFacts]
 class KbsAuthPlan(Plan[KbsArrival, AuthRequest, AuthFacts, Handshake]):
     """A guest's handshake (steps 0 to 2 above)."""
 
-    record_type = RecordType.KBS_AUTH
+    record_type = RECORD_TYPE
     family = Family.ATTEST
     codec: SessionCodec
     nonces: NonceStore

@@ -56,6 +56,8 @@ from broker.stores.kbs_sessions import KbsSessionStore
 
 Mapped = tuple[str, int | None]  # key name, version (None: the newest enabled)
 
+RECORD_TYPE = RecordType.KBS_RESOURCE
+
 
 @dataclass(frozen=True)
 class KbsReleased:
@@ -81,7 +83,7 @@ ResourceCase = Case[KbsArrival, ResourcePath, ResourceFacts]
 class KbsResourcePlan(Plan[KbsArrival, ResourcePath, ResourceFacts, KbsReleased]):
     """A resource released to an attested guest (steps 0 to 5 above)."""
 
-    record_type = RecordType.KBS_RESOURCE
+    record_type = RECORD_TYPE
     codec: SessionCodec
     sessions: KbsSessionStore
     issuer: str

@@ -10,8 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from tests.integration.attested import DENIED_KEY, attest_broker
 from tests.integration.conftest import RunningBroker
+from tests.integration.identity import IDENTITY_TOML, with_identity
 from tests.support.constants import KEY
 from tests.support.kbs_guest import Guest
 
@@ -60,3 +63,25 @@ async def kbs_broker(start_broker: Callable[..., Any], **kwargs: Any) -> Running
 
 def guest(broker: RunningBroker, kind: str = "P-256") -> Guest:
     return Guest(broker.url, ssl=broker.client_tls, kind=kind)
+
+
+async def every_record_broker(start_broker: Callable[..., Any], **kwargs: Any) -> RunningBroker:
+    """A broker that writes every record type: ``[attest]``, ``[identity]`` and ``[kbs]`` on
+    (the readers' tests, ``test_audit_feeds``, ``test_record_readers``)."""
+    setup = kbs_setup(with_identity)
+    return await attest_broker(
+        start_broker, extra_toml=IDENTITY_TOML + KBS_TOML, workdir_setup=setup, **kwargs
+    )
+
+
+async def kbs_records(broker: RunningBroker) -> None:
+    """Drive a guest through the facade: a handshake, an attestation, a resource released and
+    one refused (a path outside the mapping, before any key): ``kbs_auth``, ``kbs_attest``,
+    ``kbs_resource`` allow then deny."""
+    one = guest(broker)
+    async with aiohttp.ClientSession() as session:
+        await one.handshake(session)
+        status, body, _ = await one.resource(session, RESOURCE)
+        assert status == 200, body
+        status, body, _ = await one.resource(session, UNMAPPED)
+        assert status == 404, body
