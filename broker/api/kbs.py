@@ -8,9 +8,10 @@ that reached a handler, malformed JSON included, leaves one record. The wire is 
 this broker's API (no OpenAPI, no ``{"error": …}``): every non-200 answer is kbs-types'
 ``ErrorInformation`` with the status the guest acts on (``kbs_status``): 401 makes it run the
 handshake again, 404 is "not found", anything else is fatal to it. A policy deny is ``[kbs]
-deny_status`` (403 by default, docs/decisions.md). The error's stable code names the type
-(``…/errors/<CamelCase code>``); ``X-Request-Id`` and, once logged, ``Broker-Log-Origin`` and
-``Broker-Log-Index`` say where the record is.
+deny_status`` (403 by default, docs/decisions.md). Its type is the Trustee error a guest's
+tooling knows (``error_name``); the broker's stable code is in ``Broker-Error-Code``, and
+``X-Request-Id`` and, once logged, ``Broker-Log-Origin`` and ``Broker-Log-Index`` say where
+the record is.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from broker.decisions.kernel import Plan
 Answer = TypeVar("Answer")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PREFIX = "/kbs/v0"
+ERROR_CODE_HEADER = "Broker-Error-Code"  # the refusal's stable code (docs/api.md)
 # a refusal at /resource that means "there is no such resource here" (the guest stops asking)
 NOT_FOUND = frozenset(
     {ErrorCode.KBS_RESOURCE_NOT_FOUND, ErrorCode.KEY_UNKNOWN, ErrorCode.KEY_VERSION_UNAVAILABLE}
@@ -87,9 +89,32 @@ def kbs_status(error: BrokerError, *, resource: bool, deny_status: int) -> int:
     return 401
 
 
-def error_name(code: ErrorCode) -> str:
-    """The ``ErrorInformation`` type's last part: the stable code in CamelCase."""
-    return "".join(part.capitalize() for part in code.value.split("_"))
+# Trustee's names (kbs/src/error.rs variants) for what went wrong at /resource; at /auth and
+# /attest every refusal is its AttestationError, as Trustee names them
+NO_TOKEN = frozenset(
+    {
+        ErrorCode.KBS_TOKEN_MISSING,
+        ErrorCode.KBS_SESSION_INVALID,
+        ErrorCode.KBS_SESSION_EXPIRED,
+        ErrorCode.KBS_SESSION_NOT_ATTESTED,
+    }
+)
+SEALING = frozenset({ErrorCode.KBS_TEE_PUBKEY_INVALID})
+
+
+def error_name(error: BrokerError, *, resource: bool, status: int) -> str:
+    """The ``ErrorInformation`` type's last part: the Trustee error a guest's tooling knows for
+    this refusal (the broker's own stable code is in ``Broker-Error-Code``)."""
+    if not resource:
+        return "AttestationError"
+    names = (
+        (isinstance(error, PolicyDenied), "PolicyDeny"),
+        (status == 404, "InvalidRequestPath"),
+        (error.code in NO_TOKEN, "TokenNotFound"),
+        (error.code in SEALING, "JweError"),
+        (error.status == 401, "TokenVerifierError"),  # the token, or its attestation, refused
+    )
+    return next((name for matched, name in names if matched), "PluginInternalError")
 
 
 async def auth(request: web.Request) -> web.StreamResponse:
@@ -202,12 +227,14 @@ def _refusal(request: web.Request, error: BrokerError, *, resource: bool) -> web
     reasons = error.details.get("reasons")
     if isinstance(error, PolicyDenied) and reasons:
         detail = f"{detail}: {'; '.join(str(r) for r in reasons)}"
+    status = kbs_status(error, resource=resource, deny_status=deny_status)
     response = web.Response(
-        status=kbs_status(error, resource=resource, deny_status=deny_status),
-        body=error_body(error_name(error.code), detail),
+        status=status,
+        body=error_body(error_name(error, resource=resource, status=status), detail),
         content_type="application/json",
     )
     response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
+    response.headers[ERROR_CODE_HEADER] = error.code.value
     if "log_index" in error.details:
         response.headers.update(_logged(request, int(error.details["log_index"])))
     response.headers.update(error.headers)

@@ -38,8 +38,20 @@ def expected_report_data(
     return HASHES[hash_alg](text.encode("utf-8")).digest().ljust(64, b"\0")
 
 
+TRUSTEE_ERRORS = frozenset(
+    {"AttestationError", "InvalidRequestPath", "JweError", "PluginNotFound", "PolicyDeny"}
+    | {"PluginInternalError", "TokenNotFound", "TokenVerifierError"}
+)
+
+
 def error_body(name: str, detail: str) -> bytes:
-    """Trustee's ``ErrorInformation``."""
+    """Trustee's ``ErrorInformation``.
+
+    Raises:
+        ValueError: ``name`` is not an error Trustee answers.
+    """
+    if name not in TRUSTEE_ERRORS:
+        raise ValueError(f"{name!r} is not an error Trustee answers")
     return json.dumps({"type": ERROR_TYPE_PREFIX + name, "detail": detail}).encode("utf-8")
 
 

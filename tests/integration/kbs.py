@@ -1,7 +1,7 @@
 """What the KBS facade's tests share (issue 33): a broker with ``[attest]`` and ``[kbs]`` on (the
 development switch for ``sample`` evidence on, a resource mapped to the test key and one to a
 key the policy gives no KBS guest), and the shipped policy's data allowing ``sample`` guests
-the test key. Guests are ``tests/support/kbs_guest.Guest``."""
+the test key. Guests are ``tests/support/kbs_client.Guest``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.integration.attested import DENIED_KEY, attest_broker
 from tests.integration.conftest import RunningBroker
 from tests.integration.identity import IDENTITY_TOML, with_identity
 from tests.support.constants import KEY
-from tests.support.kbs_guest import Guest
+from tests.support.kbs_client import Guest
 
 RESOURCE = "default/llama/dek"  # -> KEY, the newest version
 PINNED = "default/llama/dek-v1"  # -> KEY version 1

@@ -1,5 +1,5 @@
 """The KBS protocol facade end to end (issue 33): a guest as guest-components' client behaves
-(``tests/support/kbs_guest.py``) runs auth → attest (sample evidence, development switch on) →
+(``tests/support/kbs_client.py``) runs auth → attest (sample evidence, development switch on) →
 resource against a live broker, and the answer decrypts, as the guest decrypts it, to the very
 DEK the key service holds; the Bearer path (the confidential data hub's) does the same. Each
 request is one record of the kind the readers know, naming the protocol, the guest's ``tee``, the
@@ -20,7 +20,7 @@ from broker.keys.factory import open_key_service
 from tests.integration.conftest import RunningBroker
 from tests.integration.kbs import PINNED, RESOURCE, guest, kbs_broker
 from tests.support.constants import KEY
-from tests.support.kbs_guest import open_as_guest
+from tests.support.kbs_client import open_as_guest
 
 EAR_TEE_PUBKEY = ("submods", "cpu0", "ear.veraison.annotated-evidence", "runtime_data_claims")
 

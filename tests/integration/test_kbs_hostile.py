@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from tests.integration.attested import Runner, admin_post
 from tests.integration.conftest import RunningBroker
 from tests.integration.kbs import DENIED_RESOURCE, RESOURCE, UNMAPPED, guest, kbs_broker
-from tests.support.kbs_guest import ERROR_TYPE, Guest, report_data, tee_key
+from tests.support.kbs_client import ERROR_TYPE, Guest, report_data, tee_key
 
 
 def refused(
@@ -27,15 +27,17 @@ def refused(
     status: int,
     code: str,
     kind: str,
+    name: str = "AttestationError",
 ) -> dict[str, Any]:
-    """``answer`` is ``status`` with an ``ErrorInformation`` naming ``code``, and its request
-    left one ``kind`` record refusing it with that code; that record."""
+    """``answer`` is ``status`` with an ``ErrorInformation`` of Trustee's error ``name``, the
+    broker's ``code`` in ``Broker-Error-Code``, and its request left one ``kind`` record refusing
+    it with that code; that record."""
     got, body, headers = answer
     assert got == status, body
-    name = "".join(part.capitalize() for part in code.split("_"))
+    assert headers["Broker-Error-Code"] == code
     assert isinstance(body, dict), body
     assert set(body) == {"type", "detail"}, body
-    assert body["type"] == ERROR_TYPE + name
+    assert body["type"] == ERROR_TYPE + name, body
     assert isinstance(body["detail"], str)
     assert body["detail"]
     (record,) = [r for r in broker.records() if r.get("request_id") == headers["X-Request-Id"]]
@@ -43,6 +45,9 @@ def refused(
     assert record["result"] == ("error" if status >= 500 else "deny")
     assert headers["Broker-Log-Index"] == str(record["index"])
     return record
+
+
+NO_TOKEN, VERIFIER, NOT_FOUND = "TokenNotFound", "TokenVerifierError", "InvalidRequestPath"
 
 
 class Clock:
@@ -169,7 +174,7 @@ async def _sessions_and_replays(broker: RunningBroker, session: aiohttp.ClientSe
     refused(broker, answer, 401, "nonce_reused", "kbs_attest")
     # a session that never attested cannot fetch
     answer = await second.resource(session, RESOURCE)
-    refused(broker, answer, 401, "kbs_session_not_attested", "kbs_resource")
+    refused(broker, answer, 401, "kbs_session_not_attested", "kbs_resource", NO_TOKEN)
 
 
 async def test_sample_evidence_is_refused_without_the_development_switch(
@@ -196,9 +201,9 @@ async def test_expired_sessions_and_tokens_are_refused(start_broker: Callable[..
         answer = await late.call(session, "POST", "/attest", late.attestation())
         refused(broker, answer, 401, "kbs_session_expired", "kbs_attest")
         answer = await one.resource(session, RESOURCE)
-        refused(broker, answer, 401, "kbs_session_expired", "kbs_resource")
+        refused(broker, answer, 401, "kbs_session_expired", "kbs_resource", NO_TOKEN)
         answer = await one.resource(session, RESOURCE, cookie="", bearer=one.token)
-        refused(broker, answer, 401, "token_expired", "kbs_resource")
+        refused(broker, answer, 401, "token_expired", "kbs_resource", VERIFIER)
 
 
 async def test_tokens_not_ours_or_revoked_release_nothing(
@@ -213,28 +218,28 @@ async def test_tokens_not_ours_or_revoked_release_nothing(
         stranger = ec.generate_private_key(ec.SECP256R1())
         other_issuer = jwt.encode(claims, stranger, "ES256", headers=header)  # kid: ours
         answer = await one.resource(session, RESOURCE, cookie="", bearer=other_issuer)
-        refused(broker, answer, 401, "token_signature_invalid", "kbs_resource")
+        refused(broker, answer, 401, "token_signature_invalid", "kbs_resource", VERIFIER)
         own_key = _result_key(broker)
         renamed = jwt.encode(
             {**claims, "iss": "https://trustee.example"}, own_key, "ES256", headers=header
         )
         answer = await one.resource(session, RESOURCE, cookie="", bearer=renamed)
-        refused(broker, answer, 401, "audience_mismatch", "kbs_resource")
+        refused(broker, answer, 401, "audience_mismatch", "kbs_resource", VERIFIER)
         unknown = jwt.encode(claims, stranger, "ES256", headers={**header, "kid": "nope"})
         answer = await one.resource(session, RESOURCE, cookie="", bearer=unknown)
-        refused(broker, answer, 401, "token_key_unknown", "kbs_resource")
+        refused(broker, answer, 401, "token_key_unknown", "kbs_resource", VERIFIER)
         runner = Runner(broker)  # a result made for DPoP is no KBS token
         await runner.attest(session)
         answer = await one.resource(session, RESOURCE, cookie="", bearer=runner.token)
-        refused(broker, answer, 401, "kbs_token_invalid", "kbs_resource")
+        refused(broker, answer, 401, "kbs_token_invalid", "kbs_resource", VERIFIER)
         answer = await one.resource(session, RESOURCE, cookie="")
-        refused(broker, answer, 401, "kbs_token_missing", "kbs_resource")
+        refused(broker, answer, 401, "kbs_token_missing", "kbs_resource", NO_TOKEN)
         status, body = await admin_post(
             broker, f"/v1/admin/attestations/{claims['jti']}/revoke", {"reason": "kbs test"}
         )
         assert status == 200, body
         answer = await one.resource(session, RESOURCE)
-        refused(broker, answer, 401, "attestation_revoked", "kbs_resource")
+        refused(broker, answer, 401, "attestation_revoked", "kbs_resource", VERIFIER)
 
 
 def _result_key(broker: RunningBroker) -> ec.EllipticCurvePrivateKey:
@@ -256,14 +261,18 @@ async def test_paths_outside_the_mapping_and_policy_denies(
         async with aiohttp.ClientSession() as session:
             stranger = Guest(broker.url, ssl=broker.client_tls)
             answer = await stranger.resource(session, UNMAPPED)  # no credentials: no probing
-            refused(broker, answer, 401, "kbs_token_missing", "kbs_resource")
+            refused(broker, answer, 401, "kbs_token_missing", "kbs_resource", NO_TOKEN)
             await one.handshake(session)
             for path in (UNMAPPED, "default/two", "a/b/c/d", "default/llama/dek?x=1"):
                 answer = await one.resource(session, path)
-                record = refused(broker, answer, 404, "kbs_resource_not_found", "kbs_resource")
+                record = refused(
+                    broker, answer, 404, "kbs_resource_not_found", "kbs_resource", NOT_FOUND
+                )
                 assert record["key"] is None
             answer = await one.resource(session, DENIED_RESOURCE)
-            record = refused(broker, answer, deny_status, "policy_denied", "kbs_resource")
+            record = refused(
+                broker, answer, deny_status, "policy_denied", "kbs_resource", "PolicyDeny"
+            )
             assert record["reasons"]
             assert record["reasons"][0] in answer[1]["detail"]
             answer = await one.call(session, "POST", "/resource/" + RESOURCE, {})

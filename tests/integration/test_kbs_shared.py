@@ -17,7 +17,7 @@ import pytest
 from broker.core.refs import store_ref
 from broker.stores.kbs_sessions import AttestedSession, KbsSessionStore, open_kbs_session_store
 from tests.integration.kbs import RESOURCE, guest, kbs_broker
-from tests.support.kbs_guest import open_as_guest
+from tests.support.kbs_client import open_as_guest
 
 
 @pytest.fixture(params=["sqlite", "redis", "postgresql"])

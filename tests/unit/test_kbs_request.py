@@ -17,7 +17,7 @@ from broker.decisions.kbs_request import (
     parse_resource_path,
     parse_tee_pubkey,
 )
-from tests.support.kbs_guest import tee_key
+from tests.support.kbs_client import tee_key
 
 
 def _arrival(body: Any) -> KbsArrival:

@@ -17,7 +17,7 @@ from broker.attestation.ear import Submod, ear_claims, sign_ear, verify_ear
 from broker.attestation.kbs_token import kbs_token_claims, verify_kbs_token
 from broker.core.errors import AttestationError, ErrorCode
 from broker.crypto.jwk import public_jwk, thumbprint
-from tests.support.kbs_guest import tee_key
+from tests.support.kbs_client import tee_key
 
 NOW = datetime(2026, 12, 7, 12, tzinfo=UTC)
 ISSUER = "https://broker.example"
