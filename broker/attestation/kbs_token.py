@@ -19,8 +19,9 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.attestation.ear import CLAIM, Submod, ear_claims, verify_result
+from broker.attestation.ear import CLAIM, LEEWAY, Submod, ear_claims, verify_result
 from broker.core.errors import AttestationError, ErrorCode
+from broker.crypto import jose
 
 ANNOTATED = "ear.veraison.annotated-evidence"  # Trustee's submodule member for runtime data
 KBS_MEMBER = "kbs"  # in the broker's claim: the protocol and the guest's tee
@@ -37,6 +38,7 @@ class PresentedKbsToken:
     tee_pubkey: Mapping[str, Any]  # as the guest sent it (validated when it attested)
     input_digest: str | None  # the stored attestation's claims, as verified
     kid: str
+    times: Mapping[str, Any]  # exp, nbf, iat: checked again at each use (``check_kbs_times``)
 
 
 def kbs_token_claims(
@@ -133,4 +135,15 @@ def verify_kbs_token(
         tee_pubkey=dict(key),
         input_digest=digest if isinstance(digest, str) else None,
         kid=kid,
+        times={name: claims[name] for name in ("exp", "nbf", "iat") if name in claims},
     )
+
+
+def check_kbs_times(token: PresentedKbsToken, now: datetime) -> None:
+    """``verify_kbs_token``'s time checks again at ``now``, for a token verified at an earlier
+    request (``decisions/kbs_cache.py``).
+
+    Raises:
+        AttestationError: ``token_expired``, ``token_not_yet_valid``, ``token_issued_in_future``.
+    """
+    jose.check_times(token.times, now=now, leeway=LEEWAY)

@@ -10,7 +10,8 @@ Order:
    verified as a KBS token this broker signed (``attestation/kbs_token.py``: our result key,
    times, issuer, the ``tee-pubkey`` it names);
 2. its stored attestation: known, unexpired, not revoked, the one the token was signed for
-   (``attested_cache.check_signed_entry``);
+   (``attested_cache.check_signed_entry``); the token verified and the entry checked once per
+   worker (``kbs_cache.py``), the entry's status read at every request;
 3. the path mapped to a key and version by ``[kbs.resources]`` (a path outside it: 404
    ``kbs_resource_not_found``, after the credentials, so that a stranger cannot probe the
    mapping), the version resolved;
@@ -31,14 +32,14 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.attestation.claims import RequestFacts
-from broker.attestation.kbs_token import PresentedKbsToken, verify_kbs_token
+from broker.attestation.kbs_token import PresentedKbsToken
 from broker.attestation.stored import REVOKED, AttestationEntry, AttestationStore
 from broker.audit.log import Appended
 from broker.core.errors import AttestationError, BrokerError, ErrorCode, NotFound
 from broker.core.records import RecordType
-from broker.crypto.jwk import thumbprint
 from broker.crypto.wrap import key_id
-from broker.decisions.attested_cache import StoredInput, attestation_identity, check_signed_entry
+from broker.decisions.attested_cache import attestation_identity
+from broker.decisions.kbs_cache import TokenCache, tee_thumbprint
 from broker.decisions.kbs_request import (
     PROTOCOL_VERSION,
     KbsArrival,
@@ -92,6 +93,7 @@ class KbsResourcePlan(Plan[KbsArrival, ResourcePath, ResourceFacts, KbsReleased]
     keys: KeyService
     policy: PolicyGate
     resources: Mapping[str, Mapped]
+    tokens: TokenCache = field(default_factory=TokenCache)  # verified once per worker
 
     def facts(self) -> ResourceFacts:
         return ResourceFacts()
@@ -102,17 +104,16 @@ class KbsResourcePlan(Plan[KbsArrival, ResourcePath, ResourceFacts, KbsReleased]
     async def decide(self, case: ResourceCase, request: ResourcePath) -> KbsReleased:
         facts, now = case.facts, case.now
         presented = await self._presented(case)
-        facts.token = token = verify_kbs_token(
-            presented, keys=self.result_keys(), audience=self.issuer, now=now
-        )
+        held = self.tokens.verify(presented, keys=self.result_keys(), audience=self.issuer, now=now)
+        facts.token = token = held.token
         facts.entry = entry = await self._entry(token, case)
+        stored = held.stored_input(entry)  # the one the token was signed for
         facts.mapped = mapped = self.resources.get(str(request))
         if mapped is None:
             raise NotFound(f"no resource {request} here", code=ErrorCode.KBS_RESOURCE_NOT_FOUND)
         facts.record = record = await self.keys.resolve(*mapped)
-        tee_key = thumbprint_of(token.tee_pubkey)
-        policy_input, encoded = StoredInput.of(entry.policy_input).release_input(
-            RequestFacts(record.name, record.version, record.purpose.value, tee_key),
+        policy_input, encoded = stored.release_input(
+            RequestFacts(record.name, record.version, record.purpose.value, held.tee_thumbprint),
             {"jti": entry.jti, "expires_at": entry.expires_at.isoformat()},
             now,
         )
@@ -185,7 +186,6 @@ class KbsResourcePlan(Plan[KbsArrival, ResourcePath, ResourceFacts, KbsReleased]
                 f"this token's attestation was revoked: {entry.reason}",
                 code=ErrorCode.ATTESTATION_REVOKED,
             )
-        check_signed_entry(entry, token.jti, thumbprint_of(token.tee_pubkey), token.input_digest)
         return entry
 
     async def placed(
@@ -219,12 +219,6 @@ class KbsResourcePlan(Plan[KbsArrival, ResourcePath, ResourceFacts, KbsReleased]
             else record.version,
             "kid": None if record is None else key_id(record.name, record.version),
             **self.policy.record(facts.evaluation),
-            "runner_key_thumbprint": None if token is None else thumbprint_of(token.tee_pubkey),
+            "runner_key_thumbprint": None if token is None else tee_thumbprint(token.tee_pubkey),
             "identity": None if entry is None else attestation_identity(entry),
         }
-
-
-def thumbprint_of(tee_pubkey: Mapping[str, Any]) -> str:
-    """RFC 7638 thumbprint of a ``tee-pubkey`` (its required members)."""
-    names = ("crv", "kty", "x", "y") if tee_pubkey.get("kty") == "EC" else ("e", "kty", "n")
-    return thumbprint({name: str(tee_pubkey.get(name)) for name in names})

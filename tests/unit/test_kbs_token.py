@@ -15,8 +15,10 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
 from broker.attestation.ear import Submod, ear_claims, sign_ear, verify_ear
 from broker.attestation.kbs_token import kbs_token_claims, verify_kbs_token
-from broker.core.errors import AttestationError, ErrorCode
+from broker.attestation.stored import AttestationEntry
+from broker.core.errors import AttestationError, ErrorCode, UpstreamError
 from broker.crypto.jwk import public_jwk, thumbprint
+from broker.decisions.kbs_cache import TokenCache
 from tests.support.kbs_client import tee_key
 
 NOW = datetime(2026, 12, 7, 12, tzinfo=UTC)
@@ -104,3 +106,26 @@ def test_token_of_another_issuer_rejected() -> None:
     with pytest.raises(AttestationError) as expired:
         verify_kbs_token(_sign(_claims()), keys=KEYS, audience=ISSUER, now=NOW + timedelta(hours=1))
     assert expired.value.code is ErrorCode.TOKEN_EXPIRED
+
+
+def test_a_held_token_is_checked_again_at_each_use() -> None:
+    """The worker's cache (``decisions/kbs_cache.py``): verified once, its times at every use,
+    verified again (and refused) once its key is retired; a stored entry that differs from
+    what the token was signed for is refused even after another entry was checked."""
+    cache = TokenCache()
+    token = _sign(_claims())
+    held = cache.verify(token, keys=KEYS, audience=ISSUER, now=NOW)
+    assert cache.verify(token, keys=KEYS, audience=ISSUER, now=NOW) is held
+    with pytest.raises(AttestationError) as expired:
+        cache.verify(token, keys=KEYS, audience=ISSUER, now=NOW + timedelta(hours=1))
+    assert expired.value.code is ErrorCode.TOKEN_EXPIRED
+    rotated = {KID: ec.generate_private_key(ec.SECP256R1()).public_key()}
+    with pytest.raises(AttestationError) as retired:
+        cache.verify(token, keys=rotated, audience=ISSUER, now=NOW)
+    assert retired.value.code is ErrorCode.TOKEN_SIGNATURE_INVALID
+    entry = AttestationEntry(
+        jti="jti-1", expires_at=NOW, pop_thumbprint=held.tee_thumbprint, policy_input={"a": 1}
+    )
+    with pytest.raises(UpstreamError) as mismatch:  # the token names another input digest
+        held.stored_input(entry)
+    assert mismatch.value.code is ErrorCode.ATTESTATION_STORE_MISMATCH
