@@ -263,5 +263,6 @@ def register_kbs(app: web.Application, settings: Settings) -> None:
         handler = route.handler
         if route.rate_limited:
             handler = rate_limited(handler, server.rate_limit_per_ip, server.rate_limit_burst)
-        shaped = kbs_shaped(handler, resource=route.handler is resource)
+        # an unknown path is named as a path Trustee cannot serve (InvalidRequestPath, 404)
+        shaped = kbs_shaped(handler, resource=route.handler in (resource, not_found))
         app.router.add_route(route.method, route.path, shaped)

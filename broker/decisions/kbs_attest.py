@@ -225,6 +225,10 @@ class KbsAttestPlan(Plan[KbsArrival, AttestRequest, KbsAttestFacts, KbsAttested]
                 "tee": None if session is None else session.tee,
                 "session": None if session is None else session.id_hash,
                 "init_data_digest": None if request is None else request.init_data_digest,
+                # when the verifier judged the evidence (its collateral's time, if it says)
+                "evidence_verified_at": None
+                if evidence is None or evidence.verified_at is None
+                else evidence.verified_at.isoformat(),
             },
             "jti": case.decision_id,
             **self.policy.record(facts.evaluation),

@@ -277,4 +277,8 @@ async def test_paths_outside_the_mapping_and_policy_denies(
             assert record["reasons"][0] in answer[1]["detail"]
             answer = await one.call(session, "POST", "/resource/" + RESOURCE, {})
             assert answer[0] == 404  # not a route
-            assert set(answer[1]) == {"type", "detail"}
+            assert answer[1]["type"] == ERROR_TYPE + NOT_FOUND
+            assert answer[2]["Broker-Error-Code"] == "not_found"
+            for method, path in (("GET", "/auth"), ("PUT", "/attest"), ("GET", "/plugin/x")):
+                status, body, _ = await one.call(session, method, path)
+                assert (status, set(body)) == (404, {"type", "detail"})  # every answer: its shape
