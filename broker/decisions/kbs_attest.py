@@ -218,7 +218,7 @@ class KbsAttestPlan(Plan[KbsArrival, AttestRequest, KbsAttestFacts, KbsAttested]
 
     def body(self, case: KbsAttestCase) -> dict[str, Any]:
         request, facts = case.request, case.facts
-        session, evidence = facts.session, facts.evidence
+        session, evidence = facts.session or self._named_session(case), facts.evidence
         return {
             "kbs": {
                 "protocol": PROTOCOL_VERSION,
@@ -246,6 +246,14 @@ class KbsAttestPlan(Plan[KbsArrival, AttestRequest, KbsAttestFacts, KbsAttested]
             "submods": {s.label: s.status for s in facts.submods},
             "expires_at": None if facts.expires_at is None else facts.expires_at.isoformat(),
         }
+
+    def _named_session(self, case: KbsAttestCase) -> KbsSession | None:
+        """The session a refused request's cookie opens to, for its record (a body that did not
+        parse still names its guest's session), or ``None``."""
+        try:
+            return self.codec.open(case.unverified.cookie, case.now)
+        except AttestationError:
+            return None
 
     def minimal(self, case: KbsAttestCase) -> dict[str, Any]:
         return {"jti": case.decision_id}

@@ -98,6 +98,7 @@ async def _version_and_shapes(broker: RunningBroker, session: aiohttp.ClientSess
     refused(broker, answer, 401, "unsupported_media_type", "kbs_auth")
     status, _ = await one.auth(session)
     assert status == 200
+    session_hash = broker.records()[-1]["kbs"]["session"]  # a malformed body still names it
     good = one.attestation()
     private_member = {**good["runtime-data"]["tee-pubkey"], "d": "AAAA"}
     off_curve = {**good["runtime-data"]["tee-pubkey"], "y": good["runtime-data"]["tee-pubkey"]["x"]}
@@ -130,7 +131,9 @@ async def _version_and_shapes(broker: RunningBroker, session: aiohttp.ClientSess
         ),
     ]
     for body, code in bad_attest:
-        refused(broker, await one.call(session, "POST", "/attest", body), 401, code, "kbs_attest")
+        answer = await one.call(session, "POST", "/attest", body)
+        record = refused(broker, answer, 401, code, "kbs_attest")
+        assert (record["kbs"]["tee"], record["kbs"]["session"]) == ("sample", session_hash)
     status, _ = await one.attest(session)  # the malformed ones spent nothing
     assert status == 200
 
