@@ -15,6 +15,10 @@ FAKE_GCS_VERSION := v1.56.1
 FAKE_GCS := $(BIN)/fake-gcs-server
 # An independent DPoP implementation (panva's dpop, Node) makes proofs for tests/unit/test_dpop.py
 DPOP_INTEROP := tests/interop/dpop/node_modules/.installed
+# The stock CoCo guest's reading of KBS answers on its own crates (kbs-types 0.18, RustCrypto;
+# tests/kbs_conformance, pinned by its Cargo.lock): fetched from crates.io by cargo and built into
+# build/ in both serde_json map orders (tests/support/kbs_harness.py), so pytest finds it built.
+KBS_HARNESS := build/kbs-conformance/kbs-conformance-preserve-order
 KUSTOMIZE := $(BIN)/kustomize
 KUBECONFORM := $(BIN)/kubeconform
 K8S_OPENAPI := $(VENV)/k8s-openapi-$(KUBERNETES_VERSION).json
@@ -33,7 +37,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) $(OPA)
 	$(BIN)/broker demo
 
-test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) postgresql deploy-tools lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools lint typecheck policy-test pytest
 
 # The layer contract (docs/architecture.md) is part of lint: an import up the layers fails here.
 lint: $(STAMP)
@@ -69,6 +73,9 @@ $(OPA): | $(STAMP)
 $(DPOP_INTEROP): tests/interop/dpop/package-lock.json
 	cd tests/interop/dpop && npm ci --no-audit --no-fund --silent && touch node_modules/.installed
 
+$(KBS_HARNESS): tests/kbs_conformance/Cargo.toml tests/kbs_conformance/Cargo.lock tests/kbs_conformance/src/main.rs tests/support/kbs_harness.py | $(STAMP)
+	$(BIN)/python -m tests.support.kbs_harness
+
 $(FAKE_GCS): | $(STAMP)
 	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_VERSION)
 
@@ -99,7 +106,7 @@ policy-test: $(STAMP) $(OPA)
 
 # Three workers on two cores: much of the suite waits on broker processes, OPA and disks.
 PYTEST_WORKERS ?= 3
-pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) postgresql deploy-tools
+pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 bench: $(STAMP) $(OPA) $(FAKE_GCS)

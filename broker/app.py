@@ -100,7 +100,15 @@ from broker.policy.manager import SYSTEM_WHO, PolicyManager
 from broker.policy.workers import WorkerGroup
 from broker.signers.checkpoint import close_checkpoint_signer, open_checkpoint_signer
 from broker.signers.identity_ca import load_ca
-from broker.signers.results import LocalResultSigner, ResultKeys, ResultSigner, result_keys
+from broker.signers.results import (
+    IDENTITY_CA_KEY,
+    RESULT_KEY,
+    KeyRole,
+    LocalResultSigner,
+    ResultKeys,
+    ResultSigner,
+    result_keys,
+)
 from broker.stores.attestations import open_attestation_store
 from broker.stores.nonces import NonceStore
 from broker.stores.spent_nonces import open_nonce_store
@@ -417,14 +425,16 @@ def _background(
     return background
 
 
-async def _result_signer(settings: Settings, key: SignerRef, stack: AsyncExitStack) -> ResultSigner:
-    """``[attest] signing_key``: a Cloud KMS key version, a PKCS#11 key pair, or a PEM file
-    (development)."""
+async def _result_signer(
+    settings: Settings, key: SignerRef, stack: AsyncExitStack, role: KeyRole = RESULT_KEY
+) -> ResultSigner:
+    """``[attest] signing_key`` (or ``[identity] ca_key``, ``role``): a Cloud KMS key version, a
+    PKCS#11 key pair, or a PEM file (development)."""
     if isinstance(key, Pkcs11Ref):
         # python-pkcs11 loads only where an HSM result key is configured.
         from broker.signers.results_pkcs11 import Pkcs11ResultSigner, parse_result_key  # noqa: PLC0415
 
-        hsm = Pkcs11ResultSigner(await asyncio.to_thread(parse_result_key, key.uri))
+        hsm = Pkcs11ResultSigner(await asyncio.to_thread(parse_result_key, key.uri, role), role)
         await hsm.open()
         stack.push_async_callback(hsm.close)
         return hsm
@@ -437,6 +447,7 @@ async def _result_signer(settings: Settings, key: SignerRef, stack: AsyncExitSta
             endpoint=settings.keys.kms_endpoint,
             timeout_seconds=settings.keys.upstream_timeout_seconds,
             credentials_file=settings.keys.kms_credentials,
+            role=role,
         )
         await signer.open()
         stack.push_async_callback(signer.close)
@@ -507,6 +518,9 @@ async def _attestations(
     identity = await _identity_plan(
         settings, stack, store=store, nonces=nonces, policy=policy, verifying=verifying
     )
+    if identity is not None:  # a rotation (or the first start with [identity]) is logged
+        now = datetime.now(UTC).isoformat()
+        await audit.append_if_changed(identity.ca.change_record(time=now, trigger="start-up"))
     attestations = Attestations(results, attest, releases, verifying, identity)
     await open_kbs(
         app,
@@ -540,7 +554,7 @@ async def _identity_plan(
         key = await asyncio.to_thread(p256_private_key_file, ref.path, "identity.ca_key")
         signer = LocalResultSigner(key)
     else:
-        signer = await _result_signer(settings, ref, stack)
+        signer = await _result_signer(settings, ref, stack, IDENTITY_CA_KEY)
     ca = await asyncio.to_thread(
         load_ca,
         trust_domain=identity.trust_domain,

@@ -570,10 +570,11 @@ def _audit(log_path: Path) -> bool:
     lines = log_path.read_text(encoding="utf-8").splitlines()
     records = [json.loads(line) for line in lines]
     results = [_label(record) for record in records]
-    # the policy that went live at start-up is logged before the first decision
+    # the policy that went live at start-up, and the workload-certificate CA, are logged before
+    # the first decision
     expected = [
-        "create", "create ok", "create", "create ok", "weights-encrypt", "policy_change", "allow",
-        "deny",
+        "create", "create ok", "create", "create ok", "weights-encrypt", "policy_change",
+        "identity_ca", "allow", "deny",
         "attestation allow", "attested_release allow", "attestation allow", "identity allow",
         "attestation allow", "identity allow", "kbs_auth allow", "kbs_attest allow",
         "kbs_resource allow", "policy_change", "attestation_revoked",

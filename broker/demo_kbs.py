@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from broker.config import Settings
 from broker.core.encoding import b64url_encode
 from broker.crypto import jwe
-from broker.decisions.kbs_standin import expected_report_data
+from broker.kbs.wire import expected_report_data
 from broker.keys.factory import open_key_service
 
 RESOURCE = "default/demo-llama/dek"

@@ -42,12 +42,12 @@ from broker.decisions.kbs_auth import KbsAuthPlan
 from broker.decisions.kbs_request import KbsArrival
 from broker.decisions.kbs_resource import KbsResourcePlan
 from broker.decisions.kbs_session import COOKIE_NAME
-from broker.decisions.kbs_standin import error_body
 from broker.decisions.kernel import Plan
+from broker.kbs.wire import KBS_PREFIX, error_body
 
 Answer = TypeVar("Answer")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-PREFIX = "/kbs/v0"
+PREFIX = KBS_PREFIX
 ERROR_CODE_HEADER = "Broker-Error-Code"  # the refusal's stable code (docs/api.md)
 # a refusal at /resource that means "there is no such resource here" (the guest stops asking)
 NOT_FOUND = frozenset(
@@ -99,7 +99,13 @@ NO_TOKEN = frozenset(
         ErrorCode.KBS_SESSION_NOT_ATTESTED,
     }
 )
-SEALING = frozenset({ErrorCode.KBS_TEE_PUBKEY_INVALID})
+SEALING = frozenset(
+    {
+        ErrorCode.TEE_PUBKEY_INVALID,
+        ErrorCode.TEE_PUBKEY_UNSUPPORTED,
+        ErrorCode.KBS_HEADER_MEMBER_INVALID,
+    }
+)
 
 
 def error_name(error: BrokerError, *, resource: bool, status: int) -> str:

@@ -101,10 +101,44 @@ class UrlJwksSource:
             return self._keys
 
     async def _fetch(self) -> bytes:
-        timeout = aiohttp.ClientTimeout(total=JWKS_FETCH_TIMEOUT_SECONDS)
-        if self._on_request is not None:
-            self._on_request()
-        async with self._session.get(self._url, timeout=timeout, allow_redirects=False) as response:
-            if response.status != 200:
-                raise JwksError(f"HTTP {response.status}")
-            return await response.content.read(MAX_JWKS_BYTES + 1)
+        status, body = await get_bounded(
+            self._session,
+            self._url,
+            timeout_seconds=JWKS_FETCH_TIMEOUT_SECONDS,
+            max_bytes=MAX_JWKS_BYTES,
+            on_request=self._on_request,
+        )
+        if status != 200:
+            raise JwksError(f"HTTP {status}")
+        return body
+
+
+async def get_bounded(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    timeout_seconds: float,
+    max_bytes: int,
+    on_request: Callable[[], None] | None = None,
+) -> tuple[int, bytes]:
+    """GET ``url`` without following redirects: the status and, on 200, the body read to its
+    end but never past ``max_bytes + 1`` bytes (so a caller sees an oversized body as one).
+    Shared by the adapters that fetch trust material (JWKS, AMD certificates).
+
+    Raises:
+        aiohttp.ClientError, TimeoutError: the server could not be reached or answered in time.
+    """
+    if on_request is not None:
+        on_request()
+    timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+    async with session.get(url, timeout=timeout, allow_redirects=False) as response:
+        if response.status != 200:
+            return response.status, b""
+        body = bytearray()
+        # content.read(n) answers what is buffered so far: read until the end, or past the limit
+        while len(body) <= max_bytes:
+            chunk = await response.content.read(max_bytes + 1 - len(body))
+            if not chunk:
+                break
+            body += chunk
+        return 200, bytes(body)

@@ -46,10 +46,21 @@ from broker.crypto.merkle import MerkleTree, leaf_hash
 
 log = logging.getLogger(__name__)
 
-# A queued append: the entry, whether it is a policy_change written only if the log's last
-# policy differs, and the event loop and future that wait for it.
+# A queued append: the entry, whether it is conditional (written only if the log's newest
+# record of its type names another value, ``CONDITIONAL``), and the event loop and future that
+# wait for it.
 _Queued = tuple[dict[str, Any], bool, asyncio.AbstractEventLoop, "asyncio.Future[Appended | None]"]
 WRITER_IDLE_SECONDS = 5.0
+
+# Record types appended only when they change something: type -> (the field compared with the
+# log's newest record of that type, the field that names the newest one's value in the new
+# record). N workers or replicas sharing a log that load one policy or one identity CA write
+# one record.
+CONDITIONAL: dict[str, tuple[str, str]] = {
+    RecordType.POLICY_CHANGE: ("new_digest", "old_digest"),
+    RecordType.IDENTITY_CA: ("ca_digest", "old_ca_digest"),
+}
+_MARKS = {kind: f'"type":"{kind}"'.encode() for kind in CONDITIONAL}
 
 
 @dataclass(frozen=True)
@@ -70,8 +81,10 @@ class DecisionLog:
         self._lock_fd: int | None = None
         self._head = ChainHead(size=0, hash=GENESIS)
         self._known_head: ChainHead | None = None  # the head our last batch wrote (fast path)
-        self._policy_digest: str | None = None  # new_digest of the log's last policy_change
-        self._policy_change: dict[str, Any] | None = None  # that record, as last read from the log
+        # per CONDITIONAL type: the value the log's newest record of it names, and that record
+        # as last read from the files
+        self._last_value: dict[str, str] = {}
+        self._last_record: dict[str, dict[str, Any]] = {}
         # Appends waiting for the writer thread; None tells it to finish (close). The thread
         # starts with the first append and ends when idle or closed (``_write_batches``).
         self._queue: queue.SimpleQueue[list[_Queued] | None] = queue.SimpleQueue()
@@ -109,7 +122,7 @@ class DecisionLog:
         """The log's last ``policy_change`` record as read from the files (at start-up, and at
         each catch-up with other writers; not updated by this process's own appends): the
         policy manager's version floor is at least its ``version``."""
-        return self._policy_change
+        return self._last_record.get(RecordType.POLICY_CHANGE)
 
     @property
     def committed_size(self) -> int:
@@ -140,13 +153,7 @@ class DecisionLog:
                 fresh.append(line)
                 offset += len(line) + 1
             self._consumed[inode] = start + end
-        for line in reversed(fresh):  # the newest policy_change, by anyone
-            if POLICY_CHANGE_MARK in line:
-                digest = _policy_change_digest(line)
-                if digest is not None:
-                    self._policy_digest = digest
-                    self._policy_change = json.loads(line)
-                    break
+        self._note_conditional(fresh)
         if fresh:
             self._known_head = None  # another writer moved the head: read it before writing
         if self.tree.size == 0 and fresh:
@@ -155,6 +162,21 @@ class DecisionLog:
             for line in fresh:
                 self.tree.append(line)
         self._committed = self.tree.size
+
+    def _note_conditional(self, fresh: list[bytes]) -> None:
+        """The newest record of each ``CONDITIONAL`` type among ``fresh`` lines, by anyone."""
+        pending = dict(_MARKS)
+        for line in reversed(fresh):
+            for kind, mark in list(pending.items()):
+                if mark not in line:
+                    continue
+                record = _conditional_record(line, kind)
+                if record is not None:
+                    self._last_value[kind] = record[CONDITIONAL[kind][0]]
+                    self._last_record[kind] = record
+                    del pending[kind]
+            if not pending:
+                return
 
     def _initial_catch_up(self) -> None:
         """The start-up load: millions of fresh objects without cycles, so the collector is
@@ -283,7 +305,19 @@ class DecisionLog:
         Raises:
             UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
         """
-        return await self._enqueue({**entry, "type": RecordType.POLICY_CHANGE}, conditional=True)
+        return await self.append_if_changed({**entry, "type": RecordType.POLICY_CHANGE})
+
+    async def append_if_changed(self, entry: Mapping[str, Any]) -> Appended | None:
+        """Append a record of a ``CONDITIONAL`` type unless the newest one of that type in the
+        log (by any process sharing it) names the same value; the new record names that
+        newest one's value too (e.g. ``old_digest``). ``None`` when nothing needed writing.
+
+        Raises:
+            UpstreamError: ``audit_log_unavailable`` when the record could not be made durable.
+        """
+        if entry.get("type") not in CONDITIONAL:
+            raise ValueError(f"{entry.get('type')!r} records are not conditional")
+        return await self._enqueue(entry, conditional=True)
 
     async def _enqueue(self, entry: Mapping[str, Any], *, conditional: bool) -> Appended | None:
         if self._broken or self._fd is None:
@@ -397,8 +431,8 @@ class DecisionLog:
         self, entries: list[tuple[dict[str, Any], bool]]
     ) -> tuple[ChainHead, list[Appended | BrokerError | None], list[bytes]]:
         """Under an exclusive lock: catch up with other writers, chain the batch to the head,
-        write, fsync, and hash the new lines into the tree. A conditional ``policy_change``
-        naming the policy the log already names last is skipped (``None``); a record that
+        write, fsync, and hash the new lines into the tree. A conditional record naming the
+        value the log's newest one of its type names is skipped (``None``); a record that
         cannot be encoded is not written (``RecordNotEncodable``, for its appender alone).
         Returns the new head, each entry's place, and the lines written (exactly the durable
         bytes)."""
@@ -425,12 +459,16 @@ class DecisionLog:
             lines: list[bytes] = []
             leaves: list[bytes] = []
             appended: list[Appended | BrokerError | None] = []
-            policy_digest = self._policy_digest
+            last = dict(self._last_value)
             for entry, conditional in entries:
-                chained = {"old_digest": policy_digest} if conditional else {}
-                if conditional and entry.get("new_digest") == policy_digest:
-                    appended.append(None)
-                    continue
+                kind = str(entry.get("type"))
+                chained: dict[str, Any] = {}
+                if conditional:
+                    field, previous_field = CONDITIONAL[kind]
+                    if entry.get(field) == last.get(kind):
+                        appended.append(None)
+                        continue
+                    chained = {previous_field: last.get(kind)}
                 record = {
                     **entry,
                     **chained,
@@ -447,8 +485,8 @@ class DecisionLog:
                     log.exception("decision log: a %s record cannot be encoded", entry.get("type"))
                     appended.append(RecordNotEncodable())
                     continue
-                if entry.get("type") == "policy_change":
-                    policy_digest = entry.get("new_digest")
+                if kind in CONDITIONAL and isinstance(entry.get(CONDITIONAL[kind][0]), str):
+                    last[kind] = entry[CONDITIONAL[kind][0]]
                 lines.append(line)
                 leaves.append(leaf_hash(line))
                 appended.append(
@@ -457,7 +495,7 @@ class DecisionLog:
                 head = ChainHead(size=head.size + 1, hash=record["hash"])
             self._write_lines(lines, leaves)
             self._known_head = head
-            self._policy_digest = policy_digest
+            self._last_value = last
             return head, appended, lines
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -534,19 +572,16 @@ class Locations:
         self.offsets.append(offset)
 
 
-POLICY_CHANGE_MARK = b'"type":"policy_change"'
-
-
-def _policy_change_digest(line: bytes) -> str | None:
-    """``new_digest`` of a stored ``policy_change`` line (canonical JSON), else ``None``."""
+def _conditional_record(line: bytes, kind: str) -> dict[str, Any] | None:
+    """A stored line (canonical JSON) if it is a ``kind`` record naming a str value in its
+    compared field, else ``None``."""
     try:
         record = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(record, dict) or record.get("type") != "policy_change":
+    if not isinstance(record, dict) or record.get("type") != kind:
         return None
-    digest = record.get("new_digest")
-    return digest if isinstance(digest, str) else None
+    return record if isinstance(record.get(CONDITIONAL[kind][0]), str) else None
 
 
 class RecordNotEncodable(InternalFailure):

@@ -416,6 +416,32 @@ def _log_key_rotation(envelope: Envelope) -> list[Event]:
     ]
 
 
+def _identity_ca(envelope: Envelope) -> list[Event]:
+    """The workload-certificate CA in force changed (a rotation, or the first start with it)."""
+    body = envelope.body
+    chain = body.get("chain")
+    issuer = chain[0] if isinstance(chain, list) and chain and isinstance(chain[0], dict) else {}
+    return [
+        _event(
+            envelope,
+            activity=UPDATE,
+            result=None,
+            resources=[
+                {
+                    "type": "certificate_authority",
+                    "uid": issuer.get("sha256"),
+                    "name": body.get("trust_domain"),
+                }
+            ],
+            actor={"user": {"uid": "broker", "name": "broker"}},
+            message=f"identity CA {body.get('old_ca_digest')} -> {body.get('ca_digest')} "
+            f"({body.get('trigger')})",
+            unmapped={"old_ca_digest": body.get("old_ca_digest"), "subject": issuer.get("subject")},
+        )
+        | {"severity_id": 2}
+    ]
+
+
 def _other(envelope: Envelope) -> list[Event]:
     """A type this version does not know (a newer broker's log): its envelope, Unknown."""
     event = _event(envelope, activity=OTHER, result=None, resources=[], actor=_who(envelope))
@@ -431,6 +457,7 @@ MAPPINGS: dict[str, Callable[[Envelope], list[Event]]] = {
     RecordType.KBS_AUTH: _kbs_auth,
     RecordType.KBS_ATTEST: _kbs_attest,
     RecordType.KBS_RESOURCE: _kbs_resource,
+    RecordType.IDENTITY_CA: _identity_ca,
     RecordType.POLICY_CHANGE: _policy_change,
     RecordType.POLICY_RELOAD_FAILED: _policy_reload_failed,
     RecordType.KEY_ADMIN: _key_admin,

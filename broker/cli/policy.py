@@ -13,17 +13,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from broker.audit.envelope import Envelope, RecordError, instant, parse_record
-from broker.cli.audit_query import with_segments
+from broker.cli.policy_replay import replay, since_time
 from broker.core.errors import ConfigError, FileFormatError
 from broker.core.jsonsafe import loads_bounded
-from broker.core.records import DECISION_TYPES
 from broker.policy.build import (
     build_bundle,
     bundle_as_built,
@@ -352,74 +349,9 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    since = _time(args.since) if args.since else None
+    since = since_time(args.since) if args.since else None
     compiled = _compiled(_input(args), _opa_if_any(args))
-    instance = WasmPolicyInstance(compiled)
-    summary = {
-        "decisions": 0,
-        "unchanged": 0,
-        "allow_to_deny": 0,
-        "deny_to_allow": 0,
-        "reasons_changed": 0,
-        "skipped": 0,
-    }
-    for record in _records(args.log):
-        # both policies: an attestation's input says so itself (request.kind, written by the
-        # broker), and the engine reads data.broker.attest for it; attestations name no key.
-        # A release on a result decided each key on its own input: one decision per key.
-        if record.kind not in DECISION_TYPES:
-            continue
-        if since is not None and (record.at is None or record.at < since):
-            continue
-        for decision in record.decisions:
-            if args.key and decision.key != args.key:
-                continue
-            if decision.input is None or decision.result not in ("allow", "deny"):
-                summary["skipped"] += 1  # decided before the policy ran, or no input
-                continue
-            summary["decisions"] += 1
-            new = Decision.from_result(instance.evaluate(decision.input), compiled.digest)
-            old_allow = decision.result == "allow"
-            old_reasons = sorted(decision.reasons)
-            if new.allowed == old_allow and list(new.reasons) == old_reasons:
-                summary["unchanged"] += 1
-                continue
-            if new.allowed != old_allow:
-                summary["allow_to_deny" if old_allow else "deny_to_allow"] += 1
-            else:
-                summary["reasons_changed"] += 1
-            changed: dict[str, Any] = {
-                "type": record.type,
-                "decision_id": record.decision_id,
-                "time": record.time,
-                "key": decision.key,
-            }
-            changed["old"] = {"allow": old_allow, "reasons": old_reasons}
-            changed["new"] = {"allow": new.allowed, "reasons": list(new.reasons)}
-            print(json.dumps(changed))
-    print(json.dumps({"summary": summary, "policy_digest": compiled.digest}))
-    return 0
-
-
-def _records(logs: list[Path]) -> Iterator[Envelope]:
-    """The records of the logs (each with its closed segments, as ``audit query`` reads them),
-    as envelopes; unlike ``audit query`` any JSON-lines file of records is read (a hand-made
-    log of decisions to try a policy on)."""
-    for log in logs:
-        for path in with_segments([log]) or [log]:
-            for number, line in enumerate(_read(path, "--log").splitlines(), start=1):
-                try:
-                    yield parse_record(line)
-                except RecordError as exc:
-                    raise ConfigError("--log", f"{path}:{number}: {exc}") from exc
-
-
-def _time(text: str) -> datetime:
-    """``--since``: an RFC 3339 time with a zone, read as records' times are (an instant)."""
-    parsed = instant(text)
-    if parsed is None:
-        raise ConfigError("--since", f"not an RFC 3339 time with a zone (Z or +HH:MM): {text!r}")
-    return parsed
+    return replay(args.log, compiled, since=since, key=args.key)
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from broker.attestation import pipeline
 from broker.attestation.issuers import DEFAULT_ALGORITHMS, IssuerSettings
 from broker.attestation.nvidia import local
 from broker.attestation.pipeline import Binding, IssuerTrust, Material, Trust
+from broker.cli import verify_snp, verify_tdx
 from broker.core.errors import AttestationError, ConfigError
 from broker.core.jsonsafe import loads_bounded
 from broker.crypto import jose
@@ -41,13 +42,15 @@ DEFAULT_ISSUERS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("kind", choices=["gca", "ita", "nras", "nvidia", "broker"])
+    parser.add_argument("kind", choices=["gca", "ita", "nras", "nvidia", "broker", "tdx", "snp"])
     parser.add_argument(
         "files",
         nargs="+",
         help="gca/ita: token; nras: NRAS result JSON; nvidia: report (hex) or evidence JSON; "
-        "broker: the broker's https:// URL (its self-attestation is checked over the network)",
+        "broker: the broker's https:// URL (its self-attestation is checked over the network); "
+        "tdx: a quote (raw, hex, or a guest's evidence JSON)",
     )
+    verify_tdx.add_arguments(parser)
     parser.add_argument("--at", help="verification time, RFC 3339 (default: now)")
     parser.add_argument("--jwks", type=Path, help="key set (gca OIDC, ita, nras)")
     parser.add_argument("--root", type=Path, help="trust anchor PEM (default: certs/)")
@@ -93,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="broker: trust its TLS certificate through a CA (default) or only through the "
         "attestation that binds its key (a sealed broker's own, self-signed certificate)",
     )
+    verify_snp.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,6 +108,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ConfigError: a trust file is missing or unusable, or an argument is malformed.
     """
     at = _time(args.at)
+    if args.kind == "tdx":
+        return verify_tdx.run(args, at)
+    if args.kind == "snp":
+        return verify_snp.run(args, at)
     evidence = {args.kind: _evidence(args)}
     issuer = _issuer_trust(args, evidence)
     trust = Trust(

@@ -52,6 +52,8 @@ from broker.config.sections import (
     SealedSettings,
     ServerSettings,
     Settings,
+    SnpSettings,
+    TdxSettings,
     default_replica_id,
     split_listen,
 )
@@ -92,10 +94,12 @@ __all__ = [
     "KeySettings",
     "NonceSettings",
     "NvidiaSettings",
+    "SnpSettings",
     "PolicySettings",
     "SealedSettings",
     "ServerSettings",
     "Settings",
+    "TdxSettings",
     "default_replica_id",
     "is_development_issuer",
     "is_loopback",
@@ -170,12 +174,14 @@ def settings_from_mapping(
         "keys",
         "audit",
         "nvidia",
+        "snp",
         "admin",
         "nonces",
         "attest",
         "identity",
         "sealed",
         "kbs",
+        "tdx",
     }
     for key in raw:
         if key not in known:
@@ -194,6 +200,7 @@ def settings_from_mapping(
         previous = audit.previous_signing_ref.uri
         audit = replace(audit, previous_signing_key=str(resolve_path(base_dir, previous)))
     nvidia = config_table(NvidiaSettings, "nvidia", raw, env, base_dir)
+    snp = config_table(SnpSettings, "snp", raw, env, base_dir)
     nonces = config_table(NonceSettings, "nonces", raw, env, base_dir)
     if nonces.challenge_key is None:
         nonces = replace(nonces, challenge_key=audit.log.parent / "challenge.key")
@@ -216,6 +223,7 @@ def settings_from_mapping(
         config_table(IdentitySettings, "identity", raw, env, base_dir), base_dir
     )
     sealed = config_table(SealedSettings, "sealed", raw, env, base_dir)
+    tdx = config_table(TdxSettings, "tdx", raw, env, base_dir)
     if not sealed.token_audience:
         sealed = replace(sealed, token_audience=server.audience)
     settings = Settings(
@@ -226,11 +234,13 @@ def settings_from_mapping(
         keys=keys,
         audit=audit,
         nvidia=nvidia,
+        snp=snp,
         admin=admin,
         nonces=nonces,
         attest=attest,
         identity=identity,
         kbs=kbs_settings(raw, env, base_dir),
+        tdx=tdx,
     )
     validate_settings(settings)
     return settings

@@ -19,6 +19,8 @@ from broker.config.sections import (
     NvidiaSettings,
     PolicySettings,
     ServerSettings,
+    SnpSettings,
+    TdxSettings,
     split_listen,
 )
 from broker.core.errors import ConfigError
@@ -218,6 +220,32 @@ def validate_nvidia(nvidia: NvidiaSettings) -> None:
         raise ConfigError("nvidia", "timeouts and cache lifetimes must be positive")
     if nvidia.ocsp_cache_seconds < 0:
         raise ConfigError("nvidia.ocsp_cache_seconds", "must not be negative")
+
+
+def validate_tdx(tdx: TdxSettings) -> None:
+    for key in ("pccs_url", "root_ca_crl_url"):
+        url = getattr(tdx, key)
+        if url is not None and not url_allowed(url):
+            raise ConfigError(f"tdx.{key}", "must be https (http only on loopback)")
+    if tdx.collateral_dir is not None and not tdx.collateral_dir.is_dir():
+        raise ConfigError("tdx.collateral_dir", f"no such directory: {tdx.collateral_dir}")
+    if not tdx.root_certificate.is_file():
+        raise ConfigError("tdx.root_certificate", f"no such file: {tdx.root_certificate}")
+    if tdx.refresh_seconds <= 0 or tdx.upstream_timeout_seconds <= 0:
+        raise ConfigError("tdx", "refresh_seconds and upstream_timeout_seconds must be positive")
+
+
+def validate_snp(snp: SnpSettings) -> None:
+    if snp.certs_dir is not None and not snp.certs_dir.is_dir():
+        raise ConfigError("snp.certs_dir", f"no such directory: {snp.certs_dir}")
+    if snp.roots is not None and not snp.roots.is_file():
+        raise ConfigError("snp.roots", f"no such file: {snp.roots}")
+    if snp.kds_url is not None and not url_allowed(snp.kds_url):
+        raise ConfigError("snp.kds_url", "must be https (http only on loopback)")
+    if not 0 <= snp.max_vmpl <= 3:
+        raise ConfigError("snp.max_vmpl", "must be 0 to 3")
+    if snp.kds_timeout_seconds <= 0:
+        raise ConfigError("snp.kds_timeout_seconds", "must be positive")
 
 
 def url_allowed(url: str) -> bool:

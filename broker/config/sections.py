@@ -117,6 +117,39 @@ class NvidiaSettings:
         return self.device_root is not None
 
 
+# The Intel SGX Root CA shipped in certs/ (fingerprint in certs/README.md)
+SHIPPED_INTEL_SGX_ROOT = Path(__file__).resolve().parents[1] / "shipped/certs/intel_sgx_root_ca.pem"
+
+
+@dataclass(frozen=True)
+class TdxSettings:
+    """Raw Intel TDX quotes (issue 33): DCAP collateral from files and/or a PCS/PCCS."""
+
+    pccs_url: str | None = None  # PCS v4 API base, e.g. https://api.trustedservices.intel.com
+    root_ca_crl_url: str | None = None  # default: <pccs_url>/sgx/certification/v4/rootcacrl
+    collateral_dir: Path | None = None  # dcap-qvl collateral JSON files, read first
+    root_certificate: Path = SHIPPED_INTEL_SGX_ROOT  # the only trust anchor
+    refresh_seconds: int = 3600  # refetch after this, or this long before a nextUpdate
+    upstream_timeout_seconds: int = 10
+
+    @property
+    def enabled(self) -> bool:
+        return self.pccs_url is not None or self.collateral_dir is not None
+
+
+@dataclass(frozen=True)
+class SnpSettings:
+    """``[snp]``: AMD SEV-SNP reports the broker verifies itself (Confidential Containers guests,
+    tee ``snp``; docs/evidence.md). The VCEK/VLEK comes from the guest's ``cert_chain``, then
+    ``certs_dir``, then AMD's key distribution service at ``kds_url``."""
+
+    kds_url: str | None = None  # e.g. https://kdsintf.amd.com ; unset: VCEKs are never fetched
+    certs_dir: Path | None = None  # VCEKs, VLEKs, ASKs, ASVKs (DER or PEM), read at start-up
+    roots: Path | None = None  # PEM of the AMD ARKs to pin; unset: certs/amd_sev_snp_roots.pem
+    max_vmpl: int = 0  # a report asked for from a higher VMPL is refused (snp_vmpl_refused)
+    kds_timeout_seconds: float = 10.0
+
+
 @dataclass(frozen=True)
 class PolicySettings:
     """``[policy]``: which engine decides, and where the policy comes from (docs/policy.md)."""
@@ -364,12 +397,14 @@ class Settings:
     keys: KeySettings = field(default_factory=KeySettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
     nvidia: NvidiaSettings = field(default_factory=NvidiaSettings)
+    snp: SnpSettings = field(default_factory=SnpSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
     nonces: NonceSettings = field(default_factory=NonceSettings)
     attest: AttestSettings = field(default_factory=AttestSettings)
     identity: IdentitySettings = field(default_factory=IdentitySettings)
     sealed: SealedSettings = field(default_factory=SealedSettings)
     kbs: KbsSettings = field(default_factory=KbsSettings)
+    tdx: TdxSettings = field(default_factory=TdxSettings)
 
 
 def split_listen(listen: str) -> tuple[str, int]:

@@ -20,6 +20,8 @@ from broker.config.checks import (
     validate_nvidia,
     validate_policy,
     validate_server,
+    validate_snp,
+    validate_tdx,
 )
 from broker.config.kbs import validate_kbs
 from broker.config.sections import ServerSettings, Settings, split_listen
@@ -85,6 +87,8 @@ def validate_settings(settings: Settings) -> None:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError("admin.token_sha256", "each entry is 64 lower-case hex characters")
     validate_nvidia(settings.nvidia)
+    validate_tdx(settings.tdx)
+    validate_snp(settings.snp)
     validate_nonces(settings.nonces)
     validate_attest(settings.attest, made_by_broker=makes_keys(settings))
     validate_identity(settings.identity, attest_enabled=settings.attest.enabled)
@@ -117,6 +121,10 @@ def _validate_sealed(settings: Settings) -> None:
             "keys.signing_key": settings.keys.signing_key,
             "audit.signing_key": _local_key(settings.audit.signing_ref),
             "attest.signing_key": _local_key(settings.attest.signing_ref),
+            # the workload-certificate CA's key: a file the operator holds signs any SPIFFE ID
+            "identity.ca_key": _local_key(settings.identity.ca_key_ref)
+            if settings.identity.enabled
+            else None,
         }
         for key, value in operator_files.items():
             if value is not None:
@@ -156,6 +164,7 @@ def _validate_kms_access(settings: Settings) -> None:
             settings.audit.signing_ref,
             settings.audit.previous_signing_ref,
             settings.attest.signing_ref,
+            settings.identity.ca_key_ref,
         )
     )
     if settings.sealed.launcher_socket is None or not uses_kms:

@@ -125,13 +125,50 @@ class ErrorCode(StrEnum):
     IDENTITY_NOT_ALLOWED = "identity_not_allowed"
     IDENTITY_DENIED = "identity_denied"
     IDENTITY_CA_UNAVAILABLE = "identity_ca_unavailable"
+    # the KBS facade's answers (issue 33): a guest's tee-pubkey whose kty/crv/alg stock guests do
+    # not use (400), or whose members make no key of the allowed size (400); a member the
+    # answer's protected header would carry that is not an ASCII string or an integer (400)
+    TEE_PUBKEY_UNSUPPORTED = "tee_pubkey_unsupported"
+    TEE_PUBKEY_INVALID = "tee_pubkey_invalid"
+    KBS_HEADER_MEMBER_INVALID = "kbs_header_member_invalid"
+    # raw Intel TDX quotes (issue 33, attestation/raw/tdx.py): the quote does not parse or is
+    # not a TDX ECDSA quote (401); its signatures, QE or PCK chain do not verify (401); the TCB
+    # is Revoked or below every level Intel lists (401); the TD's attributes are refused (debug,
+    # reserved bits, migration: 401); the collateral is malformed, does not verify or is not
+    # for this platform (401) or is past its nextUpdate (401); none could be had (503)
+    TDX_QUOTE_MALFORMED = "tdx_quote_malformed"
+    TDX_QUOTE_INVALID = "tdx_quote_invalid"
+    TDX_TCB_REVOKED = "tdx_tcb_revoked"
+    TDX_TCB_UNSUPPORTED = "tdx_tcb_unsupported"
+    TDX_TD_ATTRIBUTES_REFUSED = "tdx_td_attributes_refused"
+    TDX_COLLATERAL_INVALID = "tdx_collateral_invalid"
+    TDX_COLLATERAL_EXPIRED = "tdx_collateral_expired"
+    TDX_COLLATERAL_UNAVAILABLE = "tdx_collateral_unavailable"
+    # AMD SEV-SNP attestation reports verified by the broker (issue 33, attestation/raw/snp*.py):
+    # the report or the guest's evidence object does not parse, or is of a version not read (401);
+    # its CPU is no product known (401); it is signed by no VCEK/VLEK ECDSA P-384 key (401); the
+    # VCEK/VLEK does not chain to a pinned AMD root at that time (401); the signature does not
+    # verify (401); the certificate's TCB or hardware id is not the report's (401); the report
+    # was asked for from a VMPL above [snp] max_vmpl (401); no VCEK/VLEK to be had (401); AMD's
+    # key distribution service could not be reached (503)
+    SNP_REPORT_MALFORMED = "snp_report_malformed"
+    SNP_REPORT_VERSION_UNSUPPORTED = "snp_report_version_unsupported"
+    SNP_PRODUCT_UNKNOWN = "snp_product_unknown"
+    SNP_SIGNING_KEY_UNSUPPORTED = "snp_signing_key_unsupported"
+    SNP_CERT_CHAIN_INVALID = "snp_cert_chain_invalid"
+    SNP_SIGNATURE_INVALID = "snp_signature_invalid"
+    SNP_TCB_MISMATCH = "snp_tcb_mismatch"
+    SNP_CHIP_ID_MISMATCH = "snp_chip_id_mismatch"
+    SNP_VMPL_REFUSED = "snp_vmpl_refused"
+    SNP_VEK_MISSING = "snp_vek_missing"
+    SNP_KDS_UNAVAILABLE = "snp_kds_unavailable"
     # the KBS protocol facade (issue 33, docs/kbs.md): answered as Trustee's ErrorInformation.
     # A handshake in another protocol version; a guest TEE with no verifier here; the unsigned
     # sample evidence while [kbs] allow_sample_evidence is off; a session cookie that is absent,
     # forged, expired or another session's; a session not (or no longer) attested; evidence
-    # whose report data binds another key, nonce or additional evidence; a tee-pubkey the guest
-    # cannot be answered to; a resource request with neither cookie nor Bearer token, or a token
-    # that is not this broker's KBS token; a resource path outside [kbs.resources] (404)
+    # whose report data binds another key, nonce or additional evidence; a resource request
+    # with neither cookie nor Bearer token, or a token that is not this broker's KBS token; a
+    # resource path outside [kbs.resources] (404)
     KBS_VERSION_MISMATCH = "kbs_version_mismatch"
     KBS_TEE_UNSUPPORTED = "kbs_tee_unsupported"
     KBS_SAMPLE_REFUSED = "kbs_sample_refused"
@@ -139,7 +176,6 @@ class ErrorCode(StrEnum):
     KBS_SESSION_EXPIRED = "kbs_session_expired"
     KBS_SESSION_NOT_ATTESTED = "kbs_session_not_attested"
     KBS_REPORT_DATA_MISMATCH = "kbs_report_data_mismatch"
-    KBS_TEE_PUBKEY_INVALID = "kbs_tee_pubkey_invalid"
     KBS_TOKEN_MISSING = "kbs_token_missing"
     KBS_TOKEN_INVALID = "kbs_token_invalid"
     KBS_RESOURCE_NOT_FOUND = "kbs_resource_not_found"

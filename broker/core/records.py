@@ -23,6 +23,7 @@ class RecordType(StrEnum):
     ATTESTATION = "attestation"
     ATTESTATION_REVOKED = "attestation_revoked"
     IDENTITY = "identity"  # a workload certificate (X.509-SVID) on an attestation result
+    IDENTITY_CA = "identity_ca"  # the workload-certificate CA in force changed (a rotation)
     # the KBS protocol facade (docs/kbs.md): a guest's handshake, its attestation (a result
     # bound to its tee-pubkey), and a resource released to it
     KBS_AUTH = "kbs_auth"
@@ -58,6 +59,7 @@ DECISION_TYPES = frozenset(
         RecordType.RELEASE,
         RecordType.ATTESTED_RELEASE,
         RecordType.ATTESTATION,
+        RecordType.IDENTITY,
         RecordType.KBS_ATTEST,
         RecordType.KBS_RESOURCE,
     }

@@ -73,7 +73,7 @@ def encrypt(plaintext: bytes, recipient: RunnerKey, header: Mapping[str, Any]) -
     else:
         ephemeral, shared = _ecdh_ephemeral(recipient.key)
         protected["epk"] = public_jwk(ephemeral)
-        encrypted_key = aes_key_wrap(_concat_kdf(shared, alg), cek)
+        encrypted_key = aes_key_wrap(concat_kdf(shared, alg), cek)
     encoded_header = b64url_encode(json.dumps(protected, separators=(",", ":")).encode())
     iv = os.urandom(IV_BYTES)
     sealed = AESGCM(cek).encrypt(iv, plaintext, encoded_header.encode("ascii"))
@@ -126,7 +126,7 @@ def _recover_cek(header: Mapping[str, Any], encrypted_key: bytes, key: RunnerPri
             return key.decrypt(encrypted_key, _oaep())
         if alg == ECDH_ALG and not isinstance(key, rsa.RSAPrivateKey):
             shared = _ecdh_static(key, header.get("epk"))
-            return aes_key_unwrap(_concat_kdf(shared, ECDH_ALG), encrypted_key)
+            return aes_key_unwrap(concat_kdf(shared, ECDH_ALG), encrypted_key)
     except (ValueError, InvalidUnwrap) as exc:
         raise JweError("JWE key does not unwrap with this private key") from exc
     raise JweError(f"JWE alg {alg!r} does not fit this private key")
@@ -136,8 +136,9 @@ def _oaep() -> padding.OAEP:
     return padding.OAEP(mgf=padding.MGF1(hashes.SHA256()), algorithm=hashes.SHA256(), label=None)
 
 
-def _concat_kdf(shared: bytes, alg: str) -> bytes:
-    """RFC 7518 §4.6.2: Concat KDF, AlgorithmID = alg, empty apu/apv, keydatalen 256."""
+def concat_kdf(shared: bytes, alg: str) -> bytes:
+    """RFC 7518 §4.6.2: Concat KDF (SHA-256), AlgorithmID = alg, empty apu/apv, keydatalen 256
+    (also the KBS facade's, crypto/kbs_jwe.py)."""
 
     def field(value: bytes) -> bytes:
         return struct.pack(">I", len(value)) + value

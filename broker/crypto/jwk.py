@@ -95,32 +95,61 @@ def _parse_ec(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyOb
         raise _invalid("runner_key EC curve must be P-256 or P-384")
     curve, size = EC_CURVES[crv]
     x, y = _member(jwk, "x"), _member(jwk, "y")
-    x_bytes, y_bytes = b64url_decode(x), b64url_decode(y)
-    if len(x_bytes) != size or len(y_bytes) != size:
-        raise _invalid("runner_key EC coordinates have the wrong length")
-    point = b"\x04" + x_bytes + y_bytes
-    # from_encoded_point checks that the point is on the curve (invalid-curve attacks);
-    # P-256 and P-384 have cofactor 1, so every point on the curve but infinity (which the
-    # uncompressed form cannot express) has full order.
     try:
-        key = ec.EllipticCurvePublicKey.from_encoded_point(curve, point)
-    except ValueError as exc:
-        raise _invalid("runner_key EC point is not on the curve") from exc
+        key = ec_public_key(curve, size, x, y)
+    except KeyMembersError as exc:
+        raise _invalid(f"runner_key {exc}") from exc
     return {"crv": crv, "kty": "EC", "x": x, "y": y}, key
 
 
 def _parse_rsa(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyObject]:
     n, e = _member(jwk, "n"), _member(jwk, "e")
+    try:
+        key = rsa_public_key(n, e, MIN_RSA_BITS, MAX_RSA_BITS)
+    except KeyMembersError as exc:
+        raise _invalid(f"runner_key {exc}") from exc
+    return {"e": e, "kty": "RSA", "n": n}, key
+
+
+class KeyMembersError(ValueError):
+    """A JWK's members do not make a usable public key; the message names what (no prefix)."""
+
+
+def ec_public_key(curve: ec.EllipticCurve, size: int, x: str, y: str) -> ec.EllipticCurvePublicKey:
+    """The EC public key of base64url coordinates ``x``, ``y`` of exactly ``size`` bytes each.
+
+    Raises:
+        KeyMembersError: wrong coordinate length, or a point not on the curve.
+        ValueError: a coordinate that is not canonical base64url.
+    """
+    x_bytes, y_bytes = b64url_decode(x), b64url_decode(y)
+    if len(x_bytes) != size or len(y_bytes) != size:
+        raise KeyMembersError("EC coordinates have the wrong length")
+    # from_encoded_point checks that the point is on the curve (invalid-curve attacks);
+    # P-256, P-384 and P-521 have cofactor 1, so every point on the curve but infinity (which
+    # the uncompressed form cannot express) has full order.
+    try:
+        return ec.EllipticCurvePublicKey.from_encoded_point(curve, b"\x04" + x_bytes + y_bytes)
+    except ValueError as exc:
+        raise KeyMembersError("EC point is not on the curve") from exc
+
+
+def rsa_public_key(n: str, e: str, min_bits: int, max_bits: int) -> rsa.RSAPublicKey:
+    """The RSA public key of base64url ``n`` and ``e``, its modulus ``min_bits..max_bits``.
+
+    Raises:
+        KeyMembersError: a modulus out of range or even, an exponent that is not valid.
+        ValueError: a member that is not canonical base64url.
+    """
     n_int = int.from_bytes(b64url_decode(n), "big")
     e_int = int.from_bytes(b64url_decode(e), "big")
-    if not MIN_RSA_BITS <= n_int.bit_length() <= MAX_RSA_BITS:
-        raise _invalid(f"runner_key RSA modulus must be {MIN_RSA_BITS}..{MAX_RSA_BITS} bits")
+    if not min_bits <= n_int.bit_length() <= max_bits:
+        raise KeyMembersError(f"RSA modulus must be {min_bits}..{max_bits} bits")
     if e_int < 3 or e_int % 2 == 0 or e_int >= n_int:
-        raise _invalid("runner_key RSA exponent is not valid")
+        raise KeyMembersError("RSA exponent is not valid")
     if n_int % 2 == 0:
-        raise _invalid("runner_key RSA modulus is even")
-    key = rsa.RSAPublicNumbers(e_int, n_int).public_key()
-    return {"e": e, "kty": "RSA", "n": n}, key
+        raise KeyMembersError("RSA modulus is even")
+    return rsa.RSAPublicNumbers(e_int, n_int).public_key()
 
 
 def _parse_okp(jwk: Mapping[str, Any]) -> tuple[dict[str, str], RunnerPublicKeyObject]:

@@ -16,7 +16,8 @@ Order, for every request whose body parsed:
 7. the leaf built to the X.509-SVID profile, living until the first of: now + ``[identity]
    max_lifetime_seconds``, the result's expiry, the CA's expiry; signed by the CA's key;
 8. one ``identity`` record (the attestation's jti and log index, the proof's jti, the SPIFFE
-   ID, serial, expiry, the policy's digest, reasons and masked input).
+   ID, serial, expiry, the policy's digest, reasons and masked input): what ``broker policy
+   replay`` re-decides (``policy/identity.py`` reads the policy's answer for both).
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ from broker.crypto.svid import (
     load_csr,
     new_serial,
     pem,
-    spiffe_id,
 )
 from broker.decisions.attested_request import Presented, check_host
 from broker.decisions.kernel import Case, Family, Plan
 from broker.decisions.policy import Evaluation, PolicyGate
 from broker.decisions.result_admission import Admitted, ResultAdmission
+from broker.policy.identity import assignment
 from broker.signers.identity_ca import IdentityCa
 
 RECORD_TYPE = RecordType.IDENTITY
@@ -95,6 +96,8 @@ class IdentityFacts(Admitted):
     csr_key: ec.EllipticCurvePublicKey | None = None
     evaluation: Evaluation = field(default_factory=Evaluation)
     spiffe_id: str | None = None
+    # the broker's reasons for a deny the policy did not give (a path that is no SPIFFE ID)
+    refused: tuple[str, ...] = ()
     profile: LeafProfile | None = None
     issued: bool = False
 
@@ -155,11 +158,11 @@ class IdentityPlan(
             )
         except PolicyDenied as exc:
             raise IdentityDenied(exc.details.get("reasons", []), case.decision_id) from exc
-        try:
-            facts.spiffe_id = named = spiffe_id(self.ca.trust_domain, decision.spiffe_path or "")
-        except ValueError as exc:
-            reason = f"the identity policy's spiffe_path: {exc}"
-            raise IdentityDenied([reason], case.decision_id) from exc
+        given = assignment(decision, self.ca.trust_domain)  # as `broker policy replay` reads it
+        if given.spiffe_id is None:  # allowed, but its spiffe_path is no SPIFFE ID path
+            facts.refused = given.reasons
+            raise IdentityDenied(given.reasons, case.decision_id)
+        facts.spiffe_id = named = given.spiffe_id
         asked = [name for name in csr_names(csr) if name != named]
         if asked:
             refused = IdentityNotAllowed([f"the CSR asks for {asked[0][:200]}"], case.decision_id)
@@ -201,6 +204,9 @@ class IdentityPlan(
         facts = case.facts
         ear, entry, proof, profile = facts.ear, facts.entry, facts.proof, facts.profile
         issued = profile if facts.issued else None
+        decided = self.policy.record(facts.evaluation)
+        if facts.refused:  # the reasons the runner was given, not the policy's allow
+            decided["reasons"] = list(facts.refused)
         return {
             "attestation": {
                 "jti": None if ear is None else ear.jti,
@@ -216,7 +222,7 @@ class IdentityPlan(
             else thumbprint(public_jwk(facts.csr_key)),
             "serial": None if issued is None else format(issued.serial, "x"),
             "not_after": None if issued is None else issued.not_after.isoformat(),
-            **self.policy.record(facts.evaluation),
+            **decided,
         }
 
 

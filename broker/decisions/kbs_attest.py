@@ -46,17 +46,11 @@ from broker.core.protocol import ATTEST_KIND
 from broker.core.records import RecordType
 from broker.decisions.attest import VERIFIER_BUILD
 from broker.decisions.kbs_auth import verifier_for
-from broker.decisions.kbs_request import (
-    HASH_ALGORITHM,
-    PROTOCOL_VERSION,
-    AttestRequest,
-    KbsArrival,
-    parse_attest,
-)
+from broker.decisions.kbs_request import HASH_ALGORITHM, AttestRequest, KbsArrival, parse_attest
 from broker.decisions.kbs_session import KbsSession, SessionCodec
-from broker.decisions.kbs_standin import expected_report_data
 from broker.decisions.kernel import Case, Family, Plan
 from broker.decisions.policy import Evaluation, PolicyGate
+from broker.kbs.wire import PROTOCOL_VERSION, expected_report_data
 from broker.signers.results import ResultSigner
 from broker.stores.kbs_sessions import AttestedSession, KbsSessionStore
 from broker.stores.nonces import NonceStore

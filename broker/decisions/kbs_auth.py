@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.attestation.raw import RawVerifier
-from broker.attestation.raw.sample import SAMPLE_TEE
 from broker.audit.log import Appended
 from broker.core.errors import AttestationError, ErrorCode
 from broker.core.jsonsafe import loads_bounded
@@ -28,6 +27,7 @@ from broker.core.records import RecordType
 from broker.decisions.kbs_request import HASH_ALGORITHM, AuthRequest, KbsArrival, parse_auth, shown
 from broker.decisions.kbs_session import KbsSession, SessionCodec
 from broker.decisions.kernel import Case, Family, Plan
+from broker.kbs.wire import SAMPLE_TEES
 from broker.stores.nonces import NonceStore
 
 RECORD_TYPE = RecordType.KBS_AUTH
@@ -64,7 +64,7 @@ def verifier_for(verifiers: Mapping[str, RawVerifier], tee: str) -> RawVerifier:
     verifier = verifiers.get(tee)
     if verifier is not None:
         return verifier
-    if tee == SAMPLE_TEE:
+    if tee in SAMPLE_TEES:  # "sampledevice" too: what a guest with no TEE sends
         raise AttestationError(
             "sample evidence proves nothing and is refused here ([kbs] allow_sample_evidence "
             "is a development switch); a guest without a TEE falls back to it",

@@ -17,44 +17,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric import ec
-
-from broker.core.encoding import b64url_decode
 from broker.core.errors import AttestationError, BrokerError, ErrorCode, InputError, NotFound
 from broker.core.jsonsafe import loads_bounded
 from broker.core.protocol import KBS_PATH_SEGMENT
-from broker.crypto.jwk import MAX_RSA_BITS, MIN_RSA_BITS, thumbprint
+from broker.crypto.jwk import thumbprint
+from broker.crypto.kbs_jwe import parse_tee_pubkey as parse_tee_key
+from broker.kbs.wire import (
+    DEFAULT_HASH_ALGORITHM,
+    canonical_tee,
+    version_refusal,
+)
 from broker.stores.nonces import MAX_NONCE_CHARS
 
-PROTOCOL_VERSION = "0.4.0"  # guest-components' KBS_PROTOCOL_VERSION: the only one accepted
-# Trustee's words, which guests match (kbs/src/attestation/backend.rs: VERSION_REQ is "=0.4.0")
-VERSION_MISMATCH = "KBS Client Protocol Version Mismatch: expect ={} while the request is {}"
-HASH_ALGORITHM = "sha384"  # the report data's hash: the guest's default (no negotiation)
-# kbs-types 0.18 ``Tee`` (serde names): any other value is not the protocol's
-KBS_TEES = frozenset(
-    {
-        "az-snp-vtpm",
-        "az-tdx-vtpm",
-        "nvidia",
-        "sgx",
-        "snp",
-        "tdx",
-        "cca",
-        "csv",
-        "se",
-        "hygondcu",
-        "nvidia-dpu",
-        "tpm",
-        "sample",
-        "sampledevice",
-    }
-)
-EC_ALG, RSA_ALG = "ECDH-ES+A256KW", "RSA-OAEP-256"  # the guest's TeeKeyAlgorithm values
-EC_CURVES: dict[str, tuple[ec.EllipticCurve, int]] = {
-    "P-256": (ec.SECP256R1(), 32),
-    "P-384": (ec.SECP384R1(), 48),
-    "P-521": (ec.SECP521R1(), 66),
-}
+HASH_ALGORITHM = DEFAULT_HASH_ALGORITHM  # the report data's hash: the guest's default
 SEGMENT = re.compile(KBS_PATH_SEGMENT)  # one part of a resource path
 MAX_SHOWN = 64  # characters of a guest's string a record or an answer repeats
 
@@ -132,8 +107,9 @@ def json_object(
 
 
 def parse_auth(arrival: KbsArrival) -> AuthRequest:
-    """``Request``: ``version`` exactly ``PROTOCOL_VERSION`` (else 401 in Trustee's words),
-    ``tee`` a kbs-types name, ``extra-params`` an object, ``""`` or absent.
+    """``Request``: ``version`` ``0.4.0`` as Trustee's semver requirement admits it (else 401 in
+    Trustee's words, ``wire.version_refusal``), ``tee`` a kbs-types name (``nvidiadpu`` read as
+    ``nvidia-dpu``), ``extra-params`` an object, ``""`` or absent.
 
     Raises:
         InputError: ``bad_request``, ``malformed_json``; AttestationError:
@@ -143,13 +119,14 @@ def parse_auth(arrival: KbsArrival) -> AuthRequest:
     version = body["version"]
     if not isinstance(version, str):
         raise InputError("version must be a string")
-    if version != PROTOCOL_VERSION:
+    refusal = version_refusal(version)
+    if refusal is not None:  # Trustee's words, the guest's version echoed only when printable
         raise AttestationError(
-            VERSION_MISMATCH.format(PROTOCOL_VERSION, shown(version) or "(unprintable)"),
+            refusal if shown(version) == version else version_refusal("(unprintable)") or "",
             code=ErrorCode.KBS_VERSION_MISMATCH,
         )
-    tee = body["tee"]
-    if not isinstance(tee, str) or tee not in KBS_TEES:
+    tee = canonical_tee(body["tee"]) if isinstance(body["tee"], str) else None
+    if tee is None:
         raise InputError("tee must be one of the KBS protocol's TEE names")
     extra = body.get("extra-params", "")
     if extra not in ("", None) and not isinstance(extra, dict):
@@ -161,7 +138,7 @@ def parse_attest(arrival: KbsArrival) -> AttestRequest:
     """``Attestation``, member by member (the module's docstring).
 
     Raises:
-        InputError: ``bad_request``, ``malformed_json``, ``kbs_tee_pubkey_invalid``.
+        InputError: ``bad_request``, ``malformed_json``, ``tee_pubkey_*``.
     """
     body = json_object(
         arrival, frozenset({"runtime-data", "tee-evidence"}), frozenset({"init-data"})
@@ -190,27 +167,16 @@ def parse_attest(arrival: KbsArrival) -> AttestRequest:
 
 
 def parse_tee_pubkey(unverified: Any) -> TeePubKey:
-    """The guest's key as kbs-types' ``TeePubKey`` writes it: EC (P-256, P-384, P-521) for
-    ``ECDH-ES+A256KW``, or RSA (2048 to 8192 bits) for ``RSA-OAEP-256``; the point on its
-    curve, public members only.
+    """The guest's key (``crypto/kbs_jwe.parse_tee_pubkey``: EC P-256 or P-521 for
+    ``ECDH-ES+A256KW``, RSA 2048 to 4096 bits for ``RSA-OAEP-256``, the point on its curve,
+    public members only), kept as kbs-types' ``TeePubKey`` keeps it, with its thumbprint.
 
     Raises:
-        InputError: ``kbs_tee_pubkey_invalid``.
+        InputError: ``tee_pubkey_unsupported``, ``tee_pubkey_invalid``.
     """
-    if not isinstance(unverified, dict) or not all(isinstance(v, str) for v in unverified.values()):
-        raise _bad_key("tee-pubkey must be a JWK object of strings")
-    try:
-        if unverified.get("kty") == "EC" and set(unverified) == {"kty", "crv", "alg", "x", "y"}:
-            required = _ec_members(unverified)
-        elif unverified.get("kty") == "RSA" and set(unverified) == {"kty", "alg", "n", "e"}:
-            required = _rsa_members(unverified)
-        else:
-            raise _bad_key(
-                "tee-pubkey must be an EC (kty, crv, alg, x, y) or RSA (kty, alg, n, e) key"
-            )
-    except ValueError as exc:
-        raise _bad_key("tee-pubkey members are not a valid public key") from exc
-    return TeePubKey(jwk=dict(unverified), thumbprint=thumbprint(required))
+    members = dict(parse_tee_key(unverified).members)
+    names = ("crv", "kty", "x", "y") if members["kty"] == "EC" else ("e", "kty", "n")
+    return TeePubKey(jwk=members, thumbprint=thumbprint({n: members[n] for n in names}))
 
 
 def parse_resource_path(path: str | None, query: str) -> ResourcePath:
@@ -250,32 +216,3 @@ def _init_data_digest(value: Any) -> str | None:
     if not isinstance(init["format"], str) or not isinstance(init["body"], str):
         raise InputError("init-data format and body must be strings")
     return "sha256:" + hashlib.sha256(init["body"].encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _ec_members(jwk: Mapping[str, str]) -> dict[str, str]:
-    crv = jwk["crv"]
-    if jwk["alg"] != EC_ALG or crv not in EC_CURVES:
-        raise _bad_key(f"an EC tee-pubkey is P-256, P-384 or P-521 for {EC_ALG}")
-    curve, size = EC_CURVES[crv]
-    x, y = b64url_decode(jwk["x"]), b64url_decode(jwk["y"])
-    if len(x) != size or len(y) != size:
-        raise _bad_key("tee-pubkey EC coordinates have the wrong length")
-    # checks the point is on the curve (invalid-curve attacks); these curves have cofactor 1
-    ec.EllipticCurvePublicKey.from_encoded_point(curve, b"\x04" + x + y)
-    return {"crv": crv, "kty": "EC", "x": jwk["x"], "y": jwk["y"]}
-
-
-def _rsa_members(jwk: Mapping[str, str]) -> dict[str, str]:
-    if jwk["alg"] != RSA_ALG:
-        raise _bad_key(f"an RSA tee-pubkey is for {RSA_ALG}")
-    n = int.from_bytes(b64url_decode(jwk["n"]), "big")
-    e = int.from_bytes(b64url_decode(jwk["e"]), "big")
-    if not MIN_RSA_BITS <= n.bit_length() <= MAX_RSA_BITS or n % 2 == 0:
-        raise _bad_key(f"an RSA tee-pubkey modulus is {MIN_RSA_BITS} to {MAX_RSA_BITS} bits")
-    if e < 3 or e % 2 == 0 or e >= n:
-        raise _bad_key("the RSA tee-pubkey exponent is not valid")
-    return {"e": jwk["e"], "kty": "RSA", "n": jwk["n"]}
-
-
-def _bad_key(message: str) -> InputError:
-    return InputError(message, code=ErrorCode.KBS_TEE_PUBKEY_INVALID)

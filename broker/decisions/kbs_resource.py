@@ -37,20 +37,15 @@ from broker.attestation.stored import REVOKED, AttestationEntry, AttestationStor
 from broker.audit.log import Appended
 from broker.core.errors import AttestationError, BrokerError, ErrorCode, NotFound
 from broker.core.records import RecordType
+from broker.crypto.kbs_jwe import seal_for_guest
 from broker.crypto.wrap import key_id
 from broker.decisions.attested_cache import attestation_identity
 from broker.decisions.kbs_cache import TokenCache, tee_thumbprint
-from broker.decisions.kbs_request import (
-    PROTOCOL_VERSION,
-    KbsArrival,
-    ResourcePath,
-    parse_resource_path,
-    shown,
-)
+from broker.decisions.kbs_request import KbsArrival, ResourcePath, parse_resource_path, shown
 from broker.decisions.kbs_session import SessionCodec
-from broker.decisions.kbs_standin import seal_for_guest
 from broker.decisions.kernel import Case, Plan
 from broker.decisions.policy import Evaluation, PolicyGate
+from broker.kbs.wire import PROTOCOL_VERSION
 from broker.keys.service import KeyService
 from broker.keys.store.base import KeyVersionRecord
 from broker.stores.kbs_sessions import KbsSessionStore

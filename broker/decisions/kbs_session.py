@@ -28,16 +28,16 @@ from datetime import UTC, datetime, timedelta
 
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import AttestationError, ErrorCode
-from broker.decisions.kbs_request import KBS_TEES
+from broker.kbs.wire import SESSION_COOKIE, TEE_NAMES
 
-COOKIE_NAME = "kbs-session-id"
+COOKIE_NAME = SESSION_COOKIE
 VERSION = b"\x01"
 RANDOM_BYTES = 16
 NONCE_DIGEST_BYTES = 16
 MAC_BYTES = 16
 COOKIE_BYTES = 1 + RANDOM_BYTES + 4 + 1 + NONCE_DIGEST_BYTES + MAC_BYTES
 MAX_COOKIE_CHARS = 128
-TEES = tuple(sorted(KBS_TEES))  # a cookie names its tee by index
+TEES = tuple(sorted(TEE_NAMES))  # a cookie names its tee by index
 KEY_CONTEXT = b"sealed-broker kbs-session key v1"
 MAC_CONTEXT = b"sealed-broker kbs-session v1\0"
 

@@ -24,6 +24,9 @@ KNOWN_INPUT: dict[str, Any] = {
     "tee": {
         "verifier": None, "issuer": None, "technology": None, "hwmodel": None, "debug": None,
         "secure_boot": None, "tcb_status": None, "advisory_ids": None, "measurements": "*",
+        # AMD SEV-SNP reports verified in process (attestation/raw/snp.py)
+        "tcb": {"bootloader": None, "tee": None, "snp": None, "microcode": None, "fmc": None},
+        "product": None, "signing_key": None, "vmpl": None, "guest_svn": None,
         "software": {"name": None, "version": None, "support": None},
         "workload": {
             "image_reference": None, "image_digest": None, "image_id": None,

@@ -5,7 +5,9 @@ it publishes. The key signs each leaf's TBSCertificate; nothing else of it is us
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -13,10 +15,12 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
+from broker.core.records import RecordType
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.crypto.svid import assemble, bundle_jwks, pem
 from broker.signers.results import ResultSigner
@@ -61,6 +65,35 @@ class IdentityCa:
 
     def bundle_pem(self, now: datetime) -> str:
         return pem(self.authorities(now))
+
+    def change_record(self, *, time: str, trigger: str) -> dict[str, object]:
+        """The ``identity_ca`` record of the CA in force: the issuing chain and the retired
+        authorities by SHA-256 of their DER, and ``ca_digest`` over them. The log writes it only
+        when its newest ``identity_ca`` names another digest (``DecisionLog.append_if_changed``):
+        a rotation, or the first start with ``[identity]`` on, is one record per log."""
+        chain = [_described(c) for c in self.chain]
+        previous = [_described(c) for c in self.previous]
+        digest = hashlib.sha256(
+            json.dumps(
+                {
+                    "trust_domain": self.trust_domain,
+                    "chain": [c["sha256"] for c in chain],
+                    "previous": [c["sha256"] for c in previous],
+                },
+                sort_keys=True,
+                separators=(",", ":"),
+            ).encode()
+        ).hexdigest()
+        return {
+            "type": RecordType.IDENTITY_CA,
+            "time": time,
+            "trigger": trigger,
+            "trust_domain": self.trust_domain,
+            "ca_digest": "sha256:" + digest,
+            "key_thumbprint": self.signer.kid,
+            "chain": chain,
+            "previous": previous,
+        }
 
     async def sign(self, tbs: bytes) -> x509.Certificate:
         """The certificate of ``tbs``, signed by the CA key wherever it lives.
@@ -124,6 +157,14 @@ def load_ca(
                 "the certificates do not chain in order (CA first, root last)",
             ) from exc
     return IdentityCa(trust_domain, signer, chain, previous, max_lifetime)
+
+
+def _described(certificate: x509.Certificate) -> dict[str, str]:
+    return {
+        "sha256": certificate.fingerprint(hashes.SHA256()).hex(),
+        "subject": certificate.subject.rfc4514_string(),
+        "not_after": certificate.not_valid_after_utc.isoformat(),
+    }
 
 
 def _certificates(path: Path, setting: str) -> list[x509.Certificate]:

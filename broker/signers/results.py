@@ -18,6 +18,20 @@ from broker.crypto.jwk import parse_runner_key, public_jwk, thumbprint
 from broker.crypto.keyfiles import p256_private_key_file, p256_public_key_file
 
 
+@dataclass(frozen=True)
+class KeyRole:
+    """Which key an ES256 signer holds, for its errors: a start-up refusal names ``setting``,
+    a failure of the KMS or token names ``name``. The same signers hold the result key and the
+    workload-certificate CA's key."""
+
+    setting: str
+    name: str
+
+
+RESULT_KEY = KeyRole("attest.signing_key", "result signing key")
+IDENTITY_CA_KEY = KeyRole("identity.ca_key", "identity CA key")
+
+
 class ResultSigner(Protocol):
     """What signs attestation results (ES256); its public half is at ``/.well-known/jwks.json``."""
 

@@ -7,7 +7,8 @@ extractable) and the public key object of the same label (and ``id``), whose ``C
 published at ``/.well-known/jwks.json``. The token signs the SHA-256 digest of each result with
 ``CKM_ECDSA`` (raw R || S); every signature is verified with the public half before it is used.
 Calls share the token's one logged-in session and its thread with a PKCS#11 KEK on the same token.
-Any failure is ``503 kek_unavailable``: no result is issued.
+Any failure is ``503 kek_unavailable``: no result is issued. The same signer holds ``[identity]
+ca_key``, the workload-certificate CA's key (``role``: its errors then name that setting).
 """
 
 from __future__ import annotations
@@ -33,26 +34,27 @@ from broker.keys.kek.pkcs11 import (
     leave_session,
     parse_pkcs11_uri,
 )
-from broker.signers.results import result_jwks
+from broker.signers.results import RESULT_KEY, KeyRole, result_jwks
 
 
-def _unavailable(message: str) -> UpstreamError:
-    return UpstreamError(f"result signing key: {message}", code=ErrorCode.KEK_UNAVAILABLE)
+def _unavailable(role: KeyRole, message: str) -> UpstreamError:
+    return UpstreamError(f"{role.name}: {message}", code=ErrorCode.KEK_UNAVAILABLE)
 
 
-def parse_result_key(uri: str) -> Pkcs11Uri:
+def parse_result_key(uri: str, role: KeyRole = RESULT_KEY) -> Pkcs11Uri:
     """The URI, its PIN read (``pin-source``: a file; call off the event loop).
 
-    Raises: ConfigError naming ``attest.signing_key``."""
+    Raises: ConfigError naming ``role.setting``."""
     try:
         return parse_pkcs11_uri(uri)
     except ConfigError as exc:
-        raise ConfigError("attest.signing_key", exc.message) from exc
+        raise ConfigError(role.setting, exc.message) from exc
 
 
 class Pkcs11ResultSigner:
-    def __init__(self, uri: Pkcs11Uri) -> None:
+    def __init__(self, uri: Pkcs11Uri, role: KeyRole = RESULT_KEY) -> None:
         self._uri = uri
+        self._role = role
         self._shared: TokenSession | None = None
         self._private: Any = None
         self._public: ec.EllipticCurvePublicKey | None = None
@@ -71,7 +73,7 @@ class Pkcs11ResultSigner:
             await self._run(self._open_sync)
         except pkcs11.PKCS11Error as exc:
             await self.close()
-            raise _unavailable("the token does not answer") from exc
+            raise _unavailable(self._role, "the token does not answer") from exc
         except BaseException:
             await self.close()
             raise
@@ -82,14 +84,14 @@ class Pkcs11ResultSigner:
         private = self._one(ObjectClass.PRIVATE_KEY)
         public = self._one(ObjectClass.PUBLIC_KEY)
         if private[pkcs11.Attribute.KEY_TYPE] != KeyType.EC:
-            raise ConfigError("attest.signing_key", f"{self._uri.reference} is not an EC key")
+            raise ConfigError(self._role.setting, f"{self._uri.reference} is not an EC key")
         if private[pkcs11.Attribute.EXTRACTABLE] or not private[pkcs11.Attribute.SENSITIVE]:
             raise ConfigError(
-                "attest.signing_key", "the result key must be sensitive and non-extractable"
+                self._role.setting, f"the {self._role.name} must be sensitive and non-extractable"
             )
         key = serialization.load_der_public_key(encode_ec_public_key(public))
         if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
-            raise ConfigError("attest.signing_key", f"{self._uri.reference} is not P-256")
+            raise ConfigError(self._role.setting, f"{self._uri.reference} is not P-256")
         self._private, self._public = private, key
         self.jwk = public_jwk(key)
         self.kid = thumbprint(self.jwk)
@@ -105,7 +107,7 @@ class Pkcs11ResultSigner:
         found = list(self._shared.session.get_objects(search))
         if len(found) != 1:
             raise ConfigError(
-                "attest.signing_key",
+                self._role.setting,
                 f"{len(found)} {kind.name.lower()} objects match {self._uri.reference} "
                 "(one is needed; add id=<hex> to the URI)",
             )
@@ -126,7 +128,7 @@ class Pkcs11ResultSigner:
                 verify with the public half.
         """
         if self._public is None or self._private is None:
-            raise _unavailable("not opened")
+            raise _unavailable(self._role, "not opened")
         digest = hashlib.sha256(data).digest()
         private = self._private
 
@@ -136,17 +138,19 @@ class Pkcs11ResultSigner:
         try:
             raw: bytes = await self._run(sign)
         except pkcs11.PKCS11Error as exc:
-            raise _unavailable("the token did not sign") from exc
+            raise _unavailable(self._role, "the token did not sign") from exc
         if len(raw) != 64:
-            raise _unavailable("the token's ECDSA signature is not 64 bytes")
+            raise _unavailable(self._role, "the token's ECDSA signature is not 64 bytes")
         der = encode_dss_signature(int.from_bytes(raw[:32], "big"), int.from_bytes(raw[32:], "big"))
         try:
             self._public.verify(der, digest, ec.ECDSA(Prehashed(hashes.SHA256())))
         except InvalidSignature as exc:
-            raise _unavailable("the signature does not verify with the key's public half") from exc
+            raise _unavailable(
+                self._role, "the signature does not verify with the key's public half"
+            ) from exc
         return raw
 
     async def _run(self, call: Any) -> Any:
         if self._shared is None:
-            raise _unavailable("not opened")
+            raise _unavailable(self._role, "not opened")
         return await asyncio.get_running_loop().run_in_executor(self._shared.executor, call)

@@ -297,7 +297,11 @@ async def start_broker(tmp_path: Path, deployment: str) -> AsyncIterator[Callabl
             served = with_public_url(settings, f"https://127.0.0.1:{port}")
             app = create_app(served) if clock is None else create_app(served, clock=clock)
             runner = BrokerRunner(app, served.server, handler_cancellation=handler_cancellation)
-            await runner.setup()
+            try:
+                await runner.setup()
+            except BaseException:  # start-up refused: the socket is not the site's to close
+                listening.close()
+                raise
             runners.append(runner)
             site = web.SockSite(runner, listening, ssl_context=server_ssl_context(settings))
             await site.start()

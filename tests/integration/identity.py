@@ -17,7 +17,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.dev.identity_ca import make_dev_identity_ca
+from broker.dev.identity_ca import make_dev_identity_ca, make_dev_identity_chain
 from tests.integration.attested import Runner, attest_broker
 from tests.integration.conftest import RunningBroker
 from tests.support.constants import ALLOWED
@@ -32,9 +32,14 @@ IDENTITY_TOML = (
 )
 
 
-def with_identity(workdir: Path) -> None:
-    """The development CA, and the allowed image given ``SPIFFE_PATH`` by the policy's data."""
-    make_dev_identity_ca(workdir / "identity", TRUST_DOMAIN, now=datetime.now(UTC))
+def with_identity(workdir: Path, ca_key: ec.EllipticCurvePublicKey | None = None) -> None:
+    """The development CA (its key a PEM file, ``identity/ca.key``; or ``ca_key``, whose
+    private half lives in Cloud KMS or on a token), and the allowed image given
+    ``SPIFFE_PATH`` by the policy's data."""
+    if ca_key is None:
+        make_dev_identity_ca(workdir / "identity", TRUST_DOMAIN, now=datetime.now(UTC))
+    else:
+        make_dev_identity_chain(workdir / "identity", TRUST_DOMAIN, ca_key, now=datetime.now(UTC))
     data_file = workdir / "policies" / "broker" / "data.json"
     data = json.loads(data_file.read_text(encoding="utf-8"))
     data["identities"] = {ALLOWED: SPIFFE_PATH}

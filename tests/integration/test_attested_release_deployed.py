@@ -15,20 +15,15 @@ from typing import Any
 
 import aiohttp
 import jwt
-import pkcs11
 import pytest
-from pkcs11.util.ec import encode_named_curve_parameters
 
 from broker.config import load_settings
-from broker.keys.kek.pkcs11 import parse_pkcs11_uri
 from tests.integration.attested import (
     ADMIN,
     Runner,
     admin_post,
 )
 from tests.integration.conftest import (
-    HSM_PIN,
-    SOFTHSM_MODULE,
     RunningBroker,
     write_config,
     write_statement_key,
@@ -37,6 +32,7 @@ from tests.integration.test_attest import ATTEST_TOML, with_result_key
 from tests.integration.test_attestation_stores import store_uri
 from tests.support.cli import run
 from tests.support.constants import KEY
+from tests.support.hsm_custody import make_p256_key_pair
 from tests.support.issuers import dev_issuer
 from tests.support.processes import free_port, serve, stop_replicas, wait_ready
 from tests.support.proxy import round_robin_proxy
@@ -81,37 +77,13 @@ async def test_results_signed_before_a_key_rotation_keep_working(
     assert (status, body["error"]["code"]) == (401, "token_key_unknown")
 
 
-def make_result_key(uri: str) -> None:
-    """An EC P-256 key pair on the SoftHSM2 token: the private half sensitive and never
-    extractable, both under the URI's label."""
-    parsed = parse_pkcs11_uri(uri)
-    with (
-        pkcs11.lib(str(SOFTHSM_MODULE))
-        .get_token(token_label=parsed.token)
-        .open(user_pin=HSM_PIN, rw=True) as session
-    ):
-        parameters = session.create_domain_parameters(
-            pkcs11.KeyType.EC,
-            {pkcs11.Attribute.EC_PARAMS: encode_named_curve_parameters("secp256r1")},
-            local=True,
-        )
-        parameters.generate_keypair(
-            store=True,
-            label=parsed.object,
-            private_template={
-                pkcs11.Attribute.SENSITIVE: True,
-                pkcs11.Attribute.EXTRACTABLE: False,
-            },
-        )
-
-
 async def test_results_signed_by_a_pkcs11_key(
     start_broker: Callable[..., Any], softhsm: str
 ) -> None:
     """The result key on an HSM (SoftHSM2, CKM_ECDSA): the EAR verifies with the public half the
     JWKS publishes (PyJWT), and keys are released on it."""
     uri = softhsm.replace("object=kek", "object=results-" + uuid.uuid4().hex[:8])
-    await asyncio.to_thread(make_result_key, uri)
+    await asyncio.to_thread(make_p256_key_pair, uri)
     broker: RunningBroker = await start_broker(
         extra_toml=ATTEST_TOML.replace('"ear-signing.pem"', json.dumps(uri))
     )

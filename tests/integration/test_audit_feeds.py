@@ -295,6 +295,18 @@ def _check_identity(record: dict[str, Any], produced: list[dict[str, Any]], _: s
     assert event["unmapped"]["policy_digest"] == record["policy_digest"]
 
 
+def _check_identity_ca(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (3, 1, 2)
+    issuer = record["chain"][0]
+    assert event["resources"] == [
+        {"type": "certificate_authority", "uid": issuer["sha256"], "name": record["trust_domain"]}
+    ]
+    assert record["ca_digest"] in event["message"]
+    assert record["old_ca_digest"] is None  # the first start with [identity] on
+    assert event["unmapped"]["subject"] == issuer["subject"]
+
+
 def _check_kbs_auth(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
     event = _one(produced)
     assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
@@ -405,6 +417,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], str], None]] =
     "log_repair": _check_repair,
     "log_key_rotation": _check_key_rotation,
     "identity": _check_identity,
+    "identity_ca": _check_identity_ca,
     "kbs_auth": _check_kbs_auth,
     "kbs_attest": _check_kbs_attest,
     "kbs_resource": _check_kbs_resource,

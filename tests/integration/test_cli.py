@@ -185,8 +185,8 @@ def test_demo_runs_end_to_end(demo: tuple[Path, str]) -> None:
     _, stdout = demo
     assert "denied 403 policy_denied" in stdout
     assert (
-        "decision log verified: 23 records (create, create ok, create, create ok, "
-        "weights-encrypt, policy_change, "
+        "decision log verified: 24 records (create, create ok, create, create ok, "
+        "weights-encrypt, policy_change, identity_ca, "
         "allow, deny, attestation allow, attested_release allow, attestation allow, "
         "identity allow, attestation allow, identity allow, kbs_auth allow, kbs_attest allow, "
         "kbs_resource allow, policy_change, "

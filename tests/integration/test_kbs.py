@@ -7,8 +7,11 @@ session by its hash (never the cookie), the path and the key."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -19,6 +22,7 @@ from broker.core.encoding import b64url_decode
 from broker.keys.factory import open_key_service
 from tests.integration.conftest import RunningBroker
 from tests.integration.kbs import PINNED, RESOURCE, guest, kbs_broker
+from tests.support import kbs_guest, kbs_harness
 from tests.support.constants import KEY
 from tests.support.kbs_client import open_as_guest
 
@@ -115,3 +119,32 @@ async def test_the_data_hubs_bearer_token_fetches_a_pinned_version(
     released = broker.records()[-1]
     assert (released["kbs"]["credential"], released["kbs"]["session"]) == ("bearer", None)
     assert (released["key"], released["version"]) == (KEY, 1)
+
+
+@pytest.mark.timeout(kbs_harness.BUILD_TIMEOUT_S)
+@pytest.mark.parametrize("kind", ["P-256", "P-521", "RSA"])
+async def test_the_guests_own_crates_decrypt_a_live_answer(
+    start_broker: Callable[..., Any], tmp_path: Path, kind: str
+) -> None:
+    """``tests/kbs_conformance`` (kbs-types 0.18 and RustCrypto, both serde_json map orders)
+    reads the facade's answer to a live guest as guest-components does."""
+    binaries = await asyncio.to_thread(kbs_harness.build)
+    broker = await kbs_broker(start_broker)
+    dek, _ = await dek_of(broker)
+    one = guest(broker, kind)
+    async with aiohttp.ClientSession() as session:
+        await one.handshake(session)
+        status, answer, _ = await one.resource(session, RESOURCE)
+    assert status == 200, answer
+    (tmp_path / "key.json").write_text(json.dumps(kbs_guest.private_jwk(one.private)))
+    (tmp_path / "answer.json").write_text(json.dumps(answer))
+    for regime, binary in binaries.items():
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [str(binary), "decrypt", str(tmp_path / "key.json"), str(tmp_path / "answer.json")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert (done.returncode, done.stdout.strip()) == (0, dek.hex()), (regime, done.stderr)

@@ -73,6 +73,7 @@ async def _version_and_shapes(broker: RunningBroker, session: aiohttp.ClientSess
     status, body = await one.auth(session, version="0.3.0")
     assert status == 401
     assert body["detail"] == (
+        "Attestation error: RCAR handshake Auth failed: "
         "KBS Client Protocol Version Mismatch: expect =0.4.0 while the request is 0.3.0"
     )
     record = broker.records()[-1]
@@ -119,11 +120,11 @@ async def _version_and_shapes(broker: RunningBroker, session: aiohttp.ClientSess
         ({**good, "init-data": {"format": "toml"}}, "bad_request"),
         (
             {**good, "runtime-data": {**good["runtime-data"], "tee-pubkey": private_member}},
-            "kbs_tee_pubkey_invalid",
+            "tee_pubkey_invalid",
         ),
         (
             {**good, "runtime-data": {**good["runtime-data"], "tee-pubkey": off_curve}},
-            "kbs_tee_pubkey_invalid",
+            "tee_pubkey_invalid",
         ),
         (
             {**good, "tee-evidence": {**good["tee-evidence"], "primary_evidence": {"svn": "1"}}},

@@ -150,7 +150,7 @@ def test_replay_reports_changed_decisions(tmp_path: Path) -> None:
     summary = lines[-1]["summary"]
     assert summary == {
         "decisions": 3, "unchanged": 0, "allow_to_deny": 2, "deny_to_allow": 1,
-        "reasons_changed": 0, "skipped": 1,
+        "spiffe_id_changed": 0, "reasons_changed": 0, "skipped": 1,
     }  # fmt: skip
     changed = {line["decision_id"]: line for line in lines[:-1]}
     assert changed["a1"]["type"] == "attestation"  # decided by data.broker.attest

@@ -59,6 +59,7 @@ SEVERITY = {
     ("attested_release", "error"): 3,
     ("attestation_revoked", None): 5,
     ("identity", "allow"): 6,
+    ("identity_ca", None): 5,  # the CA in force changed
     ("kbs_auth", "allow"): 6,
     ("kbs_attest", "allow"): 6,
     ("kbs_resource", "allow"): 6,
@@ -241,13 +242,13 @@ def _query(log: Path, records: list[dict[str, Any]], jti: str) -> None:
 
 def _replay(log: Path, policies: Path) -> None:
     lines = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies)))
-    # 2 full-evidence releases, 3 attestations and 4 keys decided on results, a KBS guest's
-    # attestation and its resource, all re-decided the same; skipped: the key withdrawn by the
-    # bug (error), the key it never decided, the release and the KBS resource refused before
-    # their key
+    # 2 full-evidence releases, 3 attestations, 4 keys decided on results, 1 workload
+    # certificate, a KBS guest's attestation and its resource, all re-decided the same; skipped:
+    # the key withdrawn by the bug (error), the key it never decided, the release and the KBS
+    # resource refused before their key
     assert lines[-1]["summary"] == {
-        "decisions": 11, "unchanged": 11, "allow_to_deny": 0, "deny_to_allow": 0,
-        "reasons_changed": 0, "skipped": 4,
+        "decisions": 12, "unchanged": 12, "allow_to_deny": 0, "deny_to_allow": 0,
+        "spiffe_id_changed": 0, "reasons_changed": 0, "skipped": 4,
     }  # fmt: skip
     denied = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies),
                      "--key", DENIED_KEY))  # fmt: skip
@@ -293,7 +294,7 @@ def _an_unknown_type_is_read_as_unknown(log: Path, known: int, policies: Path) -
     rows = _rows(str(log), "--who", "broker v99")
     assert [r["type"] for r in rows] == ["from_a_newer_broker"]
     replayed = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies)))
-    assert replayed[-1]["summary"]["decisions"] == 11  # not a decision it can re-decide
+    assert replayed[-1]["summary"]["decisions"] == 12  # not a decision it can re-decide
     assert syslog_message(line).startswith(b"<37>1 ")  # auth, notice
     with pytest.raises(RecordError, match="not a record"):
         parse_record(b"[1]")

@@ -272,13 +272,20 @@ def test_a_sealed_file_the_kek_does_not_open_stops_start_up(made: Made) -> None:
 
 
 def test_operator_key_files_are_refused_while_the_broker_makes_its_keys(made: Made) -> None:
-    for name, value in (
-        ("BROKER_SERVER_TLS_CERT", "tls/server.pem"),
-        ("BROKER_AUDIT_SIGNING_KEY", "log-ed25519.pem"),
+    identity = {
+        "BROKER_IDENTITY_ENABLED": "true",
+        "BROKER_IDENTITY_TRUST_DOMAIN": "runners.it.invalid",
+        "BROKER_IDENTITY_CA_CERTIFICATES": "identity/ca-chain.pem",
+    }
+    for name, value, more in (
+        ("BROKER_SERVER_TLS_CERT", "tls/server.pem", {}),
+        ("BROKER_AUDIT_SIGNING_KEY", "log-ed25519.pem", {}),
+        ("BROKER_IDENTITY_CA_KEY", "identity/ca.key", identity),  # mints any SPIFFE ID
     ):
         with pytest.raises(ConfigError) as caught:
-            load_settings(made.config, {name: value})
+            load_settings(made.config, {name: value, **more})
         assert "makes its own keys" in caught.value.message
+        assert caught.value.key == name.removeprefix("BROKER_").lower().replace("_", ".", 1)
 
 
 def test_two_replicas_making_the_file_at_once_share_one_set_of_keys(made: Made) -> None:

@@ -1,6 +1,7 @@
-"""What the tests of DEKs in HSM custody (``x-hsm-rewrap``) need beside the broker: work on the
-process's one login to the SoftHSM2 token, the DEK read out of it the way the broker never does,
-and a spy on every bytes value the broker's Python code touches."""
+"""What the tests of keys on an HSM need beside the broker: work on the process's one login to
+the SoftHSM2 token, an EC P-256 signing key pair made on it (result and identity CA keys), and
+for DEKs in HSM custody (``x-hsm-rewrap``) the DEK read out of the token the way the broker
+never does and a spy on every bytes value the broker's Python code touches."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import pkcs11
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from pkcs11 import KeyType, Mechanism, MechanismFlag, ObjectClass
+from pkcs11.util.ec import encode_ec_public_key, encode_named_curve_parameters
 
 from broker.keys.kek.base import dek_aad
 from broker.keys.kek.pkcs11 import acquire_session, parse_pkcs11_uri, release_session
@@ -38,6 +42,32 @@ def on_token(kek_uri: str, work: Callable[[Any], T]) -> T:
         if release_session(shared):
             shared.executor.submit(shared.close_sync).result()
             shared.executor.shutdown(wait=False)
+
+
+def make_p256_key_pair(uri: str) -> ec.EllipticCurvePublicKey:
+    """An EC P-256 key pair on the token under the URI's label, as an operator makes a signing
+    key: the private half sensitive and never extractable. Returns the public half."""
+    label = parse_pkcs11_uri(uri).object
+
+    def make(session: Any) -> ec.EllipticCurvePublicKey:
+        parameters = session.create_domain_parameters(
+            KeyType.EC,
+            {pkcs11.Attribute.EC_PARAMS: encode_named_curve_parameters("secp256r1")},
+            local=True,
+        )
+        public, _ = parameters.generate_keypair(
+            store=True,
+            label=label,
+            private_template={
+                pkcs11.Attribute.SENSITIVE: True,
+                pkcs11.Attribute.EXTRACTABLE: False,
+            },
+        )
+        key = serialization.load_der_public_key(encode_ec_public_key(public))
+        assert isinstance(key, ec.EllipticCurvePublicKey)
+        return key
+
+    return on_token(uri, make)
 
 
 def read_out_of_the_token(kek_uri: str, name: str, version: int, wrapped: bytes) -> bytes:

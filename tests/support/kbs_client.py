@@ -1,70 +1,46 @@
-"""A Confidential Containers guest as guest-components' ``kbs_protocol`` client (0.4.0) behaves,
-for the KBS facade's tests and bench: its ``tee-pubkey`` (kbs-types ``TeePubKey``), the sample
-attester's evidence over the report data it computes (SHA-384 of the JCS of ``tee-pubkey``,
-``nonce``, ``additional-evidence``), its three HTTP calls (its own cookie handling, so that a
-test can present another session's cookie), and the answer decrypted **as the guest does**: the
-AAD is the guest's re-serialisation of the parsed protected header (``alg``, ``enc``, then the
-other members sorted, nested members sorted, no whitespace), never the bytes received, and the
-JWE's ``aad`` member is ignored. The decryption itself is jwcrypto's (an independent JOSE
-library), fed that re-serialised header: a header the broker wrote in another order fails here
-as it fails in the guest.
+"""A Confidential Containers guest's HTTP side as guest-components' ``kbs_protocol`` client
+(0.4.0) behaves, for the KBS facade's tests and bench: its three calls with its own cookie
+handling (so that a test can present another session's cookie), the sample attester's evidence
+over the report data the guest computes, and its key. The guest's cryptography (``tee-pubkey``,
+report data, decrypting an answer with the header re-serialised for the AAD) is
+``tests/support/kbs_guest.py``'s oracle; ``tests/kbs_conformance`` is the guest's own crates.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from jwcrypto import jwe, jwk
 
-from broker.core.encoding import b64url_decode, b64url_encode
+from broker.kbs.wire import ERROR_TYPE_PREFIX, KBS_PREFIX, SESSION_COOKIE
+from tests.support import kbs_guest
+from tests.support.kbs_guest import GuestPrivateKey
 
-PREFIX = "/kbs/v0"
-COOKIE = "kbs-session-id"
-ERROR_TYPE = "https://github.com/confidential-containers/kbs/errors/"
-CURVES = {"P-256": ec.SECP256R1(), "P-384": ec.SECP384R1(), "P-521": ec.SECP521R1()}
-GuestKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
-
-
-def tee_key(kind: str = "P-256") -> tuple[GuestKey, dict[str, str]]:
-    """A key pair as ``TeeKeyPair`` makes it, and its public half as the guest sends it."""
-    if kind == "RSA":
-        private_rsa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        numbers = private_rsa.public_key().public_numbers()
-        return private_rsa, {
-            "kty": "RSA",
-            "alg": "RSA-OAEP-256",
-            "n": b64url_encode(numbers.n.to_bytes((numbers.n.bit_length() + 7) // 8, "big")),
-            "e": b64url_encode(numbers.e.to_bytes(3, "big")),
-        }
-    private = ec.generate_private_key(CURVES[kind])
-    point = private.public_key().public_numbers()
-    size = (private.curve.key_size + 7) // 8
-    return private, {
-        "kty": "EC",
-        "crv": kind,
-        "alg": "ECDH-ES+A256KW",
-        "x": b64url_encode(point.x.to_bytes(size, "big")),
-        "y": b64url_encode(point.y.to_bytes(size, "big")),
-    }
+PREFIX = KBS_PREFIX
+COOKIE = SESSION_COOKIE
+ERROR_TYPE = ERROR_TYPE_PREFIX
+KEY_KINDS = {"P-256": ec.SECP256R1(), "P-521": ec.SECP521R1()}  # the curves the guest makes
 
 
-def jcs(value: Any) -> bytes:
-    """RFC 8785 for the guest's runtime data (ASCII strings and objects only)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+def tee_key(kind: str = "P-256") -> tuple[GuestPrivateKey, dict[str, str]]:
+    """A key pair as ``TeeKeyPair`` makes it (P-256, P-521 or RSA 2048), and its public half as
+    the guest sends it (``kbs_guest.tee_pubkey``)."""
+    private: GuestPrivateKey = (
+        rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        if kind == "RSA"
+        else ec.generate_private_key(KEY_KINDS[kind])
+    )
+    return private, kbs_guest.tee_pubkey(private)
 
 
 def report_data(tee_pubkey: dict[str, str], nonce: str, additional: str = "") -> bytes:
-    """What the guest asks its attester to sign (``rcar_client.get_composite_evidence``)."""
-    runtime = {"tee-pubkey": tee_pubkey, "nonce": nonce, "additional-evidence": additional}
-    return hashlib.sha384(jcs(runtime)).digest()
+    """What the guest asks its attester to sign, SHA-384 (``kbs_guest.report_data``)."""
+    return kbs_guest.report_data(tee_pubkey, nonce, additional, "sha384")
 
 
 def sample_evidence(data: bytes) -> dict[str, str]:
@@ -72,37 +48,7 @@ def sample_evidence(data: bytes) -> dict[str, str]:
     return {"svn": "1", "report_data": base64.b64encode(data).decode()}
 
 
-def guest_header(protected: str) -> str:
-    """The protected header as the guest re-serialises it (kbs-types ``ProtectedHeader``:
-    ``alg``, ``enc``, then the other members in serde_json's sorted map order), base64url."""
-    header = json.loads(b64url_decode(protected))
-    rest = {k: v for k, v in header.items() if k not in ("alg", "enc")}
-    text = json.dumps({"alg": header["alg"], "enc": header["enc"]}, separators=(",", ":"))
-    if rest:
-        text = text[:-1] + "," + json.dumps(rest, sort_keys=True, separators=(",", ":"))[1:]
-    return b64url_encode(text.encode())
-
-
-def open_as_guest(answer: dict[str, Any], private: GuestKey) -> bytes:
-    """The plaintext of a resource answer, decrypted as the guest does (module docstring).
-
-    Raises:
-        jwcrypto's errors: the answer does not decrypt as the guest decrypts it.
-    """
-    if set(answer) - {"protected", "encrypted_key", "iv", "ciphertext", "tag", "aad"}:
-        raise ValueError("not a flattened JWE")
-    flattened = {
-        "protected": guest_header(answer["protected"]),
-        **{k: answer[k] for k in ("encrypted_key", "iv", "ciphertext", "tag")},
-    }
-    pem = private.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    token = jwe.JWE()
-    token.deserialize(json.dumps(flattened), key=jwk.JWK.from_pem(pem))
-    return bytes(token.payload)
+open_as_guest = kbs_guest.open_as_guest  # the guest's decryption, rebuilt in Python
 
 
 @dataclass
@@ -112,7 +58,7 @@ class Guest:
     url: str
     ssl: Any = None  # the client TLS context (or False)
     kind: str = "P-256"
-    private: GuestKey = field(init=False)
+    private: GuestPrivateKey = field(init=False)
     tee_pubkey: dict[str, str] = field(init=False)
     cookie: str | None = None
     nonce: str | None = None

@@ -37,6 +37,8 @@ LAYER_OF: dict[str, int] = {
     "broker.attestation": DOMAIN,
     "broker.attestation.jwks_sources": ADAPTER,
     "broker.attestation.nvidia.sources": ADAPTER,
+    "broker.attestation.raw.tdx_sources": ADAPTER,  # DCAP collateral: files, PCS/PCCS
+    "broker.attestation.raw.snp_certs": ADAPTER,  # AMD certificates: files, KDS
     "broker.attestation.service": ADAPTER,
     "broker.policy": DOMAIN,
     "broker.policy.manager": ADAPTER,
@@ -52,6 +54,7 @@ LAYER_OF: dict[str, int] = {
     "broker.audit.publisher": ADAPTER,
     "broker.audit.sink": ADAPTER,
     "broker.audit.witness": ADAPTER,
+    "broker.kbs": DOMAIN,  # the KBS protocol's wire pieces (constants, report data, errors)
     "broker.keys": DOMAIN,
     "broker.keys.store": ADAPTER,
     "broker.keys.store.base": DOMAIN,

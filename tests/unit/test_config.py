@@ -170,3 +170,30 @@ def test_signed_bundles_need_a_scope_naming_the_environment(config_dir: Path) ->
         config_dir, unsigned, {"BROKER_POLICY_BUNDLE_URL": "https://bundles.example/p.tar.gz"}
     )
     assert with_url.policy.bundle_ca == config_dir / "ca.pem"  # type: ignore[attr-defined]
+
+
+def test_snp_section_defaults_paths_and_checks(config_dir: Path) -> None:
+    assert load(config_dir, BASE).snp.kds_url is None  # type: ignore[attr-defined]
+    (config_dir / "snp-certs").mkdir()
+    (config_dir / "arks.pem").write_text("x")
+    snp = load(  # type: ignore[attr-defined]
+        config_dir,
+        BASE + '[snp]\nkds_url = "https://kdsintf.amd.com"\ncerts_dir = "snp-certs"\n'
+        'roots = "arks.pem"\nmax_vmpl = 1\n',
+    ).snp
+    assert (snp.certs_dir, snp.roots, snp.max_vmpl) == (
+        config_dir / "snp-certs",
+        config_dir / "arks.pem",
+        1,
+    )
+    for bad, key in (
+        ('kds_url = "http://kds.example"', "snp.kds_url"),
+        ('certs_dir = "missing"', "snp.certs_dir"),
+        ('roots = "missing.pem"', "snp.roots"),
+        ("max_vmpl = 4", "snp.max_vmpl"),
+        ("kds_timeout_seconds = 0", "snp.kds_timeout_seconds"),
+        ("kds = 1", "snp.kds"),
+    ):
+        assert error_key(config_dir, BASE + f"[snp]\n{bad}\n") == key
+    env = {"BROKER_SNP_KDS_URL": "http://127.0.0.1:8080"}  # loopback http: a test KDS
+    assert load(config_dir, BASE, env).snp.kds_url == "http://127.0.0.1:8080"  # type: ignore[attr-defined]
