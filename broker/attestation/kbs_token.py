@@ -47,6 +47,7 @@ def kbs_token_claims(
     jti: str,
     now: datetime,
     ttl: timedelta,
+    not_after: datetime | None,
     nonce: str,
     verifier_build: str,
     submods: Sequence[Submod],
@@ -58,7 +59,8 @@ def kbs_token_claims(
     input_digest: str | None,
 ) -> dict[str, Any]:
     """The claims of a guest's token (``ear_claims`` without ``cnf``, for this broker as
-    issuer and audience), with ``nbf`` and the ``tee-pubkey`` where Trustee reads it.
+    issuer and audience, never past ``not_after``: what the evidence was judged with expires),
+    with ``nbf`` and the ``tee-pubkey`` where Trustee reads it.
 
     Raises:
         ValueError: as ``ear_claims``.
@@ -69,7 +71,7 @@ def kbs_token_claims(
         jti=jti,
         now=now,
         ttl=ttl,
-        not_after=None,
+        not_after=not_after,
         nonce=nonce,
         verifier_build=verifier_build,
         submods=submods,

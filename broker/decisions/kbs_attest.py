@@ -109,6 +109,16 @@ def kbs_attest_input(
     }
 
 
+def judged_until(evidence: VerifiedRawEvidence) -> datetime | None:
+    """When what the verifier judged the evidence with expires, if it says (TDX: the
+    collateral's ``nextUpdate``, ``claims.collateral_next_update``): a token never outlives it."""
+    text = evidence.claims.get("collateral_next_update")
+    try:
+        return datetime.fromisoformat(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
 def kbs_appraisal(evidence: VerifiedRawEvidence, policy_digest: str) -> list[Submod]:
     """``cpu0``'s AR4SI vector: evidence bound to this request (2), hardware a vendor signs (2;
     ``sample``: 96, nothing is signed), not debug (2, else 96)."""
@@ -170,6 +180,7 @@ class KbsAttestPlan(Plan[KbsArrival, AttestRequest, KbsAttestFacts, KbsAttested]
             jti=case.decision_id,
             now=now,
             ttl=self.token_ttl,
+            not_after=judged_until(evidence),
             nonce=request.nonce,
             verifier_build=VERIFIER_BUILD,
             submods=facts.submods,

@@ -11,11 +11,12 @@ import base64
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 
@@ -27,7 +28,7 @@ from tests.support.kbs_client import Guest, open_as_guest, report_data
 from tests.support.snp import AT, fake_amd, milan_report, patched, serde_object, signed
 from tests.support.tdx_forge import (
     DEBUG_TD,
-    INSIDE,
+    NEXT_UPDATE,
     QuoteSpec,
     forge_collateral,
     forge_pki,
@@ -86,7 +87,7 @@ HARDWARE = {
     "tdx": Hardware(
         tee="tdx",
         toml='\n[tdx]\ncollateral_dir = "tdx"\nroot_certificate = "tdx/root.pem"\n',
-        at=INSIDE,
+        at=NEXT_UPDATE - timedelta(seconds=60),  # the collateral expires within the token's TTL
         reference={"technology": "tdx", "measurements": {"mrtd": MRTD.hex()}},
         files=_tdx_files,
         evidence=_tdx_evidence,
@@ -151,6 +152,11 @@ async def test_a_hardware_guest_fetches_its_key(start_broker: Callable[..., Any]
     assert attest["result"] == "allow"
     assert attest["input"]["tee"]["technology"] == hardware.reference["technology"]
     assert attest["input"]["claims"]["kbs"]["tee"] == tee
+    expires = jwt.decode(one.token or "", options={"verify_signature": False})["exp"]
+    if tee == "tdx":  # never past the collateral it was judged with (its nextUpdate)
+        assert expires == int(NEXT_UPDATE.timestamp())
+    else:
+        assert expires == int(hardware.at.timestamp()) + 300
 
 
 async def test_a_debug_td_is_refused(start_broker: Callable[..., Any]) -> None:

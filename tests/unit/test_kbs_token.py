@@ -36,6 +36,7 @@ def _claims(**change: Any) -> dict[str, Any]:
         jti="jti-1",
         now=NOW,
         ttl=timedelta(seconds=300),
+        not_after=None,
         nonce="n",
         verifier_build="b",
         submods=SUBMODS,
