@@ -121,6 +121,7 @@ class KbsResourcePlan(Plan[KbsArrival, ResourcePath, ResourceFacts, KbsReleased]
             token.tee_pubkey,
             context={
                 "kid": key_id(record.name, record.version),
+                "key_version": record.version,
                 "policy_digest": decision.policy_digest,
                 "release_id": case.decision_id,
             },

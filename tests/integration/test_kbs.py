@@ -98,6 +98,7 @@ async def test_a_guest_fetches_its_key_through_the_facade(
         "path": RESOURCE,
     }
     assert header["release_id"] == released["decision_id"]
+    assert header["key_version"] == version
     assert header["policy_digest"] == released["policy_digest"]
     assert released["input"]["request"]["key"] == KEY
     assert released["input"]["claims"]["kbs"]["tee"] == "sample"
