@@ -196,7 +196,10 @@ def _set_cookie(response: web.Response, facade: KbsFacade, cookie: str, max_age:
         COOKIE_NAME,
         cookie,
         max_age=max_age,
-        path=PREFIX,
+        # no Path (as Trustee): the guest's cookie store then scopes it to the directory of the
+        # /auth URL it called, which behind a proxy's path prefix is not /kbs/v0 (an empty value
+        # is left out of the header)
+        path="",
         httponly=True,
         secure=facade.secure_cookie,
         samesite="Strict",

@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import AttestationError, ErrorCode
-from broker.kbs.wire import SESSION_COOKIE, TEE_NAMES
+from broker.kbs.wire import SESSION_COOKIE
 
 COOKIE_NAME = SESSION_COOKIE
 VERSION = b"\x01"
@@ -37,7 +37,26 @@ NONCE_DIGEST_BYTES = 16
 MAC_BYTES = 16
 COOKIE_BYTES = 1 + RANDOM_BYTES + 4 + 1 + NONCE_DIGEST_BYTES + MAC_BYTES
 MAX_COOKIE_CHARS = 128
-TEES = tuple(sorted(TEE_NAMES))  # a cookie names its tee by index
+# A cookie names its tee by this byte. Pinned: a number is never reused or renumbered (a cookie
+# issued before an upgrade, or by another replica's version, must open to the same tee); a new
+# tee name gets the next free number. tests/unit/test_kbs_session.py pins the table.
+TEE_NUMBERS: dict[str, int] = {
+    "az-snp-vtpm": 0,
+    "az-tdx-vtpm": 1,
+    "cca": 2,
+    "csv": 3,
+    "hygondcu": 4,
+    "nvidia": 5,
+    "nvidia-dpu": 6,
+    "sample": 7,
+    "sampledevice": 8,
+    "se": 9,
+    "sgx": 10,
+    "snp": 11,
+    "tdx": 12,
+    "tpm": 13,
+}
+TEE_BY_NUMBER = {number: tee for tee, number in TEE_NUMBERS.items()}
 KEY_CONTEXT = b"sealed-broker kbs-session key v1"
 MAC_CONTEXT = b"sealed-broker kbs-session v1\0"
 
@@ -71,7 +90,7 @@ class SessionCodec:
             VERSION
             + secrets.token_bytes(RANDOM_BYTES)
             + struct.pack(">I", expires)
-            + bytes([TEES.index(tee)])
+            + bytes([TEE_NUMBERS[tee]])
             + _nonce_digest(nonce)
         )
         cookie = b64url_encode(body + self._mac(body))
@@ -98,7 +117,7 @@ class SessionCodec:
             len(raw) != COOKIE_BYTES
             or raw[:1] != VERSION
             or not hmac.compare_digest(mac, self._mac(body))
-            or body[21] >= len(TEES)
+            or body[21] not in TEE_BY_NUMBER
         ):
             raise AttestationError(
                 "the session cookie was not made by this broker; start again",
@@ -132,7 +151,7 @@ class SessionCodec:
         (expires,) = struct.unpack(">I", body[17:21])
         return KbsSession(
             id_hash=session_hash(cookie),
-            tee=TEES[body[21]],
+            tee=TEE_BY_NUMBER[body[21]],
             expires_at=datetime.fromtimestamp(expires, UTC),
             nonce_digest=body[22:],
         )

@@ -10,7 +10,8 @@ import pytest
 
 from broker.core.encoding import b64url_decode, b64url_encode
 from broker.core.errors import AttestationError, ErrorCode
-from broker.decisions.kbs_session import SessionCodec, session_hash
+from broker.decisions.kbs_session import MAC_BYTES, TEE_NUMBERS, SessionCodec, session_hash
+from broker.kbs.wire import TEE_NAMES
 
 NOW = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
 CODEC = SessionCodec(b"k" * 32, timedelta(seconds=300))
@@ -61,3 +62,36 @@ def test_nonce_of_another_session_rejected() -> None:
     with pytest.raises(AttestationError) as caught:
         CODEC.check_nonce(session, "another session's")
     assert caught.value.code is ErrorCode.KBS_SESSION_INVALID
+
+
+def test_the_tee_numbers_are_pinned() -> None:
+    """A cookie names its tee by number: renumbering would make a cookie issued by an older
+    version (or a replica not yet upgraded) open to another tee. Only additions are allowed."""
+    assert TEE_NUMBERS == {
+        "az-snp-vtpm": 0,
+        "az-tdx-vtpm": 1,
+        "cca": 2,
+        "csv": 3,
+        "hygondcu": 4,
+        "nvidia": 5,
+        "nvidia-dpu": 6,
+        "sample": 7,
+        "sampledevice": 8,
+        "se": 9,
+        "sgx": 10,
+        "snp": 11,
+        "tdx": 12,
+        "tpm": 13,
+    }
+    assert set(TEE_NUMBERS) == TEE_NAMES  # every tee a guest may name has its number
+    cookie, _ = CODEC.issue("tdx", "n", NOW)
+    assert b64url_decode(cookie)[21] == 12
+    for tee in TEE_NAMES:
+        assert CODEC.open(CODEC.issue(tee, "n", NOW)[0], NOW).tee == tee
+
+
+def test_a_cookie_naming_no_known_tee_number_rejected() -> None:
+    body = bytearray(b64url_decode(CODEC.issue("tdx", "n", NOW)[0])[:-MAC_BYTES])
+    body[21] = max(TEE_NUMBERS.values()) + 1
+    forged = bytes(body) + CODEC._mac(bytes(body))  # a cookie MAC'd by the codec itself
+    assert _code(b64url_encode(forged)) is ErrorCode.KBS_SESSION_INVALID
