@@ -76,7 +76,7 @@ def workspace(workdir: Path, issuer: DevIssuer) -> Path:
     config = bench_workspace(workdir, issuer, nonce_ttl_seconds=3600, extra_toml=EXTRA_TOML)
     data_file = workdir / "policies" / "broker" / "data.json"
     data = json.loads(data_file.read_text(encoding="utf-8"))
-    data["kbs_guests"] = {KEY: [{"technology": "sample", "measurements": {}}]}
+    data["kbs_guests"] = {KEY: [{"technology": "sample", "measurements": {"svn": "1"}}]}
     data_file.write_text(json.dumps(data), encoding="utf-8")
     return config
 

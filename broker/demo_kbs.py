@@ -37,7 +37,7 @@ def allow_sample_guests(workdir: Path, key: str) -> None:
     """The policy's data: ``sample`` guests may have ``key`` (blocking)."""
     data_file = workdir / "policies" / "broker" / "data.json"
     data = json.loads(data_file.read_text(encoding="utf-8"))
-    data["kbs_guests"] = {key: [{"technology": "sample", "measurements": {}}]}
+    data["kbs_guests"] = {key: [{"technology": "sample", "measurements": {"svn": "1"}}]}
     data_file.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
 

@@ -21,3 +21,17 @@ IDENTITY_KIND = "identity"  # input.request.kind of a workload certificate (data
 # One part of a KBS resource path ``<repository>/<type>/<tag>`` the facade serves (docs/kbs.md):
 # the request parser and the ``[kbs.resources]`` check share it
 KBS_PATH_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+# Intel's TCB statuses a verified TDX quote can carry (Revoked is refused before any policy), and
+# the SEV-SNP products whose AMD roots the broker pins: the verifiers and the KBS policy data's
+# shape check (``policy/kbs_data.py``) share them.
+TDX_TCB_STATUSES = frozenset(
+    {
+        "UpToDate",
+        "SWHardeningNeeded",
+        "ConfigurationNeeded",
+        "ConfigurationAndSWHardeningNeeded",
+        "OutOfDate",
+        "OutOfDateConfigurationNeeded",
+    }
+)
+SNP_PRODUCTS = ("Milan", "Genoa", "Turin")

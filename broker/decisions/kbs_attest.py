@@ -13,10 +13,12 @@ Order:
 3. its report data is the binding the guest must have made of this very key, nonce and
    additional evidence (``expected_report_data``: SHA-384 of the JCS of ``tee-pubkey``,
    ``nonce``, ``additional-evidence``, padded to 64 bytes); another is
-   ``kbs_report_data_mismatch``;
+   ``kbs_report_data_mismatch``; the init-data sent, if any, digests to the evidence's
+   MRCONFIGID / HOST_DATA (``kbs/init_data.py``), else ``kbs_init_data_mismatch``;
 4. only then the nonce spent, once, in the shared spent-nonce store (``nonce_reused``);
 5. the attestation policy (``data.broker.attest``) on the input built like every evidence
-   kind's (``tee`` from the verifier; ``claims.kbs`` the protocol facts);
+   kind's (``tee`` from the verifier; ``claims.kbs`` the protocol facts, ``init_data`` only
+   as verified in 3);
 6. the token (``attestation/kbs_token.py``) signed, its attestation stored for releases and
    re-decisions (``stores/attestations.py``, keyed by the ``tee-pubkey``'s thumbprint); once
    the record is durable, the session stored under the cookie's hash
@@ -50,6 +52,7 @@ from broker.decisions.kbs_request import HASH_ALGORITHM, AttestRequest, KbsArriv
 from broker.decisions.kbs_session import KbsSession, SessionCodec
 from broker.decisions.kernel import Case, Family, Plan
 from broker.decisions.policy import Evaluation, PolicyGate
+from broker.kbs.init_data import VerifiedInitData, bind_init_data
 from broker.kbs.wire import PROTOCOL_VERSION, expected_report_data
 from broker.signers.results import ResultSigner
 from broker.stores.kbs_sessions import AttestedSession, KbsSessionStore
@@ -76,17 +79,23 @@ class KbsAttestFacts:
     evaluation: Evaluation = field(default_factory=Evaluation)
     submods: list[Submod] = field(default_factory=list)
     expires_at: datetime | None = None
+    init_data: VerifiedInitData | None = None
 
 
 KbsAttestCase = Case[KbsArrival, AttestRequest, KbsAttestFacts]
 
 
 def kbs_attest_input(
-    request: AttestRequest, session: KbsSession, evidence: VerifiedRawEvidence, now: datetime
+    request: AttestRequest,
+    session: KbsSession,
+    evidence: VerifiedRawEvidence,
+    init_data: VerifiedInitData | None,
+    now: datetime,
 ) -> dict[str, Any]:
     """The attestation policy's input for a KBS guest: the shape of every evidence kind's
     (``claims.build_attest_input``), ``tee`` as the verifier normalised it, the parsed
-    evidence under ``claims.<tee>`` and the protocol's facts under ``claims.kbs``."""
+    evidence under ``claims.<tee>`` and the protocol's facts under ``claims.kbs``: its
+    ``init_data`` only as the evidence bound it (else null)."""
     return {
         "schema": SCHEMA,
         "request": {
@@ -99,13 +108,28 @@ def kbs_attest_input(
             "kbs": {
                 "protocol": PROTOCOL_VERSION,
                 "tee": session.tee,
-                "init_data_digest": request.init_data_digest,
+                "init_data": None if init_data is None else init_data.as_claims(),
                 "additional_evidence_digest": "sha256:"
                 + hashlib.sha256(request.additional_evidence.encode("utf-8")).hexdigest(),
             },
             session.tee: dict(evidence.claims),
         },
         "time": now.isoformat(),
+    }
+
+
+def _init_data_record(
+    request: AttestRequest | None, verified: VerifiedInitData | None
+) -> dict[str, Any] | None:
+    """What the record says of the init-data: the digest sent, and the field that bound it
+    (``None``: not bound, refused or unbindable: ``sample``)."""
+    if request is None or request.unverified_init_data is None:
+        return None
+    sent = request.unverified_init_data
+    return {
+        "algorithm": sent.algorithm,
+        "digest": sent.digest.hex(),
+        "bound_to": None if verified is None else verified.field,
     }
 
 
@@ -169,8 +193,11 @@ class KbsAttestPlan(Plan[KbsArrival, AttestRequest, KbsAttestFacts, KbsAttested]
                 "additional evidence",
                 code=ErrorCode.KBS_REPORT_DATA_MISMATCH,
             )
+        facts.init_data = init_data = bind_init_data(
+            request.unverified_init_data, evidence.init_data_field
+        )
         await self.nonces.spend_challenge(challenge, now)  # authentic evidence: spent now
-        policy_input = kbs_attest_input(request, session, evidence, now)
+        policy_input = kbs_attest_input(request, session, evidence, init_data, now)
         decision = await self.policy.allow(
             facts.evaluation, policy_input, decision_id=case.decision_id
         )
@@ -229,7 +256,7 @@ class KbsAttestPlan(Plan[KbsArrival, AttestRequest, KbsAttestFacts, KbsAttested]
                 "protocol": PROTOCOL_VERSION,
                 "tee": None if session is None else session.tee,
                 "session": None if session is None else session.id_hash,
-                "init_data_digest": None if request is None else request.init_data_digest,
+                "init_data": _init_data_record(request, facts.init_data),
                 # when the verifier judged the evidence (its collateral's time, if it says)
                 "evidence_verified_at": None
                 if evidence is None or evidence.verified_at is None

@@ -11,7 +11,6 @@ the evidence itself stays unverified (``unverified_evidence``). Pure.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from broker.core.jsonsafe import loads_bounded
 from broker.core.protocol import KBS_PATH_SEGMENT
 from broker.crypto.jwk import thumbprint
 from broker.crypto.kbs_jwe import parse_tee_pubkey as parse_tee_key
+from broker.kbs.init_data import UnverifiedInitData, parse_init_data
 from broker.kbs.wire import (
     DEFAULT_HASH_ALGORITHM,
     canonical_tee,
@@ -68,7 +68,7 @@ class AttestRequest:
     tee_pubkey: TeePubKey
     unverified_evidence: Mapping[str, Any]  # ``primary_evidence``
     additional_evidence: str
-    init_data_digest: str | None  # SHA-256 of ``init-data.body``, for the record
+    unverified_init_data: UnverifiedInitData | None  # bound to the evidence only once verified
 
 
 @dataclass(frozen=True)
@@ -150,19 +150,21 @@ def parse_attest(arrival: KbsArrival) -> AttestRequest:
         frozenset({"primary_evidence", "additional_evidence"}),
     )
     nonce = runtime["nonce"]
-    if not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_CHARS:
+    if not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_CHARS or not _unicode(nonce):
         raise InputError(f"runtime-data.nonce must be a string of 1 to {MAX_NONCE_CHARS}")
     primary, additional = evidence["primary_evidence"], evidence["additional_evidence"]
     if not isinstance(primary, dict):
         raise InputError("tee-evidence.primary_evidence must be an object")
     if not isinstance(additional, str):
         raise InputError("tee-evidence.additional_evidence must be a string")
+    if not _unicode(additional):  # the report data hashes its UTF-8 (JCS): it must have one
+        raise InputError("tee-evidence.additional_evidence holds a lone surrogate (not Unicode)")
     return AttestRequest(
         nonce=nonce,
         tee_pubkey=parse_tee_pubkey(runtime["tee-pubkey"]),
         unverified_evidence=primary,
         additional_evidence=additional,
-        init_data_digest=_init_data_digest(body.get("init-data")),
+        unverified_init_data=parse_init_data(body.get("init-data")),
     )
 
 
@@ -209,10 +211,10 @@ def _members(
     return value
 
 
-def _init_data_digest(value: Any) -> str | None:
-    if value is None:
-        return None
-    init = _members(value, "init-data", frozenset({"format", "body"}))
-    if not isinstance(init["format"], str) or not isinstance(init["body"], str):
-        raise InputError("init-data format and body must be strings")
-    return "sha256:" + hashlib.sha256(init["body"].encode("utf-8", "surrogatepass")).hexdigest()
+def _unicode(text: str) -> bool:
+    """``text`` has a UTF-8 form (JSON's ``"\\ud800"`` parses to a lone surrogate: it has none)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

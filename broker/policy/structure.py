@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.policy.bundle import PolicySource
+from broker.policy.kbs_data import check_kbs_data
 from broker.policy.sprintf import Unsupported, check_template
 from broker.policy.wasm import PolicyLoadError
 
@@ -97,7 +98,9 @@ def check_structure(source: PolicySource, staged: Path, *, opa: Path) -> None:
       written through an ``import`` alias — lies under ``data.broker.key_policies.<name>``
       (checked on OPA's parsed AST of the staged bytes, rule by rule);
     * ``broker/data.json`` is the security team's data (allow-lists) and defines none of
-      ``release``, ``attest`` and ``key_policies``; every other data file mounts under
+      ``release``, ``attest`` and ``key_policies``; its KBS members have their shape
+      (``kbs_data.check_kbs_data``: a reference without measurements is refused); every other
+      data file mounts under
       ``data.broker.key_requirements``, which the release policy reads only as requirements;
     * every ``sprintf`` (tests included) has a literal template inside the subset of verbs
       that OPA and the broker's engine render alike (``sprintf.py``).
@@ -127,7 +130,7 @@ def check_bundle_structure(
       decision wrapper (the same AST as ``WRAPPER``: OPA's ``opa build -b`` reformats it);
     * every other module passes the rules of ``check_structure`` (a bundle holds no tests);
     * its merged ``data.json`` has only ``data.broker``, which defines none of ``release``,
-      ``attest`` and ``key_policies``.
+      ``attest`` and ``key_policies``, and whose KBS members have their shape.
 
     Raises:
         PolicyLoadError: naming the bundle, the file and the rule or key.
@@ -162,6 +165,7 @@ def check_bundle_structure(
         raise PolicyLoadError(
             f"{source}: data.json defines data.broker.{reserved[0]}, which only Rego modules define"
         )
+    check_kbs_data(f"{source}: data.json", broker)
 
 
 def _check_module(
@@ -220,6 +224,7 @@ def _check_data_file(name: str, value: dict[str, Any]) -> None:
             raise PolicyLoadError(
                 f"{name}: defines data.broker.{reserved[0]}, which only Rego modules define"
             )
+        check_kbs_data(name, value)
         return
     if directory[: len(RESTRICTION_DATA)] != RESTRICTION_DATA:
         raise PolicyLoadError(

@@ -8,6 +8,8 @@ package broker.attest
 
 import rego.v1
 
+import data.broker.release
+
 default allow := false
 
 allow if {
@@ -21,8 +23,7 @@ allow if {
 # may be released to it (data.broker.kbs_guests, below).
 allow if {
 	kbs_guest_production
-	some key
-	kbs_reference_matches(data.broker.kbs_guests[key])
+	kbs_guest_known
 }
 
 confidential_space if {
@@ -33,7 +34,7 @@ confidential_space if {
 production_image if {
 	input.tee.debug == false
 	input.tee.secure_boot == true
-	data.broker.required_support in input.tee.software.support
+	release.supported_release
 }
 
 hardware_tee if input.tee.technology in data.broker.hardware_tees
@@ -61,7 +62,7 @@ reasons contains "secure boot is not on" if {
 
 reasons contains msg if {
 	not kbs_guest
-	not data.broker.required_support in input.tee.software.support
+	not release.supported_release
 	msg := sprintf("image lacks the %s support attribute", [data.broker.required_support])
 }
 
@@ -78,25 +79,23 @@ reasons contains msg if {
 }
 
 # --- Confidential Containers guests (the KBS facade, docs/kbs.md) -------------------------------
-# Raw evidence the broker verified itself (tee.verifier "local": a TDX quote, an SEV-SNP report,
-# or the development-only sample), not debug, whose technology and measurements match one of a
-# key's references in data.broker.kbs_guests: {"<key>": [{"technology": "tdx", "measurements":
-# {"mrtd": "…"}}, …]}; every member of a reference's measurements must equal the evidence's (an
-# empty object matches any evidence of that technology). The same rules are in release.rego.
-kbs_guest if input.claims.kbs.protocol
+# Raw evidence the broker verified itself, not debug, that one of some key's references in
+# data.broker.kbs_guests matches: measurements and TCB judged by release.rego's functions
+# (kbs_reference_matches: its comment says how), so the two policies cannot drift apart.
+kbs_guest := release.kbs_guest
 
-kbs_guest_production if {
-	kbs_guest
-	input.tee.verifier == "local"
-	input.tee.debug == false
+kbs_guest_production := release.kbs_guest_production
+
+kbs_guest_known if {
+	some key
+	some reference in data.broker.kbs_guests[key]
+	release.kbs_reference_matches(reference)
 }
 
-kbs_reference_matches(references) if {
-	some reference in references
-	reference.technology == input.tee.technology
-	every name, value in object.get(reference, "measurements", {}) {
-		input.tee.measurements[name] == value
-	}
+kbs_guest_measured if {
+	some key
+	some reference in data.broker.kbs_guests[key]
+	release.kbs_measured(reference)
 }
 
 reasons contains "KBS guest: debug, or evidence the broker did not verify" if {
@@ -106,11 +105,24 @@ reasons contains "KBS guest: debug, or evidence the broker did not verify" if {
 
 reasons contains msg if {
 	kbs_guest_production
-	not kbs_guest_known
+	not kbs_guest_measured
 	msg := sprintf("KBS guest (%v) with these measurements is not allowed for any key", [input.tee.technology])
 }
 
-kbs_guest_known if {
+reasons contains msg if {
+	kbs_guest_production
+	not kbs_guest_known
 	some key
-	kbs_reference_matches(data.broker.kbs_guests[key])
+	some reference in data.broker.kbs_guests[key]
+	release.kbs_measured(reference)
+	not release.kbs_tcb_acceptable(reference)
+	msg := release.kbs_tcb_refusal(reference)
+}
+
+reasons contains msg if {
+	kbs_guest
+	some key
+	some reference in data.broker.kbs_guests[key]
+	not release.kbs_reference_valid(reference)
+	msg := sprintf("key %v: a kbs_guests reference is not an object of technology, non-empty measurements and optionally tcb_statuses, snp_min_tcb: it matches nothing", [key])
 }

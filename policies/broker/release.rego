@@ -39,8 +39,13 @@ confidential_space if {
 production_image if {
 	input.tee.debug == false
 	input.tee.secure_boot == true
-	data.broker.required_support in input.tee.software.support
+	supported_release
 }
+
+# Positive helpers: `not x in y` is never used on a field of the input. OPA evaluates a call's
+# arguments outside the `not`, so when `x` is missing the whole rule is undefined (it neither
+# denies nor explains); `not helper` is true when the field is missing.
+supported_release if data.broker.required_support in input.tee.software.support
 
 hardware_tee if input.tee.technology in data.broker.hardware_tees
 
@@ -64,7 +69,7 @@ reasons contains "secure boot is not on" if {
 
 reasons contains msg if {
 	not kbs_guest
-	not data.broker.required_support in input.tee.software.support
+	not supported_release
 	msg := sprintf("image lacks the %s support attribute", [data.broker.required_support])
 }
 
@@ -119,7 +124,7 @@ reasons contains msg if {
 
 # A GPU is acceptable only if every condition holds (a missing field fails its condition).
 gpu_ok(gpu) if {
-	gpu.arch in {"HOPPER", "BLACKWELL"}
+	gpu_arch_allowed(gpu)
 	gpu.cc_mode == "on"
 	gpu.debug == false
 	gpu.measurements == "match"
@@ -128,11 +133,13 @@ gpu_ok(gpu) if {
 	version_at_least(gpu.driver_version, gpu_policy.min_driver)
 }
 
+gpu_arch_allowed(gpu) if gpu.arch in {"HOPPER", "BLACKWELL"}
+
 # Reasons name what failed; they explain a deny, they never cause an allow.
 reasons contains msg if {
 	gpu_policy
 	some gpu in input.gpus
-	not gpu.arch in {"HOPPER", "BLACKWELL"}
+	not gpu_arch_allowed(gpu)
 	msg := sprintf("GPU %v: architecture %v is not allowed", [object.get(gpu, "id", null), object.get(gpu, "arch", null)])
 }
 
@@ -243,13 +250,17 @@ signed_by_allowed_signer if {
 
 key_requirement_failures contains "projects" if {
 	key_requirements.projects
-	not input.tee.platform.project_id in key_requirements.projects
+	not in_allowed_project
 }
+
+in_allowed_project if input.tee.platform.project_id in key_requirements.projects
 
 key_requirement_failures contains "zones" if {
 	key_requirements.zones
-	not input.tee.platform.zone in key_requirements.zones
+	not in_allowed_zone
 }
+
+in_allowed_zone if input.tee.platform.zone in key_requirements.zones
 
 key_requirement_failures contains "restart_policy" if {
 	key_requirements.restart_policy
@@ -293,8 +304,17 @@ key_policy_denials contains reason if {
 reasons contains reason if some reason in key_policy_denials
 
 # --- Confidential Containers guests (the KBS facade, docs/kbs.md) -------------------------------
-# As in attest.rego: raw evidence the broker verified itself, not debug, whose technology and
-# measurements match one of data.broker.kbs_guests[<key>]'s references.
+# Raw evidence the broker verified itself (tee.verifier "local": a TDX quote, an SEV-SNP report,
+# or the development-only sample), not debug, that matches one of data.broker.kbs_guests[<key>]'s
+# references: {"technology": "tdx", "measurements": {"mrtd": "…", "mrconfigid": "…"}}, every
+# listed measurement equal to the evidence's, and the platform's TCB acceptable:
+#   tdx      Intel's TCB status for the platform (from the collateral) is one of the reference's
+#            "tcb_statuses", else of data.broker.kbs_tcb_statuses (shipped: ["UpToDate"]);
+#   sev-snp  the report's REPORTED_TCB is at least the reference's "snp_min_tcb", else
+#            data.broker.kbs_snp_min_tcb[<product>] ({"bootloader", "tee", "snp", "microcode"},
+#            and "fmc" on Turin); a product without a minimum gets nothing;
+#   sample   nothing to judge (development only: the evidence is unsigned).
+# attest.rego asks the same functions (kbs_reference_matches) whether any key knows a guest.
 kbs_guest if input.claims.kbs.protocol
 
 kbs_guest_production if {
@@ -306,11 +326,89 @@ kbs_guest_production if {
 kbs_guest_allowed if {
 	kbs_guest_production
 	some reference in data.broker.kbs_guests[input.request.key]
+	kbs_reference_matches(reference)
+}
+
+kbs_reference_matches(reference) if {
+	kbs_measured(reference)
+	kbs_tcb_acceptable(reference)
+}
+
+# A reference of this guest's technology whose every measurement is the evidence's.
+kbs_measured(reference) if {
+	kbs_reference_valid(reference)
 	reference.technology == input.tee.technology
-	every name, value in object.get(reference, "measurements", {}) {
+	every name, value in reference.measurements {
 		input.tee.measurements[name] == value
 	}
 }
+
+# A reference is an object of exactly these members, with at least one measurement: without
+# measurements (or with {} or [], or a typo such as "measurement") it would match every guest of
+# its technology, so it matches nothing and says why (`broker policy check` refuses it first).
+kbs_reference_members := {"technology", "measurements", "tcb_statuses", "snp_min_tcb"}
+
+kbs_reference_valid(reference) if {
+	is_object(reference)
+	is_string(reference.technology)
+	is_object(reference.measurements)
+	count(reference.measurements) > 0
+	count(object.keys(reference) - kbs_reference_members) == 0
+}
+
+kbs_tdx_statuses(reference) := reference.tcb_statuses if {
+	"tcb_statuses" in object.keys(reference)
+} else := data.broker.kbs_tcb_statuses
+
+kbs_tcb_acceptable(reference) if {
+	input.tee.technology == "tdx"
+	input.tee.tcb_status in kbs_tdx_statuses(reference)
+}
+
+kbs_snp_minimum(reference) := reference.snp_min_tcb if {
+	"snp_min_tcb" in object.keys(reference)
+} else := data.broker.kbs_snp_min_tcb[input.tee.product]
+
+# The SPLs a minimum must name (AMD 57230 Table 8): FMC only on Turin.
+kbs_snp_fields := {"bootloader", "tee", "snp", "microcode", "fmc"} if input.tee.product == "Turin"
+
+kbs_snp_fields := {"bootloader", "tee", "snp", "microcode"} if {
+	is_string(input.tee.product)
+	input.tee.product != "Turin"
+}
+
+kbs_tcb_acceptable(reference) if {
+	input.tee.technology == "sev-snp"
+	minimum := kbs_snp_minimum(reference)
+	fields := kbs_snp_fields
+	every name in fields {
+		is_number(minimum[name])
+		input.tee.tcb[name] >= minimum[name]
+	}
+}
+
+kbs_tcb_acceptable(_) if input.tee.technology == "sample"
+
+# Why a measured reference's TCB is not acceptable (attest.rego says the same); a minimum the
+# data lacks reads null.
+kbs_tcb_refusal(reference) := sprintf("KBS guest (tdx): Intel rates the platform's TCB %v; accepted: %v", [
+	object.get(input.tee, "tcb_status", null),
+	kbs_shown_statuses(reference),
+]) if input.tee.technology == "tdx"
+
+kbs_tcb_refusal(reference) := sprintf("KBS guest (sev-snp, %v): reported TCB %v is below the minimum %v", [
+	object.get(input.tee, "product", null),
+	object.get(input.tee, "tcb", null),
+	kbs_shown_minimum(reference),
+]) if input.tee.technology == "sev-snp"
+
+kbs_shown_statuses(reference) := statuses if {
+	statuses := kbs_tdx_statuses(reference)
+} else := null
+
+kbs_shown_minimum(reference) := minimum if {
+	minimum := kbs_snp_minimum(reference)
+} else := null
 
 reasons contains "KBS guest: debug, or evidence the broker did not verify" if {
 	kbs_guest
@@ -324,10 +422,31 @@ reasons contains msg if {
 }
 
 reasons contains msg if {
+	kbs_guest
+	some reference in data.broker.kbs_guests[input.request.key]
+	not kbs_reference_valid(reference)
+	msg := sprintf("key %v: a kbs_guests reference is not an object of technology, non-empty measurements and optionally tcb_statuses, snp_min_tcb: it matches nothing", [input.request.key])
+}
+
+reasons contains msg if {
 	kbs_guest_production
-	not kbs_guest_allowed
+	not kbs_measured_for_key
 	msg := sprintf("KBS guest (%v) with these measurements is not allowed for key %v", [
 		input.tee.technology,
 		input.request.key,
 	])
+}
+
+kbs_measured_for_key if {
+	some reference in data.broker.kbs_guests[input.request.key]
+	kbs_measured(reference)
+}
+
+reasons contains msg if {
+	kbs_guest_production
+	not kbs_guest_allowed
+	some reference in data.broker.kbs_guests[input.request.key]
+	kbs_measured(reference)
+	not kbs_tcb_acceptable(reference)
+	msg := kbs_tcb_refusal(reference)
 }

@@ -59,8 +59,17 @@ def allows(files: dict[str, bytes]) -> object:
         ({"broker/widen.rego": WIDENING_MODULE}, "package broker.release is not allowed"),
         ({"broker_internal/decision.rego": ALLOW_ALL_WRAPPER}, "not the broker's decision wrapper"),
         ({"data.json": '{"broker_internal": {}}'}, "data.json defines data.broker_internal"),
+        (  # a KBS reference without measurements: every TDX guest would match it
+            {"data.json": '{"broker": {"kbs_guests": {"models/x": [{"technology": "tdx"}]}}}'},
+            "data.broker.kbs_guests['models/x'][0] needs measurements",
+        ),
     ],
-    ids=["second-allow-in-broker.release", "allow-all-wrapper", "data-outside-data.broker"],
+    ids=[
+        "second-allow-in-broker.release",
+        "allow-all-wrapper",
+        "data-outside-data.broker",
+        "kbs-reference-without-measurements",
+    ],
 )
 def test_opa_built_bundle_that_widens_allow_is_refused_at_load(
     extra: dict[str, str], says: str, tmp_path: Path

@@ -118,6 +118,11 @@ async def _version_and_shapes(broker: RunningBroker, session: aiohttp.ClientSess
         ),
         ({**good, "runtime-data": {"nonce": one.nonce}}, "bad_request"),
         ({**good, "init-data": {"format": "toml"}}, "bad_request"),
+        (  # a lone surrogate: no UTF-8, so no report data can be computed over it (was a 500)
+            {**good, "tee-evidence": {**good["tee-evidence"], "additional_evidence": "\ud800"}},
+            "bad_request",
+        ),
+        ({**good, "runtime-data": {**good["runtime-data"], "nonce": "\udfff"}}, "bad_request"),
         (
             {**good, "runtime-data": {**good["runtime-data"], "tee-pubkey": private_member}},
             "tee_pubkey_invalid",

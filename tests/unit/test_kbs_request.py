@@ -4,6 +4,7 @@ curve), resource paths of three short names."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -18,6 +19,8 @@ from broker.decisions.kbs_request import (
     parse_tee_pubkey,
 )
 from tests.support.kbs_client import tee_key
+
+INIT_DATA = 'algorithm = "sha384"\nversion = "0.1.0"\n\n[data]\n"aa.toml" = "x"\n'
 
 
 def _arrival(body: Any) -> KbsArrival:
@@ -95,13 +98,15 @@ def test_short_rsa_tee_pubkey_rejected() -> None:
 def test_the_guests_attestation_parses_outer_kebab_inner_snake() -> None:
     _, jwk = tee_key()
     body = {
-        "init-data": {"format": "toml", "body": "algorithm = 'sha384'"},
+        "init-data": {"format": "toml", "body": INIT_DATA},
         "runtime-data": {"nonce": "n", "tee-pubkey": jwk},
         "tee-evidence": {"primary_evidence": {"quote": "q"}, "additional_evidence": ""},
     }
     parsed = parse_attest(_arrival(body))
     assert (parsed.nonce, parsed.additional_evidence) == ("n", "")
-    assert parsed.init_data_digest is not None
+    assert parsed.unverified_init_data is not None
+    assert parsed.unverified_init_data.algorithm == "sha384"
+    assert parsed.unverified_init_data.digest == hashlib.sha384(INIT_DATA.encode()).digest()
     snake = {**body, "tee_evidence": body["tee-evidence"]}
     del snake["tee-evidence"]
     assert _code(parse_attest, _arrival(snake)) is ErrorCode.BAD_REQUEST
@@ -118,3 +123,15 @@ def test_resource_path_outside_the_protocol_is_not_found(path: str | None) -> No
 def test_resource_path_with_a_query_is_not_found() -> None:
     assert str(parse_resource_path("default/key/1", "")) == "default/key/1"
     assert _code(parse_resource_path, "default/key/1", "x=1") is ErrorCode.KBS_RESOURCE_NOT_FOUND
+
+
+@pytest.mark.parametrize("where", ["additional_evidence", "nonce"])
+def test_lone_surrogate_in_the_report_datas_strings_rejected_at_parse(where: str) -> None:
+    """JSON's ``"\\ud800"`` parses to a str with no UTF-8 form: the report data's JCS cannot be
+    computed over it, so it is a malformed request (400-class), not a bug (500)."""
+    _, jwk = tee_key()
+    runtime = {"nonce": "n", "tee-pubkey": jwk}
+    evidence = {"primary_evidence": {"quote": "q"}, "additional_evidence": ""}
+    (runtime if where == "nonce" else evidence)[where] = "ok\ud800"
+    body = {"runtime-data": runtime, "tee-evidence": evidence}
+    assert _code(parse_attest, _arrival(body)) is ErrorCode.BAD_REQUEST

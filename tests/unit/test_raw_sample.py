@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from broker.attestation.claims import ita_tee
+from broker.attestation.ita import VerifiedItaToken
 from broker.attestation.raw.sample import SampleVerifier
 from broker.core.errors import AttestationError, ErrorCode
 
@@ -29,6 +31,15 @@ def test_the_sample_quote_verifies_to_padded_report_data() -> None:
         "local",
         {"svn": "1"},
     )
+    # the token verifiers' shape, every section there with empty values (a rule on a
+    # Confidential Space field reads "" or [], never a missing field)
+    token = ita_tee(VerifiedItaToken(issuer="i", kid="k", claims={}))
+    assert set(token) <= set(verified.tee)
+    for section in ("software", "workload", "platform"):
+        assert set(token[section]) == set(verified.tee[section])
+    assert verified.tee["platform"]["project_id"] == ""
+    assert verified.tee["workload"]["image_digest"] == ""
+    assert (verified.tee["tcb_status"], verified.tee["advisory_ids"]) == ("", [])
 
 
 @pytest.mark.parametrize(

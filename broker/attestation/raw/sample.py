@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from broker.attestation.raw import REPORT_DATA_BYTES, VerifiedRawEvidence
+from broker.attestation.raw import REPORT_DATA_BYTES, VerifiedRawEvidence, unsigned_sections
 from broker.core.errors import AttestationError, ErrorCode
 
 SAMPLE_TEE = "sample"
@@ -59,12 +59,11 @@ class SampleVerifier:
             technology=SAMPLE_TEE,
             report_data=report_data.ljust(REPORT_DATA_BYTES, b"\0"),
             tee={
+                **unsigned_sections(),
                 "verifier": "local",
                 "technology": SAMPLE_TEE,
                 "debug": False,  # as Trustee's sample verifier says; nothing is verified
-                "secure_boot": False,
                 "measurements": {"svn": svn},
-                "tcb_status": "",
             },
             claims={"svn": svn, "report_data": encoded},
             verified_at=now,

@@ -87,7 +87,7 @@ class FileCollateralSource:
     async def collateral(self, fmspc: str, ca: str, now: datetime) -> TdxCollateral | None:
         found = await asyncio.to_thread(self._scan)
         matches = [c for c in found if (c.fmspc, c.ca) == (fmspc, ca)]
-        fresh = [c for c in matches if c.not_before <= now <= c.next_update]
+        fresh = [c for c in matches if c.not_before <= now < c.next_update]
         return max(fresh or matches, key=lambda c: c.next_update, default=None)
 
     def _scan(self) -> list[TdxCollateral]:
@@ -152,8 +152,8 @@ class PcsCollateralSource:
                 fetched = await self._fetch(fmspc, ca)
             except (aiohttp.ClientError, TimeoutError, AttestationError, _HttpStatus) as exc:
                 log.warning("TDX collateral for %s/%s not fetched: %s", fmspc, ca, exc)
-                if cached is not None and now <= cached[1].next_update:
-                    return cached[1]  # the last good answer, never past its nextUpdate
+                if cached is not None and now < cached[1].next_update:
+                    return cached[1]  # the last good answer, never at or past its nextUpdate
                 raise _unavailable(f"none could be fetched for FMSPC {fmspc}") from exc
             self._cache[key] = (now, fetched)
             return fetched
