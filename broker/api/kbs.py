@@ -260,16 +260,20 @@ KBS_ROUTES: tuple[Route, ...] = (
 
 def register_kbs(app: web.Application, settings: Settings) -> None:
     """The facade's routes (``KBS_ROUTES``), when ``[kbs] enabled``: rate-limited per address as
-    the runner routes are, every refusal (the rate limit's too) as ``ErrorInformation``. Any
+    the runner routes are, ``/auth`` also by ``[kbs] auth_rate_per_ip`` (each handshake is a
+    record: docs/kbs.md, "Records"), every refusal (the rate limits' too) as
+    ``ErrorInformation``. Any
     other path or method under ``/kbs/v0`` is a 404 of that shape. The guest's credentials are
     its evidence, session and token, checked in the plans: no route needs an admin role."""
     if not settings.kbs.enabled:
         return
-    server = settings.server
+    server, kbs = settings.server, settings.kbs
     for route in KBS_ROUTES:
         if route.permission not in (Permission.RUNNER, Permission.PUBLIC):
             raise TypeError(f"route {route.path}: the KBS facade has no admin routes")
         handler = route.handler
+        if route.handler is auth:  # unauthenticated, and every handshake is a record
+            handler = rate_limited(handler, kbs.auth_rate_per_ip, kbs.auth_rate_burst)
         if route.rate_limited:
             handler = rate_limited(handler, server.rate_limit_per_ip, server.rate_limit_burst)
         # an unknown path is named as a path Trustee cannot serve (InvalidRequestPath, 404)

@@ -20,6 +20,8 @@ RESOURCE_PATH = re.compile(rf"{KBS_PATH_SEGMENT}/{KBS_PATH_SEGMENT}/{KBS_PATH_SE
 KEY_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*")
 DENY_STATUSES = (401, 403)
 MAX_RESOURCES = 10_000
+MAX_AUTH_RATE = 10_000  # handshakes per second per address
+MAX_AUTH_BURST = 100_000
 
 
 def kbs_settings(raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path) -> KbsSettings:
@@ -73,6 +75,10 @@ def validate_kbs(settings: Settings) -> None:
         raise ConfigError("kbs.token_ttl_seconds", f"must be 10..{MAX_EAR_TTL_SECONDS}")
     if kbs.deny_status not in DENY_STATUSES:
         raise ConfigError("kbs.deny_status", "must be 401 (as Trustee) or 403")
+    if not 0 <= kbs.auth_rate_per_ip <= MAX_AUTH_RATE:
+        raise ConfigError("kbs.auth_rate_per_ip", f"must be 0 (off) .. {MAX_AUTH_RATE}")
+    if not 1 <= kbs.auth_rate_burst <= MAX_AUTH_BURST:
+        raise ConfigError("kbs.auth_rate_burst", f"must be 1..{MAX_AUTH_BURST}")
     if not kbs.enabled:
         return
     if not settings.attest.enabled:

@@ -366,6 +366,11 @@ class KbsSettings:
     # the status of a policy deny: 403 (the guest stops) or 401 (as Trustee: the guest runs
     # the handshake again, up to 3 times per resource); logged either way
     deny_status: int = 403
+    # POST /kbs/v0/auth per client address and worker, on top of [server] rate_limit_per_ip:
+    # requests per second (0: off), bursts of auth_rate_burst; past it 429 (ErrorInformation).
+    # Every handshake is a record (~540 bytes): this bounds what one address adds to the log
+    auth_rate_per_ip: float = 10.0
+    auth_rate_burst: int = 20
     # [kbs.resources] "<repository>/<type>/<tag>" = "<key name>" or "<key name>@<version>";
     # a path outside it is 404 (parsed by ``load_settings``, not from the environment)
     resources: tuple[tuple[str, str, int | None], ...] = ()

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import jwt
+import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from tests.integration.attested import Runner, admin_post
@@ -291,3 +292,60 @@ async def test_paths_outside_the_mapping_and_policy_denies(
             for method, path in (("GET", "/auth"), ("PUT", "/attest"), ("GET", "/plugin/x")):
                 status, body, _ = await one.call(session, method, path)
                 assert (status, set(body)) == (404, {"type", "detail"})  # every answer: its shape
+
+
+async def test_handshakes_are_rate_limited_per_address(start_broker: Callable[..., Any]) -> None:
+    """Every handshake is a record, and a handshake needs nothing: ``[kbs] auth_rate_per_ip``
+    bounds what one address can add to the log. Past the burst, 429 in ``ErrorInformation``
+    shape with ``Retry-After``, and no record; the other routes are not held up by it."""
+    broker = await kbs_broker(
+        start_broker,
+        environ={"BROKER_KBS_AUTH_RATE_PER_IP": "0.5", "BROKER_KBS_AUTH_RATE_BURST": "3"},
+    )
+    one = guest(broker)
+    async with aiohttp.ClientSession() as session:
+        before = len(broker.records())
+        statuses = [(await one.auth(session))[0] for _ in range(3)]
+        answers = [
+            await one.call(session, "POST", "/auth", {"version": "0.4.0", "tee": "sample"})
+            for _ in range(3)
+        ]
+        assert statuses + [status for status, _, _ in answers] == [200] * 3 + [429] * 3
+        status, body, headers = answers[-1]
+        assert set(body) == {"type", "detail"}
+        assert body["type"] == ERROR_TYPE + "AttestationError"
+        assert headers["Broker-Error-Code"] == "rate_limited"
+        assert int(headers["Retry-After"]) >= 1
+        assert [r["type"] for r in broker.records()[before:]] == ["kbs_auth"] * 3
+        status, body = await one.attest(session)  # the last session that got a cookie
+        assert status == 200, body
+        status, _, _ = await one.resource(session, RESOURCE)
+        assert status == 200
+
+
+@pytest.mark.parametrize("deployment", ["workers"], indirect=True)
+async def test_refusals_under_workers(start_broker: Callable[..., Any]) -> None:
+    """``broker serve --workers 2``: a refusal is the same ErrorInformation and one record
+    whichever worker answers, and a nonce spent by one worker is spent for the other."""
+    broker = (await kbs_broker(start_broker)).from_now_on()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):  # each handshake's requests may land on either worker
+            one = guest(broker)
+            await one.auth(session)
+            _, other_key = tee_key()
+            answer = await one.call(
+                session,
+                "POST",
+                "/attest",
+                one.attestation(data=report_data(other_key, one.nonce or "")),
+            )
+            refused(broker, answer, 401, "kbs_report_data_mismatch", "kbs_attest")
+            answer = await one.call(session, "POST", "/attest", b"{not json")
+            refused(broker, answer, 401, "malformed_json", "kbs_attest")
+            replayed = one.attestation()
+            status, _ = await one.attest(session, replayed)
+            assert status == 200
+            answer = await one.call(session, "POST", "/attest", replayed)
+            refused(broker, answer, 401, "nonce_reused", "kbs_attest")
+            answer = await one.resource(session, DENIED_RESOURCE)
+            refused(broker, answer, 403, "policy_denied", "kbs_resource", "PolicyDeny")

@@ -36,6 +36,7 @@ def test_the_facade_is_off_by_default_and_refuses_sample_evidence(config_dir: Pa
     kbs = _load(config_dir, BASE).kbs
     assert (kbs.enabled, kbs.allow_sample_evidence, kbs.deny_status) == (False, False, 403)
     assert kbs.resources == ()
+    assert (kbs.auth_rate_per_ip, kbs.auth_rate_burst) == (10.0, 20)  # handshakes per address
 
 
 def test_resources_map_paths_to_keys_and_versions(config_dir: Path) -> None:
@@ -77,6 +78,8 @@ def test_resources_map_paths_to_keys_and_versions(config_dir: Path) -> None:
         (BASE + ATTEST + KBS + '[kbs.resources]\n"a/b/c" = 3\n', {}, "kbs.resources.a/b/c"),
         (BASE + ATTEST + KBS, {"BROKER_KBS_RESOURCES": "a/b/c"}, "kbs.resources"),
         (BASE + ATTEST + KBS + "unknown = 1\n", {}, "kbs.unknown"),
+        (BASE + ATTEST + KBS + "auth_rate_per_ip = -1\n", {}, "kbs.auth_rate_per_ip"),
+        (BASE + ATTEST + KBS, {"BROKER_KBS_AUTH_RATE_BURST": "0"}, "kbs.auth_rate_burst"),
     ],
 )
 def test_a_bad_kbs_section_names_its_key(
