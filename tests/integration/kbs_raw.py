@@ -8,7 +8,6 @@ The SNP guest reports a current Milan TCB (the shipped ``kbs_snp_min_tcb``), the
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,28 +17,13 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
-from broker.attestation.raw.snp_report import Tcb, encode_tcb
 from tests.integration.conftest import RunningBroker
 from tests.integration.kbs import kbs_broker
 from tests.support.constants import KEY
 from tests.support.kbs_client import Guest
-from tests.support.snp import AT, fake_amd, milan_report, patched, serde_object, signed
-from tests.support.tdx_forge import (
-    NEXT_UPDATE,
-    CollateralSpec,
-    QuoteSpec,
-    forge_collateral,
-    forge_pki,
-    forge_quote,
-)
-
-MRTD = bytes(range(48))
-TDX_PKI = forge_pki()  # one test PKI: the pinned root, the collateral and the quotes agree
-# A Milan TCB at the shipped minimum (policies/broker/data.json kbs_snp_min_tcb), and the one
-# of virtee's report, below it
-CURRENT_MILAN_TCB = Tcb(bootloader=4, tee=0, snp=22, microcode=219, fmc=None)
-OLD_MILAN_TCB = Tcb(bootloader=3, tee=0, snp=8, microcode=115, fmc=None)
-REPORTED_TCB, HOST_DATA, REPORT_DATA = 0x180, 0x0C0, 0x050  # SNP report offsets (ABI Table 23)
+from tests.support.raw_evidence import MRTD, TDX_PKI, snp_evidence, tdx_evidence
+from tests.support.snp import AT, fake_amd, milan_report
+from tests.support.tdx_forge import NEXT_UPDATE, CollateralSpec, forge_collateral
 
 
 @dataclass(frozen=True)
@@ -67,37 +51,10 @@ def tdx_collateral(spec: CollateralSpec = UP_TO_DATE) -> Callable[[Path], None]:
     return files
 
 
-def tdx_evidence(data: bytes, *, mrconfigid: bytes = bytes(48), **spec: Any) -> dict[str, Any]:
-    """The TDX attester's evidence: a quote over ``data``, ``mrconfigid`` set at launch."""
-    quote = forge_quote(
-        TDX_PKI, QuoteSpec(report_data=data, mrtd=MRTD, mrconfigid=mrconfigid, **spec)
-    )
-    return {"cc_eventlog": None, "quote": base64.b64encode(quote).decode()}
-
-
 def _snp_files(workdir: Path) -> None:
     ark = fake_amd("Milan").ark.public_bytes(serialization.Encoding.PEM)
     (workdir / "snp").mkdir()
     (workdir / "snp" / "roots.pem").write_bytes(ark)
-
-
-def snp_evidence(
-    data: bytes, *, host_data: bytes = bytes(32), tcb: Tcb = CURRENT_MILAN_TCB
-) -> dict[str, Any]:
-    """The SNP attester's evidence: a Milan report over ``data`` reporting ``tcb``, with
-    ``host_data`` set at launch, and its VCEK (certified for ``tcb``) with the ASK."""
-    amd = fake_amd("Milan")
-    raw = patched(milan_report(), REPORTED_TCB, encode_tcb(tcb, "Milan"))
-    raw = patched(patched(raw, HOST_DATA, host_data), REPORT_DATA, data)
-    vcek, key = amd.vcek(tcb, raw[0x1A0:0x1E0])
-    der = serialization.Encoding.DER
-    return {
-        "attestation_report": serde_object(signed(raw, key), "Milan"),
-        "cert_chain": [
-            {"cert_type": "ASK", "data": list(amd.ask.public_bytes(der))},
-            {"cert_type": "VCEK", "data": list(vcek.public_bytes(der))},
-        ],
-    }
 
 
 HARDWARE = {

@@ -13,14 +13,9 @@ from typing import Any
 import aiohttp
 
 from tests.integration.kbs import RESOURCE, guest
-from tests.integration.kbs_raw import (
-    HARDWARE,
-    OLD_MILAN_TCB,
-    attestation,
-    hardware_broker,
-    tdx_collateral,
-)
+from tests.integration.kbs_raw import HARDWARE, attestation, hardware_broker, tdx_collateral
 from tests.support.kbs_client import ERROR_TYPE, report_data
+from tests.support.raw_evidence import OLD_MILAN_TCB
 from tests.support.tdx_forge import NEXT_UPDATE, CollateralSpec
 
 EC_PUBLIC_KEY_OID = bytes.fromhex("06072a8648ce3d0201")

@@ -296,7 +296,11 @@ class SnpVerifier:
         sent, middles = sent_certificates(evidence, report)
         vek = sent[0] if sent else await self._vek(report, now)
         trust = replace(self._trust, intermediates=(*self._trust.intermediates, *middles))
-        return verify_snp_report(report, vek, trust, now=now, max_vmpl=self._max_vmpl)
+        # RSA-PSS chain and ECDSA P-384 checks are CPU work: off the event loop (certificates
+        # are loaded above, on the loop: their loader changes warning filters threads share)
+        return await asyncio.to_thread(
+            verify_snp_report, report, vek, trust, now=now, max_vmpl=self._max_vmpl
+        )
 
     async def _vek(self, report: SnpReport, now: datetime) -> x509.Certificate:
         found = find_vek(report, self._veks)
