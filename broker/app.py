@@ -190,6 +190,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             policy=gate,
             audit=audit,
             keys=keys,
+            now=clock(),
         )
         await _redecided(attestations.service, policies, clock, stack)
         release = ReleasePlan(
@@ -231,6 +232,9 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             clock=clock,
             interval=settings.server.health_interval_seconds,
             attestation_expired=None if sealed is None else sealed.expired,
+            identity_ca_warning=None
+            if attestations.identity is None
+            else attestations.identity.ca.expiry_warning,
         )
         await readiness.refresh()  # /readyz answers from this until the background task runs
         background = _background(policies, publisher, sink, sealed)
@@ -475,6 +479,7 @@ async def _attestations(
     policy: PolicyGate,
     audit: DecisionLog,
     keys: KeyService,
+    now: datetime,
 ) -> Attestations:
     """``POST /v1/attest`` with its result-signing key, and releases on results, when
     ``[attest] enabled``; the KBS facade on them when ``[kbs] enabled`` too (``app[KBS]``)."""
@@ -516,11 +521,12 @@ async def _attestations(
         networked_store=isinstance(settings.nonces.store_ref, RedisRef | PostgresRef),
     )
     identity = await _identity_plan(
-        settings, stack, store=store, nonces=nonces, policy=policy, verifying=verifying
+        settings, stack, store=store, nonces=nonces, policy=policy, verifying=verifying, now=now
     )
     if identity is not None:  # a rotation (or the first start with [identity]) is logged
-        now = datetime.now(UTC).isoformat()
-        await audit.append_if_changed(identity.ca.change_record(time=now, trigger="start-up"))
+        await audit.append_if_changed(
+            identity.ca.change_record(time=now.isoformat(), trigger="start-up")
+        )
     attestations = Attestations(results, attest, releases, verifying, identity)
     await open_kbs(
         app,
@@ -542,6 +548,7 @@ async def _identity_plan(
     nonces: NonceStore,
     policy: PolicyGate,
     verifying: ResultKeys,
+    now: datetime,
 ) -> IdentityPlan | None:
     """``POST /v1/identity`` and the bundle when ``[identity] enabled`` (its CA key: a PEM file,
     Cloud KMS or PKCS#11, as the result key)."""
@@ -562,6 +569,7 @@ async def _identity_plan(
         chain_file=Path(identity.ca_certificates),
         previous_files=[Path(p) for p in identity.previous_ca_certificates],
         max_lifetime=timedelta(seconds=identity.max_lifetime_seconds),
+        now=now,
     )
     return IdentityPlan(
         issuer=settings.server.audience,
