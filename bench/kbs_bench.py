@@ -63,6 +63,7 @@ enabled = true
 allow_sample_evidence = true
 session_ttl_seconds = 3600
 token_ttl_seconds = 900
+auth_rate_per_ip = 0  # one load generator drives every guest from one address
 
 [kbs.resources]
 "{RESOURCE}" = "{KEY}"
