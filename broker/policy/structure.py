@@ -70,7 +70,18 @@ ATTEST_MODULE = "broker/attest.rego"  # optional: without it no attestation resu
 ATTEST_PACKAGE = ("broker", "attest")
 IDENTITY_MODULE = "broker/identity.rego"  # optional: without it no workload certificate
 IDENTITY_PACKAGE = ("broker", "identity")
-MAIN_DATA_RESERVED = frozenset({"release", "attest", "identity", "key_policies"})  # rules, not data
+# optional: the Confidential Containers guest rules release.rego and attest.rego share, in a
+# package of its own so that a team's own release.rego leaves the attestation policy working.
+KBS_MODULE = "broker/kbs.rego"
+KBS_PACKAGE = ("broker", "kbs")
+# The modules whose file name fixes their package; every other module is a per-key policy.
+FIXED_PACKAGES = {
+    MAIN_MODULE: MAIN_PACKAGE,
+    ATTEST_MODULE: ATTEST_PACKAGE,
+    IDENTITY_MODULE: IDENTITY_PACKAGE,
+    KBS_MODULE: KBS_PACKAGE,
+}
+MAIN_DATA_RESERVED = frozenset({"release", "attest", "identity", "kbs", "key_policies"})  # rules
 RESTRICTION_DATA = ("broker", "key_requirements")  # where other data files may add
 
 
@@ -93,7 +104,8 @@ def check_structure(source: PolicySource, staged: Path, *, opa: Path) -> None:
 
     * ``broker/release.rego`` is ``package broker.release``, ``broker/attest.rego`` (optional,
       the attestation policy) ``package broker.attest``, ``broker/identity.rego`` (optional,
-      the workload identity policy) ``package broker.identity``; every other module (tests aside)
+      the workload identity policy) ``package broker.identity``, ``broker/kbs.rego`` (optional,
+      the KBS guest rules the others share) ``package broker.kbs``; every other module (tests aside)
       is in ``package broker.key_policies.<name>``, so each rule head it has — plain, ref head,
       written through an ``import`` alias — lies under ``data.broker.key_policies.<name>``
       (checked on OPA's parsed AST of the staged bytes, rule by rule);
@@ -150,8 +162,7 @@ def check_bundle_structure(
             continue
         module = _module_ast(staged / name, opa)
         _check_sprintf(f"{source}: {name}", module)
-        _check_module(f"{source}: {name}", module, main=name == MAIN_MODULE,
-                      attest=name == ATTEST_MODULE, identity=name == IDENTITY_MODULE)  # fmt: skip
+        _check_module(f"{source}: {name}", module, fixed=FIXED_PACKAGES.get(name))
     outside = sorted(set(data) - {"broker"})
     if outside:
         raise PolicyLoadError(
@@ -169,29 +180,16 @@ def check_bundle_structure(
 
 
 def _check_module(
-    name: str,
-    module: Mapping[str, Any],
-    *,
-    main: bool | None = None,
-    attest: bool | None = None,
-    identity: bool | None = None,
+    name: str, module: Mapping[str, Any], *, fixed: tuple[str, ...] | None = None
 ) -> None:
-    """One decision module's package and rule heads (``check_structure``'s first rule)."""
-    main = name == MAIN_MODULE if main is None else main
-    attest = name == ATTEST_MODULE if attest is None else attest
-    identity = name == IDENTITY_MODULE if identity is None else identity
+    """One decision module's package and rule heads (``check_structure``'s first rule):
+    ``fixed`` is the package its file name requires (``FIXED_PACKAGES``; looked up from
+    ``name`` when not given), else it is a per-key policy."""
+    fixed = FIXED_PACKAGES.get(name) if fixed is None else fixed
     package, heads = _package_and_heads(module)
-    if main:
-        if package != MAIN_PACKAGE:
-            raise PolicyLoadError(f"{name}: must be package broker.release")
-        return
-    if attest:
-        if package != ATTEST_PACKAGE:
-            raise PolicyLoadError(f"{name}: must be package broker.attest")
-        return
-    if identity:
-        if package != IDENTITY_PACKAGE:
-            raise PolicyLoadError(f"{name}: must be package broker.identity")
+    if fixed is not None:
+        if package != fixed:
+            raise PolicyLoadError(f"{name}: must be package {'.'.join(fixed)}")
         return
     if package[:2] != KEY_POLICIES or len(package) < 3:
         raise PolicyLoadError(

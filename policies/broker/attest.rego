@@ -8,7 +8,7 @@ package broker.attest
 
 import rego.v1
 
-import data.broker.release
+import data.broker.kbs
 
 default allow := false
 
@@ -22,7 +22,7 @@ allow if {
 # A Confidential Containers guest over the KBS protocol (docs/kbs.md) gets a result when some key
 # may be released to it (data.broker.kbs_guests, below).
 allow if {
-	kbs_guest_production
+	kbs.production
 	kbs_guest_known
 }
 
@@ -34,8 +34,11 @@ confidential_space if {
 production_image if {
 	input.tee.debug == false
 	input.tee.secure_boot == true
-	release.supported_release
+	supported_release
 }
+
+# Positive helper (not `not x in y` on an input field: see release.rego).
+supported_release if data.broker.required_support in input.tee.software.support
 
 hardware_tee if input.tee.technology in data.broker.hardware_tees
 
@@ -46,83 +49,79 @@ image_known if {
 }
 
 reasons contains "evidence is not a Confidential Space attestation" if {
-	not kbs_guest
+	not kbs.guest
 	not confidential_space
 }
 
 reasons contains "debug image: a production Confidential Space image is required" if {
-	not kbs_guest
+	not kbs.guest
 	input.tee.debug != false
 }
 
 reasons contains "secure boot is not on" if {
-	not kbs_guest
+	not kbs.guest
 	not input.tee.secure_boot == true
 }
 
 reasons contains msg if {
-	not kbs_guest
-	not release.supported_release
+	not kbs.guest
+	not supported_release
 	msg := sprintf("image lacks the %s support attribute", [data.broker.required_support])
 }
 
 reasons contains msg if {
-	not kbs_guest
+	not kbs.guest
 	not hardware_tee
 	msg := sprintf("technology '%v' is not an allowed hardware TEE", [input.tee.technology])
 }
 
 reasons contains msg if {
-	not kbs_guest
+	not kbs.guest
 	not image_known
 	msg := sprintf("image %s is not allowed for any key", [input.tee.workload.image_digest])
 }
 
 # --- Confidential Containers guests (the KBS facade, docs/kbs.md) -------------------------------
 # Raw evidence the broker verified itself, not debug, that one of some key's references in
-# data.broker.kbs_guests matches: measurements and TCB judged by release.rego's functions
-# (kbs_reference_matches: its comment says how), so the two policies cannot drift apart.
-kbs_guest := release.kbs_guest
-
-kbs_guest_production := release.kbs_guest_production
-
+# data.broker.kbs_guests matches: measurements and TCB judged by kbs.rego's functions
+# (reference_matches: its comment says how), the same release.rego asks, so they cannot drift.
 kbs_guest_known if {
 	some key
 	some reference in data.broker.kbs_guests[key]
-	release.kbs_reference_matches(reference)
+	kbs.reference_matches(reference)
 }
 
 kbs_guest_measured if {
 	some key
 	some reference in data.broker.kbs_guests[key]
-	release.kbs_measured(reference)
+	kbs.measured(reference)
 }
 
 reasons contains "KBS guest: debug, or evidence the broker did not verify" if {
-	kbs_guest
-	not kbs_guest_production
+	kbs.guest
+	not kbs.production
 }
 
 reasons contains msg if {
-	kbs_guest_production
+	kbs.production
 	not kbs_guest_measured
 	msg := sprintf("KBS guest (%v) with these measurements is not allowed for any key", [input.tee.technology])
 }
 
 reasons contains msg if {
-	kbs_guest_production
+	kbs.production
 	not kbs_guest_known
 	some key
 	some reference in data.broker.kbs_guests[key]
-	release.kbs_measured(reference)
-	not release.kbs_tcb_acceptable(reference)
-	msg := release.kbs_tcb_refusal(reference)
+	kbs.measured(reference)
+	not kbs.tcb_acceptable(reference)
+	msg := kbs.tcb_refusal(reference)
 }
 
 reasons contains msg if {
-	kbs_guest
+	kbs.guest
 	some key
 	some reference in data.broker.kbs_guests[key]
-	not release.kbs_reference_valid(reference)
+	not kbs.reference_valid(reference)
 	msg := sprintf("key %v: a kbs_guests reference is not an object of technology, non-empty measurements and optionally tcb_statuses, snp_min_tcb: it matches nothing", [key])
 }

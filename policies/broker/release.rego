@@ -6,6 +6,8 @@ package broker.release
 
 import rego.v1
 
+import data.broker.kbs
+
 default allow := false
 
 allow if {
@@ -53,34 +55,34 @@ hardware_tee if input.tee.technology in data.broker.hardware_tees
 image_allowed if input.tee.workload.image_digest in data.broker.images[input.request.key]
 
 reasons contains "evidence is not a Confidential Space attestation" if {
-	not kbs_guest
+	not kbs.guest
 	not confidential_space
 }
 
 reasons contains "debug image: a production Confidential Space image is required" if {
-	not kbs_guest
+	not kbs.guest
 	input.tee.debug != false
 }
 
 reasons contains "secure boot is not on" if {
-	not kbs_guest
+	not kbs.guest
 	not input.tee.secure_boot == true
 }
 
 reasons contains msg if {
-	not kbs_guest
+	not kbs.guest
 	not supported_release
 	msg := sprintf("image lacks the %s support attribute", [data.broker.required_support])
 }
 
 reasons contains msg if {
-	not kbs_guest
+	not kbs.guest
 	not hardware_tee
 	msg := sprintf("technology '%v' is not an allowed hardware TEE", [input.tee.technology])
 }
 
 reasons contains msg if {
-	not kbs_guest
+	not kbs.guest
 	not image_allowed
 	msg := sprintf("image %s is not allowed for key %s", [
 		input.tee.workload.image_digest,
@@ -304,132 +306,34 @@ key_policy_denials contains reason if {
 reasons contains reason if some reason in key_policy_denials
 
 # --- Confidential Containers guests (the KBS facade, docs/kbs.md) -------------------------------
-# Raw evidence the broker verified itself (tee.verifier "local": a TDX quote, an SEV-SNP report,
-# or the development-only sample), not debug, that matches one of data.broker.kbs_guests[<key>]'s
-# references: {"technology": "tdx", "measurements": {"mrtd": "…", "mrconfigid": "…"}}, every
-# listed measurement equal to the evidence's, and the platform's TCB acceptable:
-#   tdx      Intel's TCB status for the platform (from the collateral) is one of the reference's
-#            "tcb_statuses", else of data.broker.kbs_tcb_statuses (shipped: ["UpToDate"]);
-#   sev-snp  the report's REPORTED_TCB is at least the reference's "snp_min_tcb", else
-#            data.broker.kbs_snp_min_tcb[<product>] ({"bootloader", "tee", "snp", "microcode"},
-#            and "fmc" on Turin); a product without a minimum gets nothing;
-#   sample   nothing to judge (development only: the evidence is unsigned).
-# attest.rego asks the same functions (kbs_reference_matches) whether any key knows a guest.
-kbs_guest if input.claims.kbs.protocol
-
-kbs_guest_production if {
-	kbs_guest
-	input.tee.verifier == "local"
-	input.tee.debug == false
-}
-
+# A guest whose evidence matches one of data.broker.kbs_guests[<key>]'s references: measurements
+# and TCB as kbs.rego judges them (its comment says how).
 kbs_guest_allowed if {
-	kbs_guest_production
+	kbs.production
 	some reference in data.broker.kbs_guests[input.request.key]
-	kbs_reference_matches(reference)
+	kbs.reference_matches(reference)
 }
-
-kbs_reference_matches(reference) if {
-	kbs_measured(reference)
-	kbs_tcb_acceptable(reference)
-}
-
-# A reference of this guest's technology whose every measurement is the evidence's.
-kbs_measured(reference) if {
-	kbs_reference_valid(reference)
-	reference.technology == input.tee.technology
-	every name, value in reference.measurements {
-		input.tee.measurements[name] == value
-	}
-}
-
-# A reference is an object of exactly these members, with at least one measurement: without
-# measurements (or with {} or [], or a typo such as "measurement") it would match every guest of
-# its technology, so it matches nothing and says why (`broker policy check` refuses it first).
-kbs_reference_members := {"technology", "measurements", "tcb_statuses", "snp_min_tcb"}
-
-kbs_reference_valid(reference) if {
-	is_object(reference)
-	is_string(reference.technology)
-	is_object(reference.measurements)
-	count(reference.measurements) > 0
-	count(object.keys(reference) - kbs_reference_members) == 0
-}
-
-kbs_tdx_statuses(reference) := reference.tcb_statuses if {
-	"tcb_statuses" in object.keys(reference)
-} else := data.broker.kbs_tcb_statuses
-
-kbs_tcb_acceptable(reference) if {
-	input.tee.technology == "tdx"
-	input.tee.tcb_status in kbs_tdx_statuses(reference)
-}
-
-kbs_snp_minimum(reference) := reference.snp_min_tcb if {
-	"snp_min_tcb" in object.keys(reference)
-} else := data.broker.kbs_snp_min_tcb[input.tee.product]
-
-# The SPLs a minimum must name (AMD 57230 Table 8): FMC only on Turin.
-kbs_snp_fields := {"bootloader", "tee", "snp", "microcode", "fmc"} if input.tee.product == "Turin"
-
-kbs_snp_fields := {"bootloader", "tee", "snp", "microcode"} if {
-	is_string(input.tee.product)
-	input.tee.product != "Turin"
-}
-
-kbs_tcb_acceptable(reference) if {
-	input.tee.technology == "sev-snp"
-	minimum := kbs_snp_minimum(reference)
-	fields := kbs_snp_fields
-	every name in fields {
-		is_number(minimum[name])
-		input.tee.tcb[name] >= minimum[name]
-	}
-}
-
-kbs_tcb_acceptable(_) if input.tee.technology == "sample"
-
-# Why a measured reference's TCB is not acceptable (attest.rego says the same); a minimum the
-# data lacks reads null.
-kbs_tcb_refusal(reference) := sprintf("KBS guest (tdx): Intel rates the platform's TCB %v; accepted: %v", [
-	object.get(input.tee, "tcb_status", null),
-	kbs_shown_statuses(reference),
-]) if input.tee.technology == "tdx"
-
-kbs_tcb_refusal(reference) := sprintf("KBS guest (sev-snp, %v): reported TCB %v is below the minimum %v", [
-	object.get(input.tee, "product", null),
-	object.get(input.tee, "tcb", null),
-	kbs_shown_minimum(reference),
-]) if input.tee.technology == "sev-snp"
-
-kbs_shown_statuses(reference) := statuses if {
-	statuses := kbs_tdx_statuses(reference)
-} else := null
-
-kbs_shown_minimum(reference) := minimum if {
-	minimum := kbs_snp_minimum(reference)
-} else := null
 
 reasons contains "KBS guest: debug, or evidence the broker did not verify" if {
-	kbs_guest
-	not kbs_guest_production
+	kbs.guest
+	not kbs.production
 }
 
 reasons contains msg if {
-	kbs_guest
+	kbs.guest
 	data.broker.key_requirements[input.request.key]
 	msg := sprintf("key %v has requirements only a Confidential Space runner can meet", [input.request.key])
 }
 
 reasons contains msg if {
-	kbs_guest
+	kbs.guest
 	some reference in data.broker.kbs_guests[input.request.key]
-	not kbs_reference_valid(reference)
+	not kbs.reference_valid(reference)
 	msg := sprintf("key %v: a kbs_guests reference is not an object of technology, non-empty measurements and optionally tcb_statuses, snp_min_tcb: it matches nothing", [input.request.key])
 }
 
 reasons contains msg if {
-	kbs_guest_production
+	kbs.production
 	not kbs_measured_for_key
 	msg := sprintf("KBS guest (%v) with these measurements is not allowed for key %v", [
 		input.tee.technology,
@@ -439,14 +343,14 @@ reasons contains msg if {
 
 kbs_measured_for_key if {
 	some reference in data.broker.kbs_guests[input.request.key]
-	kbs_measured(reference)
+	kbs.measured(reference)
 }
 
 reasons contains msg if {
-	kbs_guest_production
+	kbs.production
 	not kbs_guest_allowed
 	some reference in data.broker.kbs_guests[input.request.key]
-	kbs_measured(reference)
-	not kbs_tcb_acceptable(reference)
-	msg := kbs_tcb_refusal(reference)
+	kbs.measured(reference)
+	not kbs.tcb_acceptable(reference)
+	msg := kbs.tcb_refusal(reference)
 }
