@@ -22,6 +22,8 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from broker.api.kbs import register_kbs
+from broker.api.kbs_services import kbs_fact, open_kbs
 from broker.api.log import LOG_PEERS
 from broker.api.log_peers import LogPeers
 from broker.api.middleware import METRICS, request_context
@@ -135,6 +137,7 @@ def create_app(
     group = workers or WorkerGroup.for_log(settings.audit.log, {})
     app.cleanup_ctx.append(functools.partial(_services, group=group))
     register(app, settings.server)
+    register_kbs(app, settings)  # [kbs] enabled: the KBS protocol facade (docs/kbs.md)
     return app
 
 
@@ -179,8 +182,9 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         stack.push_async_callback(policies.close)
         verifier, gate = await _verifier_and_gate(settings, session, metrics, engine)
         attestations = await _attestations(
-            settings,
+            app,
             stack,
+            session=session,
             nonces=nonces,
             verifier=verifier,
             policy=gate,
@@ -205,6 +209,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             "checkpoints": "signed" if publisher else "off (no signing_key)",
             "attestations": "on" if attestations.service else "off",
             "self_attestation": "on" if sealed else "off (not in a TEE)",
+            "kbs": kbs_fact(app),
         }
         app[NONCES] = nonces
         app[DECISIONS] = audit
@@ -465,9 +470,10 @@ async def _verifier_and_gate(
 
 
 async def _attestations(
-    settings: Settings,
+    app: web.Application,
     stack: AsyncExitStack,
     *,
+    session: aiohttp.ClientSession,
     nonces: NonceStore,
     verifier: EvidenceVerifier,
     policy: PolicyGate,
@@ -476,7 +482,8 @@ async def _attestations(
     now: datetime,
 ) -> Attestations:
     """``POST /v1/attest`` with its result-signing key, and releases on results, when
-    ``[attest] enabled``."""
+    ``[attest] enabled``; the KBS facade on them when ``[kbs] enabled`` too (``app[KBS]``)."""
+    settings = app[SETTINGS]
     ref = settings.attest.signing_ref
     if not settings.attest.enabled:
         return Attestations(None)
@@ -520,7 +527,17 @@ async def _attestations(
         await audit.append_if_changed(
             identity.ca.change_record(time=now.isoformat(), trigger="start-up")
         )
-    return Attestations(results, attest, releases, verifying, identity)
+    attestations = Attestations(results, attest, releases, verifying, identity)
+    await open_kbs(
+        app,
+        stack,
+        session=session,
+        nonces=nonces,
+        attestations=attestations,
+        keys=keys,
+        policy=policy,
+    )
+    return attestations
 
 
 async def _identity_plan(

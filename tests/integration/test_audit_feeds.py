@@ -30,7 +30,8 @@ from broker.core.records import RecordType
 from broker.crypto.checkpoint import NoteSigner
 from tests.integration.attested import ADMIN, DENIED_KEY, Runner, admin_post
 from tests.integration.conftest import RunningBroker
-from tests.integration.identity import SPIFFE_ID, ask_identity, identity_broker, make_csr
+from tests.integration.identity import SPIFFE_ID, ask_identity, make_csr
+from tests.integration.kbs import RESOURCE, UNMAPPED, every_record_broker, kbs_records
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
 
@@ -95,6 +96,8 @@ async def _every_kind_of_record(broker: RunningBroker) -> str:
         if broker.settings.identity.enabled:  # identity allow: a workload certificate
             status, body, _ = await ask_identity(runner, session, make_csr()[1])
             assert status == 201, body
+    if broker.settings.kbs.enabled:  # kbs_auth, kbs_attest, kbs_resource allow and deny
+        await kbs_records(broker)
     status, body = await admin_post(
         broker, "/v1/admin/keys", {"name": EXTRA_KEY, "purpose": "model-weights"}
     )
@@ -152,7 +155,7 @@ async def test_feeds_report_each_key_and_every_record_type(
     messages: list[bytes] = []
     transport, port = await _syslog(messages)
     try:
-        broker = await identity_broker(
+        broker = await every_record_broker(
             start_broker, environ={"BROKER_AUDIT_SINK": f"syslog://127.0.0.1:{port}"}
         )
         jti = await _every_kind_of_record(broker)
@@ -304,6 +307,37 @@ def _check_identity_ca(record: dict[str, Any], produced: list[dict[str, Any]], _
     assert event["unmapped"]["subject"] == issuer["subject"]
 
 
+def _check_kbs_auth(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
+    session = record["kbs"]["session"]
+    assert session is not None
+    assert event["resources"] == [{"type": "kbs_session", "uid": session}]
+    assert event["actor"] == {"user": {"uid": None, "name": "sample"}, "session": {"uid": session}}
+    assert event["unmapped"]["kbs"] == record["kbs"]
+
+
+def _check_kbs_attest(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
+    assert event["resources"] == [{"type": "attestation", "uid": record["jti"]}]
+    assert event["actor"]["session"] == {"uid": record["jti"]}
+    assert event["unmapped"]["kbs"]["tee"] == "sample"
+    assert event["unmapped"]["expires_at"] == record["expires_at"]
+
+
+def _check_kbs_resource(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    allowed = record["result"] == "allow"
+    assert (event["activity_id"], event["status_id"]) == (2, 1 if allowed else 2)
+    assert event["status_code"] == record["code"]
+    named = [{"type": "key", "name": KEY, "version": "1", "uid": record["kid"]}]
+    assert event["resources"] == (named if allowed else [])  # refused before its key: none
+    assert event["actor"]["session"] == {"uid": record["attestation"]["jti"]}
+    assert event["unmapped"]["kbs"]["path"] == (RESOURCE if allowed else UNMAPPED)
+    assert event["unmapped"]["attestation_log_index"] == record["attestation"]["log_index"]
+
+
 def _check_revoked(record: dict[str, Any], produced: list[dict[str, Any]], jti: str) -> None:
     event = _one(produced)
     assert record["jti"] == jti
@@ -384,5 +418,8 @@ CHECKS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], str], None]] =
     "log_key_rotation": _check_key_rotation,
     "identity": _check_identity,
     "identity_ca": _check_identity_ca,
+    "kbs_auth": _check_kbs_auth,
+    "kbs_attest": _check_kbs_attest,
+    "kbs_resource": _check_kbs_resource,
 }
 ADMIN_DIGEST = hashlib.sha256(ADMIN.encode()).hexdigest()
