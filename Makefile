@@ -136,6 +136,7 @@ bench: $(STAMP) $(OPA) $(FAKE_GCS)
 	$(BIN)/python bench/sources_bench.py
 	$(BIN)/python bench/identity_bench.py
 	$(BIN)/python bench/console_bench.py
+	$(BIN)/python bench/kbs_bench.py
 
 # Not part of `make test`: a 20 s max run, then 2 minutes at 70 % of it (0 errors, RSS < +10 %).
 soak: $(STAMP) $(OPA)

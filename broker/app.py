@@ -22,6 +22,8 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from broker.api.kbs import register_kbs
+from broker.api.kbs_services import kbs_fact, open_kbs
 from broker.api.log import LOG_PEERS
 from broker.api.log_peers import LogPeers
 from broker.api.middleware import METRICS, request_context
@@ -137,6 +139,7 @@ def create_app(
     app.cleanup_ctx.append(functools.partial(_services, group=group))
     register(app, settings.server)
     install_console(app)  # /console (docs/console.md): served while a token holds auditor
+    register_kbs(app, settings)  # [kbs] enabled: the KBS protocol facade (docs/kbs.md)
     return app
 
 
@@ -181,7 +184,15 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
         stack.push_async_callback(policies.close)
         verifier, gate = await _verifier_and_gate(settings, session, metrics, engine)
         attestations = await _attestations(
-            settings, stack, nonces=nonces, verifier=verifier, policy=gate, audit=audit, keys=keys
+            app,
+            stack,
+            session=session,
+            nonces=nonces,
+            verifier=verifier,
+            policy=gate,
+            audit=audit,
+            keys=keys,
+            now=clock(),
         )
         await _redecided(attestations.service, policies, clock, stack)
         release = ReleasePlan(
@@ -200,6 +211,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             "checkpoints": "signed" if publisher else "off (no signing_key)",
             "attestations": "on" if attestations.service else "off",
             "self_attestation": "on" if sealed else "off (not in a TEE)",
+            "kbs": kbs_fact(app),
         }
         app[NONCES] = nonces
         app[DECISIONS] = audit
@@ -223,6 +235,9 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             interval=settings.server.health_interval_seconds,
             attestation_expired=None if sealed is None else sealed.expired,
             metrics=metrics,
+            identity_ca_warning=None
+            if attestations.identity is None
+            else attestations.identity.ca.expiry_warning,
         )
         await readiness.refresh()  # /readyz answers from this until the background task runs
         background = _background(policies, publisher, sink, sealed)
@@ -460,17 +475,20 @@ async def _verifier_and_gate(
 
 
 async def _attestations(
-    settings: Settings,
+    app: web.Application,
     stack: AsyncExitStack,
     *,
+    session: aiohttp.ClientSession,
     nonces: NonceStore,
     verifier: EvidenceVerifier,
     policy: PolicyGate,
     audit: DecisionLog,
     keys: KeyService,
+    now: datetime,
 ) -> Attestations:
     """``POST /v1/attest`` with its result-signing key, and releases on results, when
-    ``[attest] enabled``."""
+    ``[attest] enabled``; the KBS facade on them when ``[kbs] enabled`` too (``app[KBS]``)."""
+    settings = app[SETTINGS]
     ref = settings.attest.signing_ref
     if not settings.attest.enabled:
         return Attestations(None)
@@ -508,12 +526,23 @@ async def _attestations(
         networked_store=isinstance(settings.nonces.store_ref, RedisRef | PostgresRef),
     )
     identity = await _identity_plan(
-        settings, stack, store=store, nonces=nonces, policy=policy, verifying=verifying
+        settings, stack, store=store, nonces=nonces, policy=policy, verifying=verifying, now=now
     )
     if identity is not None:  # a rotation (or the first start with [identity]) is logged
-        now = datetime.now(UTC).isoformat()
-        await audit.append_if_changed(identity.ca.change_record(time=now, trigger="start-up"))
-    return Attestations(results, attest, releases, verifying, identity)
+        await audit.append_if_changed(
+            identity.ca.change_record(time=now.isoformat(), trigger="start-up")
+        )
+    attestations = Attestations(results, attest, releases, verifying, identity)
+    await open_kbs(
+        app,
+        stack,
+        session=session,
+        nonces=nonces,
+        attestations=attestations,
+        keys=keys,
+        policy=policy,
+    )
+    return attestations
 
 
 async def _identity_plan(
@@ -524,6 +553,7 @@ async def _identity_plan(
     nonces: NonceStore,
     policy: PolicyGate,
     verifying: ResultKeys,
+    now: datetime,
 ) -> IdentityPlan | None:
     """``POST /v1/identity`` and the bundle when ``[identity] enabled`` (its CA key: a PEM file,
     Cloud KMS or PKCS#11, as the result key)."""
@@ -544,6 +574,7 @@ async def _identity_plan(
         chain_file=Path(identity.ca_certificates),
         previous_files=[Path(p) for p in identity.previous_ca_certificates],
         max_lifetime=timedelta(seconds=identity.max_lifetime_seconds),
+        now=now,
     )
     return IdentityPlan(
         issuer=settings.server.audience,

@@ -22,7 +22,8 @@
    through the audit API.
    Then two runners attest, get workload certificates (SPIFFE X.509-SVIDs) and exchange a
    message over mTLS; a third, unattested client is refused at the handshake
-   (``broker/demo_identity.py``).
+   (``broker/demo_identity.py``); and a Confidential Containers guest fetches the demo key
+   over the KBS protocol with sample evidence (``broker/demo_kbs.py``).
 9. Verify the decision log: creation, allow, deny, attestation, releases on it, the policy
    change, the revocation, the denials; chain intact.
 10. With ``--workdir DIR``, leave DIR a ``broker dev`` workspace (its issuer in ``dev-issuer.json``,
@@ -66,6 +67,7 @@ from broker.crypto.checkpoint import NoteVerifier, parse_checkpoint
 from broker.crypto.merkle import leaf_hash, verify_inclusion
 from broker.crypto.wrap import key_id
 from broker.demo_identity import IDENTITY_TOML, SPIFFE_PATH, runners_talk, write_identity_ca
+from broker.demo_kbs import KBS_TOML, allow_sample_guests, guest_fetches
 from broker.dev.issuer import ISSUER_FILE, DevIssuer, DevTokenSource, Workload
 from broker.dev.launcher import DevLauncher, serve_dev_launcher
 from broker.dev.workspace import allow_images, write_dev_workspace, write_private_pem
@@ -122,10 +124,13 @@ async def _run(workdir: Path, auditor_token: str) -> bool:
         keys_extra={"signing_key": "statement-signing.pem"},
         extra_toml=f'[admin]\ntoken_sha256 = ["{_sha256(admin_token)}"]\n\n'
         f'[[admin.tokens]]\nsha256 = "{_sha256(auditor_token)}"\nroles = ["auditor"]\n\n'
-        '[attest]\nenabled = true\nsigning_key = "result-signing.pem"\n' + IDENTITY_TOML,
+        '[attest]\nenabled = true\nsigning_key = "result-signing.pem"\n'
+        + IDENTITY_TOML
+        + KBS_TOML.format(key=DEMO_KEY),
         identities={ALLOWED_DIGEST: SPIFFE_PATH},
     )
     await asyncio.to_thread(write_identity_ca, workdir)
+    await asyncio.to_thread(allow_sample_guests, workdir, DEMO_KEY)
     await asyncio.to_thread(issuer.save, workdir / ISSUER_FILE)  # as `broker dev init`
     listening = socket.socket()  # bound first: DPoP proofs name its URL ([server] public_urls)
     listening.bind(("127.0.0.1", 0))
@@ -198,6 +203,10 @@ async def _serve_demo(  # noqa: PLR0917 - the demo's state, passed on once
             if attestation is not None and not await runners_talk(client, good, _say):
                 return False
             base = f"https://127.0.0.1:{port}"
+            if attestation is not None and not await guest_fetches(
+                base, client_tls, settings, DEMO_KEY, _say
+            ):
+                return False
             ok = (
                 attestation is not None
                 and await _policy_reload(
@@ -556,7 +565,7 @@ def _reopen_workspace(workdir: Path, auditor_token: str) -> None:
 
 def _label(record: dict[str, Any]) -> str:
     kind = str(record.get("type"))
-    if kind in ("attestation", "attested_release", "identity"):
+    if kind in ("attestation", "attested_release", "identity") or kind.startswith("kbs_"):
         return f"{kind} {record.get('result')}"
     if kind == "key_admin":  # a change: its intent, then its outcome ("create ok")
         return " ".join(str(part) for part in (record.get("action"), record.get("result")) if part)
@@ -574,7 +583,8 @@ def _audit(log_path: Path) -> bool:
         "create", "create ok", "create", "create ok", "weights-encrypt", "policy_change",
         "identity_ca", "allow", "deny",
         "attestation allow", "attested_release allow", "attestation allow", "identity allow",
-        "attestation allow", "identity allow", "policy_change", "attestation_revoked",
+        "attestation allow", "identity allow", "kbs_auth allow", "kbs_attest allow",
+        "kbs_resource allow", "policy_change", "attestation_revoked",
         "attestation_revoked", "attestation_revoked", "deny", "attested_release deny",
     ]  # fmt: skip
     if results != expected:

@@ -14,38 +14,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from broker.core.buckets import TokenBuckets
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-MAX_CLIENTS = 65_536
-
-
-class TokenBuckets:
-    """One bucket per client address."""
-
-    def __init__(self, rate: float, burst: int, *, max_clients: int = MAX_CLIENTS) -> None:
-        self._rate = rate
-        self._burst = float(max(burst, 1))
-        self._max_clients = max_clients
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, when
-
-    def wait_for(self, client: str, now: float) -> float:
-        """0 when ``client`` may go now (a token is taken), else seconds until it may."""
-        tokens, then = self._buckets.pop(client, (self._burst, now))
-        tokens = min(self._burst, tokens + (now - then) * self._rate)
-        if tokens >= 1.0:
-            self._store(client, tokens - 1.0, now)
-            return 0.0
-        self._store(client, tokens, now)
-        return (1.0 - tokens) / self._rate
-
-    def _store(self, client: str, tokens: float, now: float) -> None:
-        self._buckets[client] = (tokens, now)
-        if len(self._buckets) > self._max_clients:
-            self._buckets.popitem(last=False)  # the least recently seen client
 
 
 def rate_limited(handler: Handler, rate: float, burst: int) -> Handler:

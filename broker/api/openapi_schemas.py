@@ -114,6 +114,19 @@ SCHEMAS: dict[str, Any] = {
                 "description": "why it was revoked: only with an auditor or key-admin token",
             },
             "expires_at": {"type": "string", "format": "date-time"},
+            "identities": {
+                "type": "array",
+                "description": "workload certificates issued on it, newest last (issue 32)",
+                "items": object_schema(
+                    {
+                        "serial": {"type": "string", "pattern": "^[0-9a-f]{1,40}$"},
+                        "spiffe_id": {"type": "string"},
+                        "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                        "not_after": {"type": "string", "format": "date-time"},
+                    },
+                    ["serial", "spiffe_id", "sha256", "not_after"],
+                ),
+            },
         },
         ["jti", "status"],
     ),

@@ -11,7 +11,8 @@ so however often ``/readyz`` is hit, each store sees at most one call per interv
 Status: ``not_ready`` (503) when a store does not answer, the declared features cannot work
 (query keys without ``[keys] signing_key``) or the checks have not run for
 ``stale_after`` seconds; ``degraded`` (200) when the policy source fails while the last good
-policy keeps serving; else ``ready``. What is cheap and in memory (the policy digest in force,
+policy keeps serving, or the identity CA (``[identity]``) expired or expires within
+``max_lifetime_seconds``; else ``ready``. What is cheap and in memory (the policy digest in force,
 the decision log's size, the last reload) is read live.
 """
 
@@ -78,6 +79,8 @@ class Readiness:
     attestation_expired: Callable[[datetime], bool] | None = None
     # each round's findings exported: the stores' and the log writer's state, the log's size
     metrics: Metrics | None = None
+    # [identity]: what is wrong with the identity CA's validity at a given time, if anything
+    identity_ca_warning: Callable[[datetime], str | None] | None = None
     _last: HealthRound | None = field(default=None, init=False)
 
     @property
@@ -119,6 +122,9 @@ class Readiness:
         now = self.clock()
         if self.attestation_expired is not None and self.attestation_expired(now):
             warnings = (*warnings, "the broker's attestation token expired: renewals fail")
+        ca_warning = None if self.identity_ca_warning is None else self.identity_ca_warning(now)
+        if ca_warning is not None:  # degraded: only workload certificates are affected
+            warnings = (*warnings, ca_warning)
         state = HealthRound(
             taken=time.monotonic(),
             checked_at=now.isoformat(),

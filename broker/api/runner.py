@@ -236,9 +236,13 @@ REASON_ROLES = ("auditor", "key-admin")  # who may read why a result was revoked
 
 async def attestation_status(request: web.Request) -> web.Response:
     """``GET /v1/attestations/{jti}``: whether a result may still be used (``active``) or was
-    revoked; 404 once it expired. The reason (which can name a policy's reasons, an image, a
-    revoked GPU) only with an auditor's or key admin's bearer token; a token that holds
-    neither role is 401, as on the admin routes."""
+    revoked; 404 once it expired. Public: the jti is unguessable, and a peer holding a
+    runner's certificate must be able to ask. ``identities``: the workload certificates issued
+    on it (serial, SPIFFE ID, SHA-256 of the leaf, expiry; newest last), so that a peer can
+    tell a certificate this broker issued from one the CA key signed elsewhere; no secret (a
+    peer sees all of it in the certificate). The reason (which can name a policy's reasons, an
+    image, a revoked GPU) only with an auditor's or key admin's bearer token; a token that
+    holds neither role is 401, as on the admin routes."""
     service = request.app[ATTESTATIONS].require()
     with_reason = _reason_allowed(request)
     entry = await service.status(request.match_info["jti"], request.app[CLOCK]())
@@ -264,6 +268,7 @@ def _describe(entry: AttestationEntry, *, with_reason: bool = True) -> dict[str,
         "jti": entry.jti,
         "status": entry.status,
         "expires_at": entry.expires_at.isoformat().replace("+00:00", "Z"),
+        "identities": [issued.described() for issued in entry.identities],
     }
     if with_reason:
         described["reason"] = entry.reason

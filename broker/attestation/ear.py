@@ -102,7 +102,7 @@ def ear_claims(
     nonce: str,
     verifier_build: str,
     submods: Sequence[Submod],
-    pop_jwk: Mapping[str, str],
+    pop_jwk: Mapping[str, str] | None,
     encryption_jwk: Mapping[str, str],
     policy_digest: str,
     evidence_digests: Mapping[str, str],
@@ -110,7 +110,9 @@ def ear_claims(
     legacy: bool = False,
 ) -> dict[str, Any]:
     """The claims set. ``exp`` is ``now + ttl`` (at most ``MAX_TTL``) and never later than
-    ``not_after``, the earliest expiry of any token or collateral the appraisal used.
+    ``not_after``, the earliest expiry of any token or collateral the appraisal used. Without
+    ``pop_jwk`` (a KBS guest's token, ``kbs_token_claims``) there is no ``cnf``: such a result
+    can never pass ``verify_ear``, so it is never usable under DPoP.
 
     Raises:
         ValueError: an unknown tier or vector claim, a duplicate label, a TTL out of range, or
@@ -149,7 +151,7 @@ def ear_claims(
             }
             for s in submods
         },
-        "cnf": {"jwk": dict(pop_jwk)},
+        **({"cnf": {"jwk": dict(pop_jwk)}} if pop_jwk is not None else {}),
         CLAIM: {
             "encryption_key": dict(encryption_jwk),
             "policy_digest": policy_digest,
@@ -227,6 +229,43 @@ def verify_ear(
     Raises:
         AttestationError: ``token_*`` codes naming the check that failed.
     """
+    claims, kid = verify_result(
+        token,
+        keys=keys,
+        audience=audience,
+        now=now,
+        required=("exp", "iat", "jti", "iss", "aud", "cnf"),
+    )
+    cnf = claims.get("cnf")
+    jwk = cnf.get("jwk") if isinstance(cnf, Mapping) else None
+    if not isinstance(jwk, Mapping) or jwk.get("kty") != "EC" or jwk.get("crv") != "P-256":
+        raise AttestationError("the result names no P-256 proof-of-possession key")
+    members = {name: str(jwk.get(name)) for name in ("crv", "kty", "x", "y")}
+    return PresentedEar(
+        jti=claims["jti"],
+        pop_thumbprint=thumbprint(members),
+        expires_at=datetime.fromtimestamp(float(claims["exp"]), UTC),
+        claims=claims,
+        kid=kid,
+    )
+
+
+def verify_result(
+    token: Any,
+    *,
+    keys: Mapping[str, ec.EllipticCurvePublicKey],
+    audience: str,
+    now: datetime,
+    required: Sequence[str],
+) -> tuple[dict[str, Any], str]:
+    """The checks every result this broker signed passes, whatever it is used for (a release
+    under DPoP: ``verify_ear``; a KBS guest's token: ``kbs_token.verify_kbs_token``): this
+    broker's result key by ``kid``, ``typ``, signature and times (``crypto/jose.py``), the
+    ``required`` claims, ``iss`` and ``aud``, a ``jti``. Its claims and the ``kid``.
+
+    Raises:
+        AttestationError: ``token_*`` codes naming the check that failed.
+    """
     if not isinstance(token, str) or not token:
         raise AttestationError("an attestation result is required")
     header = jose.parse_header_with_kid(token, ("ES256",))
@@ -244,28 +283,17 @@ def verify_ear(
         key,
         now=now,
         leeway=LEEWAY,
-        required_claims=("exp", "iat", "jti", "iss", "aud", "cnf"),
+        required_claims=required,
         max_lifetime=MAX_TTL,
     ).claims
     if claims.get("iss") != audience or claims.get("aud") != audience:
         raise AttestationError(
             "the result was issued for another broker", code=ErrorCode.AUDIENCE_MISMATCH
         )
-    cnf = claims.get("cnf")
-    jwk = cnf.get("jwk") if isinstance(cnf, Mapping) else None
-    if not isinstance(jwk, Mapping) or jwk.get("kty") != "EC" or jwk.get("crv") != "P-256":
-        raise AttestationError("the result names no P-256 proof-of-possession key")
     jti = claims.get("jti")
     if not isinstance(jti, str) or not jti:
         raise AttestationError("the result has no jti", code=ErrorCode.TOKEN_CLAIM_INVALID)
-    members = {name: str(jwk.get(name)) for name in ("crv", "kty", "x", "y")}
-    return PresentedEar(
-        jti=jti,
-        pop_thumbprint=thumbprint(members),
-        expires_at=datetime.fromtimestamp(float(claims["exp"]), UTC),
-        claims=claims,
-        kid=str(header.kid),
-    )
+    return dict(claims), str(header.kid)
 
 
 def check_ear_times(ear: PresentedEar, now: datetime) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from broker.attestation.issued import IssuedCertificate, parse_identities, with_certificate
 from broker.core.errors import ErrorCode, UpstreamError
 from broker.core.jsonsafe import loads_bounded
 from broker.core.records import RecordType
@@ -50,6 +51,8 @@ class AttestationEntry:
     # that record, as its revoker made it (None: none owed, or owed by a broker that did not
     # keep it); one written late is rebuilt from its checked fields (``late.late_record``)
     pending_record: Mapping[str, Any] | None = None
+    # the workload certificates issued on it, newest last (issue 32: ``issued.py``)
+    identities: tuple[IssuedCertificate, ...] = ()
 
     @property
     def owed(self) -> bool:
@@ -63,11 +66,13 @@ class AttestationEntry:
         return KEPT_WHILE_OWED if self.owed else self.expires_at
 
     def to_json(self) -> str:
-        owed: dict[str, Any] = {}
+        optional: dict[str, Any] = {}
         if self.record_due is not None:
-            owed["record_due"] = self.record_due.timestamp()
+            optional["record_due"] = self.record_due.timestamp()
         if self.pending_record is not None:
-            owed["pending_record"] = dict(self.pending_record)
+            optional["pending_record"] = dict(self.pending_record)
+        if self.identities:  # absent while none: an entry's text as before issue 32
+            optional["identities"] = [c.stored() for c in self.identities]
         return json.dumps(
             {
                 "jti": self.jti,
@@ -77,7 +82,7 @@ class AttestationEntry:
                 "status": self.status,
                 "reason": self.reason,
                 "log_index": self.log_index,
-                **owed,
+                **optional,
             },
             separators=(",", ":"),
             sort_keys=True,
@@ -154,6 +159,7 @@ def _entry(value: Any) -> AttestationEntry:
         log_index=_integer(value, "log_index"),
         record_due=None if value.get("record_due") is None else _time(value, "record_due"),
         pending_record=pending,
+        identities=parse_identities(value.get("identities")),
     )
 
 
@@ -355,6 +361,27 @@ async def hand_over(store: AttestationStore, jti: str, now: datetime) -> None:
 async def note_log_index(store: AttestationStore, jti: str, index: int, now: datetime) -> None:
     """Remember the ``attestation`` record's index: each release record names it."""
     await store.update(jti, now, lambda entry: replace(entry, log_index=index))
+
+
+async def note_certificate(
+    store: AttestationStore, jti: str, certificate: IssuedCertificate, now: datetime
+) -> AttestationEntry | None:
+    """List a workload certificate on its result, for every worker and replica, in the same
+    atomic update that reads the result's status: the entry as it is now (``certificate`` is
+    listed unless it is revoked), or ``None`` when unknown or expired. The caller issues the
+    certificate only when it is listed.
+
+    Raises:
+        UpstreamError: the store did not answer, or holds the entry in an unexpected form.
+    """
+
+    def listed(entry: AttestationEntry) -> AttestationEntry:
+        if entry.status == REVOKED:  # revoked since it was admitted: no certificate on it
+            return entry
+        return replace(entry, identities=with_certificate(entry.identities, certificate, now))
+
+    changed = await store.update(jti, now, listed)
+    return None if changed is None else changed[1]
 
 
 def revoked_sightings(gpus: Sequence[Mapping[str, Any]], raw_claims: Mapping[str, Any]) -> set[str]:

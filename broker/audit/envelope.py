@@ -6,11 +6,13 @@ reasons, policy digest, input digest, masked input, identity, leaf index, replic
 and the per-kind body, typed where the readers need it:
 
 * ``keys``: what a release decided, key by key, as ``KeyDecision`` items: a full-evidence
-  ``release`` is one item (its key, possibly unnamed); an ``attested_release`` is one item per
+  ``release`` and a KBS guest's ``kbs_resource`` are one item (its key, possibly unnamed); an
+  ``attested_release`` is one item per
   key decided, then one per key asked but never decided (a request refused before its keys, or
   cut short by a bug) with the request's result and code;
-* ``decisions``: ``keys``, or for a record that decided as a whole (an ``attestation``, an
-  attested release that named no key) one item for the record itself;
+* ``decisions``: ``keys``, or for a record that decided as a whole (an ``attestation`` or a
+  ``kbs_attest``, an attested release that named no key) one item for the record itself (a
+  KBS handshake, ``kbs_auth``, decides no policy: none);
 * ``attestation``: the attestation result a record concerns (its jti and log index);
 * ``body``: the whole record as written, for the members of one kind only.
 
@@ -44,8 +46,12 @@ ATTESTATION_TYPES = frozenset(
         RecordType.ATTESTED_RELEASE,
         RecordType.ATTESTATION_REVOKED,
         RecordType.IDENTITY,
+        RecordType.KBS_ATTEST,
+        RecordType.KBS_RESOURCE,
     }
 )
+ATTESTING = (RecordType.ATTESTATION, RecordType.KBS_ATTEST)  # a result issued (its jti at top)
+RELEASING_ONE = (RecordType.RELEASE, RecordType.KBS_RESOURCE)  # one key, named at the top
 
 
 class RecordError(ValueError):
@@ -127,12 +133,8 @@ class Envelope:
             return self.keys
         if self.kind is RecordType.IDENTITY:
             return (self._as_decision(key=None, version=None, decided=self.input is not None),)
-        if self.kind in (RecordType.ATTESTATION, RecordType.ATTESTED_RELEASE):
-            return (
-                self._as_decision(
-                    key=None, version=None, decided=self.kind is RecordType.ATTESTATION
-                ),
-            )
+        if self.kind in (*ATTESTING, RecordType.ATTESTED_RELEASE):
+            return (self._as_decision(key=None, version=None, decided=self.kind in ATTESTING),)
         return ()
 
     def _as_decision(self, *, key: str | None, version: int | None, decided: bool) -> KeyDecision:
@@ -192,7 +194,7 @@ def parse_record(record: bytes | str | Mapping[str, Any]) -> Envelope:
         keys=(),
         body=body,
     )
-    if kind is RecordType.RELEASE:
+    if kind in RELEASING_ONE:
         own = envelope._as_decision(
             key=envelope.key, version=_integer(body.get("version")), decided=True
         )
@@ -246,10 +248,10 @@ def _key_decision(key: Mapping[str, Any]) -> KeyDecision:
 def _attestation(
     kind: RecordType, body: Mapping[str, Any], index: int | None
 ) -> AttestationRef | None:
-    if kind in (RecordType.ATTESTED_RELEASE, RecordType.IDENTITY):
+    if kind in (RecordType.ATTESTED_RELEASE, RecordType.IDENTITY, RecordType.KBS_RESOURCE):
         named = _mapping(body.get("attestation"))
         return AttestationRef(_text(named.get("jti")), _integer(named.get("log_index")))
-    if kind is RecordType.ATTESTATION:
+    if kind in ATTESTING:
         return AttestationRef(_text(body.get("jti")), index)
     if kind is RecordType.ATTESTATION_REVOKED:
         return AttestationRef(_text(body.get("jti")), None)

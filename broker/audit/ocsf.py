@@ -252,6 +252,47 @@ def _identity(envelope: Envelope) -> list[Event]:
     ]
 
 
+def _kbs(envelope: Envelope) -> dict[str, Any]:
+    kbs = envelope.body.get("kbs")
+    return dict(kbs) if isinstance(kbs, Mapping) else {}
+
+
+def _kbs_auth(envelope: Envelope) -> list[Event]:
+    """A KBS guest's handshake: Create of a ``kbs_session`` named by its cookie's hash (none
+    when refused), the guest's ``tee`` and protocol version unmapped."""
+    kbs = _kbs(envelope)
+    session = kbs.get("session")
+    return [
+        _event(
+            envelope,
+            activity=CREATE,
+            result=envelope.result,
+            resources=[{"type": "kbs_session", "uid": session}],
+            actor={"user": {"uid": None, "name": kbs.get("tee")}, "session": {"uid": session}},
+            code=envelope.code,
+            message=envelope.message,
+            unmapped={"kbs": kbs},
+        )
+    ]
+
+
+def _kbs_attest(envelope: Envelope) -> list[Event]:
+    """A KBS guest's attestation: as an attestation, with the protocol's facts unmapped."""
+    return [
+        event | {"unmapped": event["unmapped"] | {"kbs": _kbs(envelope)}}
+        for event in _attestation(envelope)
+    ]
+
+
+def _kbs_resource(envelope: Envelope) -> list[Event]:
+    """A resource released to a KBS guest: as a release on a result (its key, the token's
+    attestation as the session), the path and credential unmapped."""
+    return [
+        event | {"unmapped": event["unmapped"] | {"kbs": _kbs(envelope)}}
+        for event in _release(envelope)
+    ]
+
+
 def _attestation_revoked(envelope: Envelope) -> list[Event]:
     jti = None if envelope.attestation is None else envelope.attestation.jti
     # written by an owed-record pass after its revoker could not: ``time`` is the revocation's
@@ -413,6 +454,9 @@ MAPPINGS: dict[str, Callable[[Envelope], list[Event]]] = {
     RecordType.ATTESTATION: _attestation,
     RecordType.ATTESTATION_REVOKED: _attestation_revoked,
     RecordType.IDENTITY: _identity,
+    RecordType.KBS_AUTH: _kbs_auth,
+    RecordType.KBS_ATTEST: _kbs_attest,
+    RecordType.KBS_RESOURCE: _kbs_resource,
     RecordType.IDENTITY_CA: _identity_ca,
     RecordType.POLICY_CHANGE: _policy_change,
     RecordType.POLICY_RELOAD_FAILED: _policy_reload_failed,

@@ -163,7 +163,9 @@ def _query(args: argparse.Namespace) -> int:
     # Releases (per key on attestation results too); with --who, the changes someone made (key
     # and policy records); with --attestation, that result's whole story.
     wanted: frozenset[RecordType] | None = (
-        frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE}) if args.who is None else None
+        frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.KBS_RESOURCE})
+        if args.who is None
+        else None
     )
     if args.who is None and args.result in CHANGE_ONLY:  # what only a key change's outcome says
         wanted = frozenset({RecordType.KEY_ADMIN})

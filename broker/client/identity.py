@@ -7,16 +7,20 @@ client's own (attested, pinned) broker connection. The private key has no attrib
 or repr: it leaves the object only into the ``ssl.SSLContext`` objects it builds.
 
 **How the key gets into OpenSSL.** ``SSLContext.load_cert_chain`` reads files only (no
-in-memory PEM). The key is written encrypted (PKCS#8, AES-256, a random 32-byte password that
-exists only in memory) with the chain to a file made 0600 in a fresh 0700 directory, loaded
-with that password, and the directory is removed at once: the plaintext key never reaches a
-disk, and the encrypted file lives for one load.
+in-memory PEM). On a worker thread, in one function: the key is encrypted (PKCS#8, AES-256, a
+random 32-byte password that exists only in memory) and written with the chain to a file made
+0600 in a fresh 0700 directory, loaded with that password, and the directory removed in a
+``finally``, whatever failed (a write error, a cancelled caller: the thread still finishes and
+cleans up). The plaintext key never reaches a disk; the encrypted file lives for one load.
 
 **Renewal.** ``fresh()`` (called when a context is built, and by ``keep_renewed``) asks for a new
-certificate, with a new key, once two thirds of the current one's lifetime have passed, and
-reloads it into every context already built (new handshakes use it). A revoked attestation
-gets no certificate: the broker's ``BrokerClientError`` (``attestation_revoked``) is raised and
-the current certificate is kept until it expires on its own.
+certificate, with a new key, once two thirds of the current one's lifetime have passed, fetches
+the trust bundle again, and gives every context already built a ``current`` successor holding
+both (``mtls.SpiffeContext``): new handshakes present the new certificate and trust the new
+bundle, a rotated root included. A revoked attestation gets no certificate: the broker's
+``BrokerClientError`` (``attestation_revoked``) is raised and the current certificate is kept
+until it expires on its own. ``keep_renewed`` retries any other failure (a 503, a 429, the
+broker unreachable) with backoff until the certificate expires.
 """
 
 from __future__ import annotations
@@ -38,10 +42,21 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from broker.client.mtls import Allowed, LiveCheck, SpiffeContext, new_context
+from broker.client.mtls import (
+    LIVE_CACHE_SECONDS,
+    Allowed,
+    LiveCache,
+    LiveCheck,
+    SpiffeContext,
+    new_context,
+)
 from broker.client.sdk import BrokerClientError
 
 RENEW_AT = 2 / 3  # of a certificate's lifetime
+# The broker's refusals that another attempt cannot change: ``keep_renewed`` raises them at once.
+FINAL_CODES = frozenset({"attestation_revoked", "identity_denied", "identity_not_allowed"})
+FIRST_RETRY_SECONDS = 1.0  # ``keep_renewed``'s first wait after a failed renewal, then doubled
+MAX_RETRY_SECONDS = 30.0
 Issue = Callable[[str], Awaitable[dict[str, Any]]]  # CSR PEM → the 201 answer
 Bundle = Callable[[], Awaitable[str]]  # → the bundle's PEM
 
@@ -56,10 +71,14 @@ class Svid:
     not_after: float
     serial: str
     attestation: str  # the jti of the attestation it was issued on
+    received_at: float = 0.0  # unix seconds, when the broker answered it
 
     @property
     def renew_after(self) -> float:
-        return self.not_before + (self.not_after - self.not_before) * RENEW_AT
+        """Two thirds into its life, counted from when it came (the broker backdates
+        ``not_before`` for peers whose clocks lag: counting from there would renew early)."""
+        start = max(self.not_before, self.received_at)
+        return start + (self.not_after - start) * RENEW_AT
 
 
 class Identity:
@@ -95,7 +114,8 @@ class Identity:
         return self._bundle_pem
 
     async def renew(self) -> None:
-        """A new key and certificate now, and the bundle again; reloaded into every context.
+        """A new key and certificate now, and the bundle again: every context built so far
+        gets a successor holding both, which its next handshakes use.
 
         Raises:
             BrokerClientError: the broker refused (``attestation_revoked``, ``identity_denied``,
@@ -115,11 +135,16 @@ class Identity:
             .decode("ascii")
         )
         answer = await self._issue(csr)
-        svid = _svid_of(answer, key)
-        self._bundle_pem = await self._bundle()
-        self.__key, self._svid = key, svid
-        for context in list(self._contexts):
-            await self._load(context)
+        svid = _svid_of(answer, key, time.time())
+        bundle_pem = await self._bundle()
+        successors = []
+        for context in list(self._contexts):  # loaded before any is used: all or none change
+            successor = context.successor(bundle_pem)
+            await _load(successor, svid.chain_pem, key)
+            successors.append((context, successor))
+        self.__key, self._svid, self._bundle_pem = key, svid, bundle_pem
+        for context, successor in successors:
+            context.current = successor
         self.renewals += 1
 
     async def fresh(self) -> Svid:
@@ -137,66 +162,109 @@ class Identity:
     def _due(self) -> bool:
         return self._svid is None or time.time() >= self._svid.renew_after
 
-    async def keep_renewed(self) -> None:
-        """Renew at two thirds of each certificate's life, forever (run it as a task; it ends
-        with the broker's error when a renewal is refused, e.g. ``attestation_revoked``)."""
+    async def keep_renewed(
+        self,
+        *,
+        first_retry_seconds: float = FIRST_RETRY_SECONDS,
+        max_retry_seconds: float = MAX_RETRY_SECONDS,
+    ) -> None:
+        """Renew at two thirds of each certificate's life, forever (run it as a task). A failed
+        renewal is tried again after ``first_retry_seconds``, doubling up to
+        ``max_retry_seconds`` (with jitter), until the current certificate expires.
+
+        Raises:
+            BrokerClientError: at once for ``FINAL_CODES`` (``attestation_revoked``,
+                ``identity_denied``, ``identity_not_allowed``); any other error once the
+                current certificate has expired without a renewal.
+        """
+        delay = first_retry_seconds
         while True:
             await asyncio.sleep(max(0.0, self.svid.renew_after - time.time()))
-            await self.fresh()
+            try:
+                await self.fresh()
+            except BrokerClientError as exc:
+                left = self.svid.not_after - time.time()
+                if exc.code in FINAL_CODES or left <= 0:
+                    raise
+                jitter = 0.5 + secrets.randbelow(501) / 1000  # 0.5 to 1.0 of the delay
+                await asyncio.sleep(min(delay * jitter, left))
+                delay = min(delay * 2, max_retry_seconds)
+                continue
+            delay = first_retry_seconds
 
     async def server_context(
-        self, *, allowed: Allowed, require_live_attestation: bool = False
+        self,
+        *,
+        allowed: Allowed,
+        require_live_attestation: bool = False,
+        live_cache_seconds: float = LIVE_CACHE_SECONDS,
     ) -> SpiffeContext:
-        """A server context: this SVID, client certificates required, ``allowed`` checked by
-        ``mtls.serve``/``mtls.guarded`` after the handshake; with ``require_live_attestation``,
-        then the peer's attestation (``BrokerClient.peer_attestation``), before any read."""
-        return await self._context(ssl.Purpose.CLIENT_AUTH, allowed, require_live_attestation)
+        """A server context: this SVID, client certificates required, ``allowed`` checked in
+        every handshake (``mtls``); with ``require_live_attestation``, then the peer's
+        attestation (``BrokerClient.peer_attestation``, an ``active`` answer kept
+        ``live_cache_seconds``) by ``mtls.serve``/``mtls.guarded`` before any read."""
+        return await self._context(
+            ssl.Purpose.CLIENT_AUTH, allowed, require_live_attestation, live_cache_seconds
+        )
 
     async def client_context(
-        self, *, allowed: Allowed, require_live_attestation: bool = False
+        self,
+        *,
+        allowed: Allowed,
+        require_live_attestation: bool = False,
+        live_cache_seconds: float = LIVE_CACHE_SECONDS,
     ) -> SpiffeContext:
-        """A client context: this SVID, the server's chain verified against the bundle,
-        ``allowed`` (and, with ``require_live_attestation``, the peer's attestation) checked by
-        ``mtls.connect``/``mtls.SpiffeConnector`` before any write."""
-        return await self._context(ssl.Purpose.SERVER_AUTH, allowed, require_live_attestation)
+        """A client context: this SVID, the server's chain verified against the bundle and
+        ``allowed`` checked in every handshake; with ``require_live_attestation``, the peer's
+        attestation by ``mtls.connect``/``mtls.SpiffeConnector`` before any write."""
+        return await self._context(
+            ssl.Purpose.SERVER_AUTH, allowed, require_live_attestation, live_cache_seconds
+        )
 
-    async def _context(self, purpose: ssl.Purpose, allowed: Allowed, live: bool) -> SpiffeContext:
+    async def _context(
+        self, purpose: ssl.Purpose, allowed: Allowed, live: bool, live_cache_seconds: float
+    ) -> SpiffeContext:
         if live and self._peer_check is None:
             raise ValueError("require_live_attestation needs an identity made by a broker client")
         await self.fresh()
-        context = new_context(purpose, self._bundle_pem, allowed)
-        context.live = self._peer_check if live else None
-        await self._load(context)
-        self._contexts.add(context)
+        async with self._renewing:  # the key and chain loaded are the ones now held
+            context = new_context(purpose, self._bundle_pem, allowed)
+            if live and self._peer_check is not None:
+                context.live = LiveCache(self._peer_check, seconds=live_cache_seconds)
+            key = self.__key
+            if key is None:
+                raise RuntimeError("no key")
+            await _load(context, self.svid.chain_pem, key)
+            self._contexts.add(context)
         return context
 
-    async def _load(self, context: ssl.SSLContext) -> None:
-        key, svid = self.__key, self.svid
-        if key is None:
-            raise RuntimeError("no key")
-        password = secrets.token_bytes(32)
-        encrypted = key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.BestAvailableEncryption(password),
-        )
-        folder = await asyncio.to_thread(_write_private, svid.chain_pem.encode() + encrypted)
-        try:
-            context.load_cert_chain(folder / "svid.pem", password=password)
-        finally:
-            await asyncio.to_thread(shutil.rmtree, folder, True)
+
+async def _load(context: ssl.SSLContext, chain_pem: str, key: ec.EllipticCurvePrivateKey) -> None:
+    """``key`` and ``chain_pem`` into ``context`` (``_load_in_thread``, on a worker thread)."""
+    await asyncio.to_thread(_load_in_thread, context, chain_pem.encode("ascii"), key)
 
 
-def _write_private(data: bytes) -> Path:
-    """A new 0700 directory holding ``svid.pem`` (0600) with ``data``."""
+def _load_in_thread(context: ssl.SSLContext, chain: bytes, key: ec.EllipticCurvePrivateKey) -> None:
+    """Encrypt, write (a new 0700 directory, ``svid.pem`` 0600), load, and remove whatever
+    happens: one function, so that a cancelled caller cannot leave the directory behind."""
+    password = secrets.token_bytes(32)
+    encrypted = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(password),
+    )
     folder = Path(tempfile.mkdtemp(prefix="svid-"))
-    descriptor = os.open(folder / "svid.pem", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as out:
-        out.write(data)
-    return folder
+    try:
+        path = folder / "svid.pem"
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(chain + encrypted)
+        context.load_cert_chain(path, password=password)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def _svid_of(answer: dict[str, Any], key: ec.EllipticCurvePrivateKey) -> Svid:
+def _svid_of(answer: dict[str, Any], key: ec.EllipticCurvePrivateKey, received_at: float) -> Svid:
     """The answer's chain, its leaf checked to certify ``key`` and name the SPIFFE ID given.
 
     Raises:
@@ -225,4 +293,5 @@ def _svid_of(answer: dict[str, Any], key: ec.EllipticCurvePrivateKey) -> Svid:
         not_after=leaf.not_valid_after_utc.timestamp(),
         serial=str(answer.get("serial", format(leaf.serial_number, "x"))),
         attestation=str(answer.get("attestation", "")),
+        received_at=received_at,
     )

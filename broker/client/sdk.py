@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import json
 import ssl
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -17,11 +18,13 @@ from urllib.parse import quote
 
 import aiohttp
 import jwt
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.client.broker_identity import BrokerIdentity, BrokerNotAttested, VerifiedBrokerIdentity
 from broker.client.broker_pin import attest_broker
-from broker.client.mtls import Peer, PeerRefused, peer_attestation_jti
+from broker.client.spiffe_peer import Peer, PeerRefused, peer_attestation_jti, peer_leaf
 from broker.client.tokens import GpuEvidenceSource, TokenSource
 from broker.client.unwrap import (
     ReleasedDek,
@@ -331,17 +334,28 @@ class BrokerClient:
         return raw.decode("ascii", "replace")
 
     async def peer_attestation(self, peer: Peer) -> dict[str, Any]:
-        """Whether the attestation a peer runner's certificate was issued on still stands
-        (``GET /v1/attestations/{jti}``, the jti from the leaf's attestation extension): the
-        broker's answer ``{jti, status: "active", expires_at}``. ``peer``: the leaf (DER or
-        ``x509.Certificate``) or a connection's ``ssl_object``.
+        """Whether a peer runner's certificate is one the broker issued on an attestation that
+        still stands (``GET /v1/attestations/{jti}``, the jti from the leaf's attestation
+        extension): the broker's answer ``{jti, status: "active", expires_at, identities}``.
+        ``peer``: the leaf (DER or ``x509.Certificate``) or a connection's ``ssl_object``.
+
+        1. The leaf names an attestation (its extension's ``jti``).
+        2. The broker knows it (404: expired or never issued) and it is ``active``.
+        3. The leaf's SHA-256 is among the certificates the broker issued on it
+           (``identities[].sha256``): a leaf made with the CA key but not issued by the broker
+           (a copied jti) is refused.
+        4. The leaf expires no later than the attestation (``expires_at``).
 
         Raises:
-            PeerRefused: ``peer_attestation_revoked``, ``peer_attestation_unknown`` (no
-                extension, or the broker does not know it: expired), ``peer_no_spiffe_id``.
-            BrokerClientError: the broker did not answer (``TRANSPORT_CODES``, ``rate_limited``).
+            PeerRefused: ``peer_attestation_unknown`` (1, 2: no extension, or unknown),
+                ``peer_attestation_revoked`` (2), ``peer_certificate_unknown`` (3, 4),
+                ``peer_no_certificate``.
+            BrokerClientError: the broker did not answer (``TRANSPORT_CODES``, ``rate_limited``),
+                or answered for another jti or without a readable ``expires_at``
+                (``bad_response``).
         """
-        jti = peer_attestation_jti(peer)
+        leaf = peer_leaf(peer)
+        jti = peer_attestation_jti(leaf)
         url = self._base_url + "/v1/attestations/" + quote(jti, safe="")
 
         async def attempt(transport_ssl: Any) -> tuple[int, Any]:
@@ -361,6 +375,7 @@ class BrokerClient:
             raise BrokerClientError(status, "bad_response", "not this attestation's status", {})
         if answer.get("status") != "active":
             raise PeerRefused("peer_attestation_revoked", f"attestation {jti} is revoked")
+        _issued_on(leaf, answer)
         return answer
 
     async def _evidence(
@@ -625,6 +640,32 @@ class BrokerClient:
         if not isinstance(body, dict):
             raise BrokerClientError(status, "bad_response", "not a JSON object", {})
         return body
+
+
+def _issued_on(leaf: x509.Certificate, answer: dict[str, Any]) -> None:
+    """Steps 3 and 4 of ``peer_attestation``: ``leaf`` is listed in the attestation's
+    ``identities`` and expires no later than it.
+
+    Raises:
+        PeerRefused: ``peer_certificate_unknown``.
+        BrokerClientError: ``bad_response`` (no readable ``expires_at``).
+    """
+    digest = hashlib.sha256(leaf.public_bytes(serialization.Encoding.DER)).hexdigest()
+    listed = answer.get("identities")
+    if not isinstance(listed, list) or not any(
+        isinstance(entry, dict) and str(entry.get("sha256", "")).lower() == digest
+        for entry in listed
+    ):
+        raise PeerRefused(
+            "peer_certificate_unknown",
+            f"the broker issued no such certificate on attestation {answer['jti']}",
+        )
+    try:
+        expires_at = datetime.fromisoformat(str(answer.get("expires_at")))
+    except ValueError as exc:
+        raise BrokerClientError(200, "bad_response", "no readable expires_at", {}) from exc
+    if expires_at.tzinfo is None or leaf.not_valid_after_utc > expires_at:
+        raise PeerRefused("peer_certificate_unknown", "the certificate outlives its attestation")
 
 
 def client_error(status: int, answer: Any) -> BrokerClientError:

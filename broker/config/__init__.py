@@ -35,6 +35,7 @@ from broker.config.checks import (
     is_loopback,
     key_store_ref,
 )
+from broker.config.kbs import kbs_settings
 from broker.config.sections import (
     ADMIN_ROLES,
     NONCE_STORE_FORMS,
@@ -43,6 +44,7 @@ from broker.config.sections import (
     AttestSettings,
     AuditSettings,
     IdentitySettings,
+    KbsSettings,
     KeySettings,
     NonceSettings,
     NvidiaSettings,
@@ -87,6 +89,7 @@ __all__ = [
     "AdminSettings",
     "AttestSettings",
     "IdentitySettings",
+    "KbsSettings",
     "AuditSettings",
     "KeySettings",
     "NonceSettings",
@@ -177,6 +180,7 @@ def settings_from_mapping(
         "attest",
         "identity",
         "sealed",
+        "kbs",
         "tdx",
     }
     for key in raw:
@@ -235,6 +239,7 @@ def settings_from_mapping(
         nonces=nonces,
         attest=attest,
         identity=identity,
+        kbs=kbs_settings(raw, env, base_dir),
         tdx=tdx,
     )
     validate_settings(settings)

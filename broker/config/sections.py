@@ -357,6 +357,30 @@ class IdentitySettings:
 
 
 @dataclass(frozen=True)
+class KbsSettings:
+    """``[kbs]``: the KBS protocol facade for Confidential Containers guests (docs/kbs.md,
+    issue 33). Off by default; needs ``[attest] enabled`` (its tokens are attestation results)."""
+
+    enabled: bool = False
+    # DEVELOPMENT ONLY: accept the unsigned `sample` evidence a guest without a TEE sends
+    # (loopback brokers only); off, it is refused with kbs_sample_refused
+    allow_sample_evidence: bool = False
+    session_ttl_seconds: int = 300  # a kbs-session-id cookie lives this long (10..3600)
+    token_ttl_seconds: int = 300  # a guest's token (10..900; never past [attest] keys' reach)
+    # the status of a policy deny: 403 (the guest stops) or 401 (as Trustee: the guest runs
+    # the handshake again, up to 3 times per resource); logged either way
+    deny_status: int = 403
+    # POST /kbs/v0/auth per client address and worker, on top of [server] rate_limit_per_ip:
+    # requests per second (0: off), bursts of auth_rate_burst; past it 429 (ErrorInformation).
+    # Every handshake is a record (~540 bytes): this bounds what one address adds to the log
+    auth_rate_per_ip: float = 10.0
+    auth_rate_burst: int = 20
+    # [kbs.resources] "<repository>/<type>/<tag>" = "<key name>" or "<key name>@<version>";
+    # a path outside it is 404 (parsed by ``load_settings``, not from the environment)
+    resources: tuple[tuple[str, str, int | None], ...] = ()
+
+
+@dataclass(frozen=True)
 class SealedSettings:
     """``[sealed]``: the broker attests itself through the Confidential Space launcher and
     publishes the token at ``/.well-known/broker-attestation`` (docs/api.md). Off by default."""
@@ -388,6 +412,7 @@ class Settings:
     attest: AttestSettings = field(default_factory=AttestSettings)
     identity: IdentitySettings = field(default_factory=IdentitySettings)
     sealed: SealedSettings = field(default_factory=SealedSettings)
+    kbs: KbsSettings = field(default_factory=KbsSettings)
     tdx: TdxSettings = field(default_factory=TdxSettings)
 
 

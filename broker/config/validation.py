@@ -23,6 +23,7 @@ from broker.config.checks import (
     validate_snp,
     validate_tdx,
 )
+from broker.config.kbs import validate_kbs
 from broker.config.sections import ServerSettings, Settings, split_listen
 from broker.core.errors import ConfigError
 from broker.core.hostnames import in_domain
@@ -91,6 +92,7 @@ def validate_settings(settings: Settings) -> None:
     validate_nonces(settings.nonces)
     validate_attest(settings.attest, made_by_broker=makes_keys(settings))
     validate_identity(settings.identity, attest_enabled=settings.attest.enabled)
+    validate_kbs(settings)
     _validate_sealed(settings)
     _validate_kms_access(settings)
     if settings.server.workers > 1 and isinstance(settings.nonces.store_ref, MemoryRef):

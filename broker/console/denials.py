@@ -26,14 +26,20 @@ from broker.audit.envelope import RecordError, parse_record
 from broker.audit.log import DecisionLog
 from broker.audit.outcomes import DENY
 from broker.audit.query import Filters, Row, rows
-from broker.console.reading import Window, filters_of, paging, read, read_record, window_of
+from broker.console.reading import (
+    DECIDING,
+    Window,
+    filters_of,
+    paging,
+    read,
+    read_record,
+    window_of,
+)
 from broker.console.templates import render
 from broker.core.errors import InputError, NotFound
-from broker.core.records import RecordType
 
 TOP = 20
 NEWEST = 50
-DECIDING = frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE})
 
 
 @dataclass

@@ -31,7 +31,15 @@ from broker.audit.envelope import Envelope, KeyDecision
 from broker.audit.log import DecisionLog
 from broker.audit.outcomes import ALLOW, DENY
 from broker.audit.query import Filters, rows
-from broker.console.reading import Window, filters_of, paging, read, window_of
+from broker.console.reading import (
+    ATTESTATIONS,
+    RELEASES,
+    Window,
+    filters_of,
+    paging,
+    read,
+    window_of,
+)
 from broker.console.templates import render
 from broker.core.errors import InputError, UpstreamError
 from broker.core.records import ChangeResult, RecordType
@@ -39,8 +47,7 @@ from broker.core.records import ChangeResult, RecordType
 SHOWN = 100  # attestation results, revocations and key changes listed (the newest)
 LISTED = 5  # images named per key version (the count is exact)
 MAX_STORE_VERSIONS = 1_000  # key versions of the store's list shown
-RELEASES = frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE})
-READ = RELEASES | {RecordType.ATTESTATION, RecordType.ATTESTATION_REVOKED, RecordType.KEY_ADMIN}
+READ = RELEASES | ATTESTATIONS | {RecordType.ATTESTATION_REVOKED, RecordType.KEY_ADMIN}
 
 
 @dataclass
@@ -65,7 +72,7 @@ class KeyUse:
         self.released += 1
         self.last = record
         image = record.identity.get("image_digest")
-        if isinstance(image, str):
+        if isinstance(image, str) and image:  # a KBS guest has none (raw evidence: "")
             self.images[image] += 1
         recipient = record.body.get("runner_key_thumbprint")
         if isinstance(recipient, str):
@@ -100,7 +107,7 @@ class Keys:
             for row in rows(record):
                 if row.key is not None and row.key.key is not None and filters.matches(row):
                     self._release(record, row.key, row.result, jti)
-        elif record.kind is RecordType.ATTESTATION and jti is not None and _passes(record, filters):
+        elif record.kind in ATTESTATIONS and jti is not None and _passes(record, filters):
             self._attestation(jti).record = record
         elif record.kind is RecordType.ATTESTATION_REVOKED and filters.key is None:
             self.revocations.append(record)

@@ -18,11 +18,11 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from broker.audit.envelope import Envelope, RecordError, parse_record
+from broker.audit.envelope import ATTESTING, Envelope, RecordError, parse_record
 from broker.audit.log import DecisionLog
 from broker.audit.query import Filters
 from broker.core.errors import InputError
-from broker.core.records import RecordType
+from broker.core.records import DECISION_TYPES, RecordType
 
 DEFAULT_RECORDS = 20_000  # a page's window when ``records`` is not given
 MAX_RECORDS = 100_000  # the most records one page reads (bench/console_bench.py measures it)
@@ -30,6 +30,11 @@ PAGE = 2_000
 MAX_FILTER_CHARS = 256
 MAX_INDEX_DIGITS = 12
 FILTERS = ("key", "image", "replica")
+# what the timeline counts and the deny page lists: every decision (a KBS handshake's too)
+DECIDING = DECISION_TYPES | {RecordType.KBS_AUTH}
+# a key released (or refused): to a runner, on an attestation result, to a KBS guest
+RELEASES = frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.KBS_RESOURCE})
+ATTESTATIONS = frozenset(ATTESTING)  # a result issued: a runner's or a KBS guest's
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,13 @@ from broker.audit.envelope import Envelope
 from broker.audit.log import DecisionLog
 from broker.audit.outcomes import RESULTS
 from broker.audit.query import Filters, rows
-from broker.console.reading import Window, filters_of, paging, read, window_of
+from broker.console.reading import DECIDING, Window, filters_of, paging, read, window_of
 from broker.console.templates import render
 from broker.core.errors import InputError
 from broker.core.records import RecordType
 
 INTERVALS = (60, 300, 900, 3600, 6 * 3600, 86400)  # seconds
 MAX_BUCKETS = 200
-DECIDING = frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE})
 MARKERS = frozenset({RecordType.POLICY_CHANGE, RecordType.POLICY_RELOAD_FAILED})
 
 

@@ -163,6 +163,25 @@ class ErrorCode(StrEnum):
     SNP_VMPL_REFUSED = "snp_vmpl_refused"
     SNP_VEK_MISSING = "snp_vek_missing"
     SNP_KDS_UNAVAILABLE = "snp_kds_unavailable"
+    # the KBS protocol facade (issue 33, docs/kbs.md): answered as Trustee's ErrorInformation.
+    # A handshake in another protocol version; a guest TEE with no verifier here; the unsigned
+    # sample evidence while [kbs] allow_sample_evidence is off; a session cookie that is absent,
+    # forged, expired or another session's; a session not (or no longer) attested; evidence
+    # whose report data binds another key, nonce or additional evidence; init-data whose digest
+    # is not the evidence's MRCONFIGID / HOST_DATA; a resource request with neither cookie nor
+    # Bearer token, or a token that is not this broker's KBS token; a resource path outside
+    # [kbs.resources] (404)
+    KBS_VERSION_MISMATCH = "kbs_version_mismatch"
+    KBS_TEE_UNSUPPORTED = "kbs_tee_unsupported"
+    KBS_SAMPLE_REFUSED = "kbs_sample_refused"
+    KBS_SESSION_INVALID = "kbs_session_invalid"
+    KBS_SESSION_EXPIRED = "kbs_session_expired"
+    KBS_SESSION_NOT_ATTESTED = "kbs_session_not_attested"
+    KBS_REPORT_DATA_MISMATCH = "kbs_report_data_mismatch"
+    KBS_INIT_DATA_MISMATCH = "kbs_init_data_mismatch"
+    KBS_TOKEN_MISSING = "kbs_token_missing"
+    KBS_TOKEN_INVALID = "kbs_token_invalid"
+    KBS_RESOURCE_NOT_FOUND = "kbs_resource_not_found"
 
 
 class BrokerError(Exception):

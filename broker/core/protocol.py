@@ -18,3 +18,20 @@ class Algorithm(StrEnum):
 # input. Only the broker writes the policy input, so a runner cannot choose the package.
 ATTEST_KIND = "attest"
 IDENTITY_KIND = "identity"  # input.request.kind of a workload certificate (data.broker.identity)
+# One part of a KBS resource path ``<repository>/<type>/<tag>`` the facade serves (docs/kbs.md):
+# the request parser and the ``[kbs.resources]`` check share it
+KBS_PATH_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+# Intel's TCB statuses a verified TDX quote can carry (Revoked is refused before any policy), and
+# the SEV-SNP products whose AMD roots the broker pins: the verifiers and the KBS policy data's
+# shape check (``policy/kbs_data.py``) share them.
+TDX_TCB_STATUSES = frozenset(
+    {
+        "UpToDate",
+        "SWHardeningNeeded",
+        "ConfigurationNeeded",
+        "ConfigurationAndSWHardeningNeeded",
+        "OutOfDate",
+        "OutOfDateConfigurationNeeded",
+    }
+)
+SNP_PRODUCTS = ("Milan", "Genoa", "Turin")

@@ -24,6 +24,11 @@ class RecordType(StrEnum):
     ATTESTATION_REVOKED = "attestation_revoked"
     IDENTITY = "identity"  # a workload certificate (X.509-SVID) on an attestation result
     IDENTITY_CA = "identity_ca"  # the workload-certificate CA in force changed (a rotation)
+    # the KBS protocol facade (docs/kbs.md): a guest's handshake, its attestation (a result
+    # bound to its tee-pubkey), and a resource released to it
+    KBS_AUTH = "kbs_auth"
+    KBS_ATTEST = "kbs_attest"
+    KBS_RESOURCE = "kbs_resource"
     POLICY_CHANGE = "policy_change"
     POLICY_RELOAD_FAILED = "policy_reload_failed"
     KEY_ADMIN = "key_admin"
@@ -50,7 +55,14 @@ CHANGE_INTENT = "intent"
 KNOWN_TYPES = frozenset(t.value for t in RecordType if t is not RecordType.UNKNOWN)
 # records of a policy decision (``broker policy replay`` re-decides them)
 DECISION_TYPES = frozenset(
-    {RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.ATTESTATION, RecordType.IDENTITY}
+    {
+        RecordType.RELEASE,
+        RecordType.ATTESTED_RELEASE,
+        RecordType.ATTESTATION,
+        RecordType.IDENTITY,
+        RecordType.KBS_ATTEST,
+        RecordType.KBS_RESOURCE,
+    }
 )
 
 

@@ -18,11 +18,13 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from broker.core.encoding import b64url_encode, canonical
@@ -35,9 +37,13 @@ from broker.crypto.jwk import public_jwk, thumbprint
 # and refuses the whole certificate for a 128-bit arc (go-spiffe could not load our SVIDs)
 ATTESTATION_OID = x509.ObjectIdentifier("1.3.6.1.4.1.32473.32.1")
 MAX_CSR_BYTES = 8 * 1024
+# a leaf is valid from this long before it was issued (never before its CA): a peer whose clock
+# is a little behind the broker's accepts it at once
+NOT_BEFORE_BACKDATE = timedelta(seconds=30)
 # a SPIFFE ID path: segments of [A-Za-z0-9._-], no empty, "." or ".." segment (SPIFFE ID §2.2)
-_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
-_TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]{1,255}$")
+# (``fullmatch`` only: ``$`` also matches before a trailing newline)
+_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+_TRUST_DOMAIN = re.compile(r"[a-z0-9._-]{1,255}")
 # ecdsa-with-SHA256 (RFC 5758 §3.2): the AlgorithmIdentifier of every certificate signed here
 _ECDSA_SHA256 = bytes.fromhex("300a06082a8648ce3d040302")
 
@@ -49,20 +55,25 @@ class CsrRefused(InputError):
 
 
 def valid_trust_domain(name: str) -> bool:
-    return bool(_TRUST_DOMAIN.match(name)) and "." not in (name[0], name[-1])
+    """A SPIFFE trust domain name (SPIFFE ID §2.1): lower-case letters, digits, ``.``, ``-``
+    and ``_``, 1 to 255 characters, neither starting nor ending with a dot."""
+    return bool(_TRUST_DOMAIN.fullmatch(name)) and "." not in (name[0], name[-1])
 
 
 def spiffe_id(trust_domain: str, path: str) -> str:
     """``spiffe://<trust domain>/<path>``.
 
     Raises:
-        ValueError: ``path`` is not a SPIFFE ID path (empty, a bad segment, a wildcard).
+        ValueError: ``trust_domain`` is no trust domain name, or ``path`` is not a SPIFFE ID
+            path (empty, a bad segment, a wildcard).
     """
+    if not valid_trust_domain(trust_domain):
+        raise ValueError(f"{trust_domain[:300]!r} is not a SPIFFE trust domain name")
     segments = path.strip("/").split("/") if path.strip("/") else []
     if not segments or len(path) > 2048:
         raise ValueError("the SPIFFE ID path is empty or too long")
     for segment in segments:
-        if segment in (".", "..") or not _SEGMENT.match(segment):
+        if segment in (".", "..") or not _SEGMENT.fullmatch(segment):
             raise ValueError(f"the SPIFFE ID path segment {segment!r} is not allowed")
     return f"spiffe://{trust_domain}/{'/'.join(segments)}"
 
@@ -71,7 +82,8 @@ def load_csr(text: str) -> x509.CertificateSigningRequest:
     """A PKCS#10 CSR as PEM or standard/url-safe base64 of its DER.
 
     Raises:
-        CsrRefused: ``csr_invalid`` (not a CSR), ``csr_signature_invalid``.
+        CsrRefused: ``csr_invalid`` (not a CSR), ``csr_key_invalid`` (a key algorithm or curve
+            ``cryptography`` cannot read), ``csr_signature_invalid``.
     """
     if len(text) > MAX_CSR_BYTES * 2:
         raise CsrRefused(f"csr is longer than {MAX_CSR_BYTES} bytes")
@@ -83,7 +95,14 @@ def load_csr(text: str) -> x509.CertificateSigningRequest:
             csr = x509.load_der_x509_csr(base64.b64decode(raw + "=" * (-len(raw) % 4)))
     except (ValueError, UnicodeEncodeError, binascii.Error) as exc:
         raise CsrRefused("csr is not a PKCS#10 request (PEM or base64 DER)") from exc
-    if not csr.is_signature_valid:
+    _readable_key(csr)  # an unknown key algorithm or curve: the key's fault, before its signature
+    try:
+        signed = csr.is_signature_valid
+    except UnsupportedAlgorithm as exc:
+        raise CsrRefused(
+            "the CSR's signature algorithm is not supported", code=ErrorCode.CSR_SIGNATURE_INVALID
+        ) from exc
+    if not signed:
         raise CsrRefused(
             "the CSR's signature does not verify with its own key",
             code=ErrorCode.CSR_SIGNATURE_INVALID,
@@ -97,10 +116,7 @@ def csr_key(csr: x509.CertificateSigningRequest, pop_thumbprint: str) -> ec.Elli
     Raises:
         CsrRefused: ``csr_key_invalid`` (another kind of key), ``csr_key_is_pop_key``.
     """
-    try:
-        key = csr.public_key()
-    except ValueError as exc:
-        raise CsrRefused("the CSR's key cannot be read", code=ErrorCode.CSR_KEY_INVALID) from exc
+    key = _readable_key(csr)
     if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
         raise CsrRefused("the CSR's key must be an EC P-256 key", code=ErrorCode.CSR_KEY_INVALID)
     if thumbprint(public_jwk(key)) == pop_thumbprint:
@@ -110,6 +126,19 @@ def csr_key(csr: x509.CertificateSigningRequest, pop_thumbprint: str) -> ec.Elli
             code=ErrorCode.CSR_KEY_IS_POP_KEY,
         )
     return key
+
+
+def _readable_key(csr: x509.CertificateSigningRequest) -> CertificatePublicKeyTypes:
+    """Raises: CsrRefused ``csr_key_invalid``: a key ``cryptography`` cannot read (an unknown
+    algorithm or curve OID is ``UnsupportedAlgorithm``, not ``ValueError``)."""
+    try:
+        return csr.public_key()
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise CsrRefused(
+            "the CSR's key cannot be read (an unsupported algorithm or curve): make an EC P-256 "
+            "key",
+            code=ErrorCode.CSR_KEY_INVALID,
+        ) from exc
 
 
 def csr_names(csr: x509.CertificateSigningRequest) -> list[str]:
@@ -222,28 +251,55 @@ def pem(certificates: Sequence[x509.Certificate]) -> str:
     return "".join(c.public_bytes(serialization.Encoding.PEM).decode() for c in certificates)
 
 
+# the JWK ``crv`` of each curve an authority's key may be on (RFC 7518 §6.2.1.1)
+_JWK_CURVES = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
+MIN_RSA_BITS = 2048
+
+
+def authority_jwk(authority: x509.Certificate) -> dict[str, str]:
+    """The public JWK (RFC 7517/7518 members) of an X.509 authority's key: EC P-256, P-384 or
+    P-521 (``x`` and ``y`` padded to the curve's size, RFC 7518 §6.2.1.2), or RSA of at least
+    ``MIN_RSA_BITS`` bits.
+
+    Raises:
+        ValueError: any other key (another curve, Ed25519, a short RSA key): ``load_ca``
+            refuses such an authority at start-up.
+    """
+    key = authority.public_key()
+    if isinstance(key, rsa.RSAPublicKey) and key.key_size >= MIN_RSA_BITS:
+        return public_jwk(key)
+    if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _JWK_CURVES:
+        numbers = key.public_numbers()
+        size = (key.curve.key_size + 7) // 8
+        return {
+            "crv": _JWK_CURVES[key.curve.name],
+            "kty": "EC",
+            "x": b64url_encode(numbers.x.to_bytes(size, "big")),
+            "y": b64url_encode(numbers.y.to_bytes(size, "big")),
+        }
+    kind = key.curve.name if isinstance(key, ec.EllipticCurvePublicKey) else type(key).__name__
+    raise ValueError(
+        f"an authority's key must be EC P-256, P-384, P-521 or RSA of at least {MIN_RSA_BITS} "
+        f"bits, not {kind}"
+    )
+
+
 def bundle_jwks(
     authorities: Sequence[x509.Certificate], *, sequence: int, refresh: int
 ) -> dict[str, object]:
     """The SPIFFE bundle (SPIFFE Trust Domain and Bundle §4): one ``x509-svid`` JWK per X.509
-    authority, its certificate in ``x5c``."""
-    keys = []
-    for authority in authorities:
-        key = authority.public_key()
-        if not isinstance(key, ec.EllipticCurvePublicKey):
-            continue
-        numbers = key.public_numbers()
-        size = (key.curve.key_size + 7) // 8
-        keys.append(
-            {
-                "kty": "EC",
-                "crv": "P-256" if key.curve.name == "secp256r1" else key.curve.name,
-                "x": b64url_encode(numbers.x.to_bytes(size, "big")),
-                "y": b64url_encode(numbers.y.to_bytes(size, "big")),
-                "use": "x509-svid",
-                "x5c": [
-                    base64.b64encode(authority.public_bytes(serialization.Encoding.DER)).decode()
-                ],
-            }
-        )
+    authority (``authority_jwk``), its certificate in ``x5c``, in the order given (the PEM form
+    lists the same authorities in the same order).
+
+    Raises:
+        ValueError: an authority whose key ``authority_jwk`` does not express.
+    """
+    keys = [
+        {
+            **authority_jwk(authority),
+            "use": "x509-svid",
+            "x5c": [base64.b64encode(authority.public_bytes(serialization.Encoding.DER)).decode()],
+        }
+        for authority in authorities
+    ]
     return {"spiffe_sequence": sequence, "spiffe_refresh_hint": refresh, "keys": keys}

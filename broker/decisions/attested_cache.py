@@ -259,14 +259,27 @@ def signed_content(ear: PresentedEar, entry: AttestationEntry) -> RunnerKey:
         raise AttestationError(
             "the result lacks this broker's claim", code=ErrorCode.TOKEN_CLAIM_INVALID
         )
+    check_signed_entry(entry, ear.jti, ear.pop_thumbprint, own.get("input_digest"))
+    return parse_runner_key(dict(own["encryption_key"]))
+
+
+def check_signed_entry(
+    entry: AttestationEntry, jti: str, key_thumbprint: str, input_digest: Any
+) -> None:
+    """The stored entry is the one the signed result ``jti`` was made with: the key thumbprint
+    it stores (a PoP key's; a KBS guest's ``tee-pubkey``) and the digest of its claims are the
+    signed ones (also for ``decisions/kbs_resource.py``).
+
+    Raises:
+        UpstreamError: ``attestation_store_mismatch``.
+    """
     stored = "sha256:" + hashlib.sha256(canonical(entry.policy_input)).hexdigest()
-    if entry.pop_thumbprint != ear.pop_thumbprint or own.get("input_digest") != stored:
-        log.error("attestation %s: the stored entry does not match the signed result", ear.jti)
+    if entry.pop_thumbprint != key_thumbprint or input_digest != stored:
+        log.error("attestation %s: the stored entry does not match the signed result", jti)
         raise UpstreamError(
             "the stored attestation does not match the signed result; attest again",
             code=ErrorCode.ATTESTATION_STORE_MISMATCH,
         )
-    return parse_runner_key(dict(own["encryption_key"]))
 
 
 def attestation_identity(entry: AttestationEntry) -> dict[str, Any]:

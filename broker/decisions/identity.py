@@ -13,11 +13,21 @@ Order, for every request whose body parsed:
 6. the **current** identity policy (``data.broker.identity``) on the attestation's stored input:
    allowed, with a SPIFFE ID path; the CSR may name no URI but that very SPIFFE ID
    (``identity_not_allowed``); nothing else it asks for is copied;
-7. the leaf built to the X.509-SVID profile, living until the first of: now + ``[identity]
-   max_lifetime_seconds``, the result's expiry, the CA's expiry; signed by the CA's key;
-8. one ``identity`` record (the attestation's jti and log index, the proof's jti, the SPIFFE
-   ID, serial, expiry, the policy's digest, reasons and masked input): what ``broker policy
-   replay`` re-decides (``policy/identity.py`` reads the policy's answer for both).
+7. the CA's chain valid now (``identity_ca_unavailable``); the leaf built to the X.509-SVID
+   profile, valid from ``NOT_BEFORE_BACKDATE`` ago (a peer's clock a little behind ours; never
+   before the CA) until the first of: now + ``[identity] max_lifetime_seconds``, the result's
+   expiry, the CA's expiry; signed by the CA's key and verified with its certificate before
+   anything else (``identity_ca_unavailable``);
+8. the leaf listed on its result in the shared attestation store (serial, SPIFFE ID, SHA-256,
+   expiry: ``GET /v1/attestations/{jti}`` answers them, so a peer can tell it from a leaf the
+   CA key signed elsewhere), in the update that reads the result's status again: a result
+   revoked or expired meanwhile gets none; a store that does not answer, none (503);
+9. one ``identity`` record (the attestation's jti and log index, the proof's jti, the SPIFFE
+   ID, serial, SHA-256, expiry, the policy's digest, reasons and masked input): what ``broker
+   policy replay`` re-decides (``policy/identity.py`` reads the policy's answer for both).
+
+A leaf listed in step 8 whose record the log then does not take is never answered (the kernel
+withdraws it): it stays listed, harmless, as no one holds it (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -30,15 +40,19 @@ from functools import cached_property
 from typing import Any
 
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from broker.attestation.claims import SCHEMA
+from broker.attestation.issued import IssuedCertificate
+from broker.attestation.stored import REVOKED, note_certificate
 from broker.audit.log import Appended
-from broker.core.errors import ErrorCode, InputError, PolicyDenied
+from broker.core.errors import AttestationError, ErrorCode, InputError, PolicyDenied
 from broker.core.protocol import IDENTITY_KIND
 from broker.core.records import RecordType
 from broker.crypto.jwk import public_jwk, thumbprint
 from broker.crypto.svid import (
+    NOT_BEFORE_BACKDATE,
     LeafProfile,
     csr_key,
     csr_names,
@@ -99,6 +113,7 @@ class IdentityFacts(Admitted):
     # the broker's reasons for a deny the policy did not give (a path that is no SPIFFE ID)
     refused: tuple[str, ...] = ()
     profile: LeafProfile | None = None
+    sha256: str | None = None  # the signed leaf's DER, hex
     issued: bool = False
 
 
@@ -170,27 +185,69 @@ class IdentityPlan(
                 f"the CSR names another identity than {named}; this attestation holds only that one"
             )
             raise refused
-        not_after = min(
-            now + self.ca.max_lifetime, ear.expires_at, self.ca.issuer.not_valid_after_utc
-        )
+        return await self._issued(facts, key, named, decision.policy_digest, now)
+
+    async def _issued(
+        self,
+        facts: IdentityFacts,
+        key: ec.EllipticCurvePublicKey,
+        named: str,
+        policy_digest: str,
+        now: datetime,
+    ) -> IssuedIdentity:
+        """Steps 7 and 8: the leaf made, signed, verified and listed on its result."""
+        ear = facts.ear
+        assert ear is not None  # noqa: S101 - admitted before
+        self.ca.check_valid(now)
+        # whole seconds, as X.509 keeps them (floored: never past the EAR nor the CA)
+        not_after = min(now + self.ca.max_lifetime, ear.expires_at, self.ca.valid_until)
         facts.profile = profile = LeafProfile(
             spiffe_id=named,
-            not_before=now,
-            not_after=not_after,
+            not_before=max(now - NOT_BEFORE_BACKDATE, self.ca.valid_from).replace(microsecond=0),
+            not_after=not_after.replace(microsecond=0),
             serial=new_serial(),
             attestation_jti=ear.jti,
-            policy_digest=decision.policy_digest,
+            policy_digest=policy_digest,
         )
         leaf = await self.ca.sign(leaf_tbs(profile, key, self.ca.issuer))
+        facts.sha256 = leaf.fingerprint(hashes.SHA256()).hex()
+        await self._listed(ear.jti, profile, facts.sha256, now)
         facts.issued = True
         return IssuedIdentity(
             spiffe_id=named,
             certificates=(leaf, *self.ca.intermediates),
             serial=profile.serial,
-            not_after=not_after,
+            not_after=profile.not_after,
             attestation=ear.jti,
-            policy_digest=decision.policy_digest,
+            policy_digest=policy_digest,
         )
+
+    async def _listed(self, jti: str, profile: LeafProfile, sha256: str, now: datetime) -> None:
+        """Step 8: the leaf listed on its result, which is still active.
+
+        Raises:
+            AttestationError: ``attestation_revoked``, ``attestation_unknown`` (meanwhile).
+            UpstreamError: the store's (``nonce_store_unavailable``,
+                ``attestation_store_mismatch``).
+        """
+        listed = IssuedCertificate(
+            serial=format(profile.serial, "x"),
+            spiffe_id=profile.spiffe_id,
+            sha256=sha256,
+            not_after=profile.not_after,
+        )
+        entry = await note_certificate(self.store, jti, listed, now)
+        if entry is None:
+            raise AttestationError(
+                "this attestation result expired while its certificate was made; attest again",
+                code=ErrorCode.ATTESTATION_UNKNOWN,
+            )
+        if entry.status == REVOKED:
+            raise AttestationError(
+                f"this attestation result was revoked: {entry.reason}",
+                code=ErrorCode.ATTESTATION_REVOKED,
+                reason=entry.reason,
+            )
 
     async def placed(
         self, case: IdentityCase, answer: IssuedIdentity, appended: Appended
@@ -221,6 +278,7 @@ class IdentityPlan(
             if facts.csr_key is None
             else thumbprint(public_jwk(facts.csr_key)),
             "serial": None if issued is None else format(issued.serial, "x"),
+            "sha256": None if issued is None else facts.sha256,
             "not_after": None if issued is None else issued.not_after.isoformat(),
             **decided,
         }

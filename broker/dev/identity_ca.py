@@ -59,9 +59,13 @@ def _ca(
         ]
     )
     issuer_name, issuer_key = issuer if isinstance(issuer, tuple) else (subject, issuer)
+    builder = x509.CertificateBuilder()
+    if isinstance(issuer, tuple):  # RFC 5280 §4.2.1.1: names its root among same-named ones
+        builder = builder.add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), False
+        )
     return (
-        x509.CertificateBuilder()
-        .subject_name(subject)
+        builder.subject_name(subject)
         .issuer_name(issuer_name)
         .public_key(key)
         .serial_number(x509.random_serial_number())

@@ -61,6 +61,7 @@ def write_dev_workspace(
         "release.rego",
         "attest.rego",
         "identity.rego",
+        "kbs.rego",
     ):  # the shipped policies, tests aside
         (policies / module).write_bytes((SHIPPED_POLICIES / "broker" / module).read_bytes())
     data = json.loads((SHIPPED_POLICIES / "broker" / "data.json").read_text(encoding="utf-8"))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.policy.bundle import PolicySource
+from broker.policy.kbs_data import check_kbs_data
 from broker.policy.sprintf import Unsupported, check_template
 from broker.policy.wasm import PolicyLoadError
 
@@ -69,7 +70,18 @@ ATTEST_MODULE = "broker/attest.rego"  # optional: without it no attestation resu
 ATTEST_PACKAGE = ("broker", "attest")
 IDENTITY_MODULE = "broker/identity.rego"  # optional: without it no workload certificate
 IDENTITY_PACKAGE = ("broker", "identity")
-MAIN_DATA_RESERVED = frozenset({"release", "attest", "identity", "key_policies"})  # rules, not data
+# optional: the Confidential Containers guest rules release.rego and attest.rego share, in a
+# package of its own so that a team's own release.rego leaves the attestation policy working.
+KBS_MODULE = "broker/kbs.rego"
+KBS_PACKAGE = ("broker", "kbs")
+# The modules whose file name fixes their package; every other module is a per-key policy.
+FIXED_PACKAGES = {
+    MAIN_MODULE: MAIN_PACKAGE,
+    ATTEST_MODULE: ATTEST_PACKAGE,
+    IDENTITY_MODULE: IDENTITY_PACKAGE,
+    KBS_MODULE: KBS_PACKAGE,
+}
+MAIN_DATA_RESERVED = frozenset({"release", "attest", "identity", "kbs", "key_policies"})  # rules
 RESTRICTION_DATA = ("broker", "key_requirements")  # where other data files may add
 
 
@@ -92,12 +104,15 @@ def check_structure(source: PolicySource, staged: Path, *, opa: Path) -> None:
 
     * ``broker/release.rego`` is ``package broker.release``, ``broker/attest.rego`` (optional,
       the attestation policy) ``package broker.attest``, ``broker/identity.rego`` (optional,
-      the workload identity policy) ``package broker.identity``; every other module (tests aside)
+      the workload identity policy) ``package broker.identity``, ``broker/kbs.rego`` (optional,
+      the KBS guest rules the others share) ``package broker.kbs``; every other module (tests aside)
       is in ``package broker.key_policies.<name>``, so each rule head it has — plain, ref head,
       written through an ``import`` alias — lies under ``data.broker.key_policies.<name>``
       (checked on OPA's parsed AST of the staged bytes, rule by rule);
     * ``broker/data.json`` is the security team's data (allow-lists) and defines none of
-      ``release``, ``attest`` and ``key_policies``; every other data file mounts under
+      ``release``, ``attest`` and ``key_policies``; its KBS members have their shape
+      (``kbs_data.check_kbs_data``: a reference without measurements is refused); every other
+      data file mounts under
       ``data.broker.key_requirements``, which the release policy reads only as requirements;
     * every ``sprintf`` (tests included) has a literal template inside the subset of verbs
       that OPA and the broker's engine render alike (``sprintf.py``).
@@ -127,7 +142,7 @@ def check_bundle_structure(
       decision wrapper (the same AST as ``WRAPPER``: OPA's ``opa build -b`` reformats it);
     * every other module passes the rules of ``check_structure`` (a bundle holds no tests);
     * its merged ``data.json`` has only ``data.broker``, which defines none of ``release``,
-      ``attest`` and ``key_policies``.
+      ``attest`` and ``key_policies``, and whose KBS members have their shape.
 
     Raises:
         PolicyLoadError: naming the bundle, the file and the rule or key.
@@ -147,8 +162,7 @@ def check_bundle_structure(
             continue
         module = _module_ast(staged / name, opa)
         _check_sprintf(f"{source}: {name}", module)
-        _check_module(f"{source}: {name}", module, main=name == MAIN_MODULE,
-                      attest=name == ATTEST_MODULE, identity=name == IDENTITY_MODULE)  # fmt: skip
+        _check_module(f"{source}: {name}", module, fixed=FIXED_PACKAGES.get(name))
     outside = sorted(set(data) - {"broker"})
     if outside:
         raise PolicyLoadError(
@@ -162,32 +176,20 @@ def check_bundle_structure(
         raise PolicyLoadError(
             f"{source}: data.json defines data.broker.{reserved[0]}, which only Rego modules define"
         )
+    check_kbs_data(f"{source}: data.json", broker)
 
 
 def _check_module(
-    name: str,
-    module: Mapping[str, Any],
-    *,
-    main: bool | None = None,
-    attest: bool | None = None,
-    identity: bool | None = None,
+    name: str, module: Mapping[str, Any], *, fixed: tuple[str, ...] | None = None
 ) -> None:
-    """One decision module's package and rule heads (``check_structure``'s first rule)."""
-    main = name == MAIN_MODULE if main is None else main
-    attest = name == ATTEST_MODULE if attest is None else attest
-    identity = name == IDENTITY_MODULE if identity is None else identity
+    """One decision module's package and rule heads (``check_structure``'s first rule):
+    ``fixed`` is the package its file name requires (``FIXED_PACKAGES``; looked up from
+    ``name`` when not given), else it is a per-key policy."""
+    fixed = FIXED_PACKAGES.get(name) if fixed is None else fixed
     package, heads = _package_and_heads(module)
-    if main:
-        if package != MAIN_PACKAGE:
-            raise PolicyLoadError(f"{name}: must be package broker.release")
-        return
-    if attest:
-        if package != ATTEST_PACKAGE:
-            raise PolicyLoadError(f"{name}: must be package broker.attest")
-        return
-    if identity:
-        if package != IDENTITY_PACKAGE:
-            raise PolicyLoadError(f"{name}: must be package broker.identity")
+    if fixed is not None:
+        if package != fixed:
+            raise PolicyLoadError(f"{name}: must be package {'.'.join(fixed)}")
         return
     if package[:2] != KEY_POLICIES or len(package) < 3:
         raise PolicyLoadError(
@@ -220,6 +222,7 @@ def _check_data_file(name: str, value: dict[str, Any]) -> None:
             raise PolicyLoadError(
                 f"{name}: defines data.broker.{reserved[0]}, which only Rego modules define"
             )
+        check_kbs_data(name, value)
         return
     if directory[: len(RESTRICTION_DATA)] != RESTRICTION_DATA:
         raise PolicyLoadError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -22,9 +23,10 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from broker.core.errors import ConfigError, ErrorCode, UpstreamError
 from broker.core.records import RecordType
 from broker.crypto.jwk import public_jwk, thumbprint
-from broker.crypto.svid import assemble, bundle_jwks, pem
+from broker.crypto.svid import assemble, authority_jwk, bundle_jwks, pem
 from broker.signers.results import ResultSigner
 
+log = logging.getLogger(__name__)
 BUNDLE_REFRESH_SECONDS = 300  # spiffe_refresh_hint: a peer re-reads the bundle this often
 
 
@@ -42,6 +44,48 @@ class IdentityCa:
     @property
     def issuer(self) -> x509.Certificate:
         return self.chain[0]
+
+    @property
+    def valid_from(self) -> datetime:
+        """When every certificate of the issuing chain is valid (the latest ``notBefore``)."""
+        return max(c.not_valid_before_utc for c in self.chain)
+
+    @property
+    def valid_until(self) -> datetime:
+        """When the first certificate of the issuing chain expires: no leaf lives past it."""
+        return min(c.not_valid_after_utc for c in self.chain)
+
+    def check_valid(self, now: datetime) -> None:
+        """The issuing chain is valid at ``now`` (``load_ca`` refused one that was not at
+        start-up; it may expire while the broker runs).
+
+        Raises:
+            UpstreamError: ``identity_ca_unavailable``: nothing can be issued until the CA is
+                rotated (a leaf under an expired or not yet valid CA verifies nowhere).
+        """
+        if self.valid_from <= now < self.valid_until:
+            return
+        log.warning("identity CA: %s", self.expiry_warning(now))
+        raise UpstreamError(
+            "the identity CA's certificate is not valid now; the operator must rotate it",
+            code=ErrorCode.IDENTITY_CA_UNAVAILABLE,
+        )
+
+    def expiry_warning(self, now: datetime) -> str | None:
+        """What an operator must hear about the CA's validity at ``now`` (logged; ``/readyz``
+        warns): not yet valid or expired (nothing is issued), or expiring within
+        ``max_lifetime`` (each leaf is cut short at its expiry); ``None`` when all is well."""
+        until = self.valid_until.isoformat()
+        if now < self.valid_from:
+            return f"the identity CA is not valid before {self.valid_from.isoformat()}"
+        if now >= self.valid_until:
+            return f"the identity CA expired at {until}: no workload certificate is issued"
+        if self.valid_until - now <= self.max_lifetime:
+            return (
+                f"the identity CA expires at {until}, within max_lifetime_seconds: "
+                "certificates are cut short; rotate it"
+            )
+        return None
 
     @property
     def intermediates(self) -> tuple[x509.Certificate, ...]:
@@ -114,7 +158,20 @@ class IdentityCa:
                 code=ErrorCode.IDENTITY_CA_UNAVAILABLE,
             )
         signature = encode_dss_signature(int.from_bytes(raw[:32]), int.from_bytes(raw[32:]))
-        return assemble(tbs, signature)
+        try:  # what the key service signed is checked before anyone gets it (a wrong key
+            # version, a corrupted answer): a certificate that verifies nowhere is never issued
+            certificate = assemble(tbs, signature)
+            certificate.verify_directly_issued_by(self.issuer)
+        except (ValueError, TypeError, InvalidSignature) as exc:
+            log.error(  # noqa: TRY400 - the key service's answer, not a bug: no traceback
+                "identity CA: the signed leaf does not verify with the CA certificate's key: %r",
+                exc,
+            )
+            raise UpstreamError(
+                "the identity CA's key signed a certificate its CA certificate does not verify",
+                code=ErrorCode.IDENTITY_CA_UNAVAILABLE,
+            ) from exc
+        return certificate
 
 
 def load_ca(
@@ -124,9 +181,17 @@ def load_ca(
     chain_file: Path,
     previous_files: Sequence[Path],
     max_lifetime: timedelta,
+    now: datetime,
 ) -> IdentityCa:
-    """Raises: ConfigError naming the setting: an unreadable chain, a first certificate that is
-    no CA or whose key is not ``signer``'s, a chain that does not chain."""
+    """The CA, checked at ``now``; a warning is logged when it expires within
+    ``max_lifetime``.
+
+    Raises:
+        ConfigError: naming the setting: an unreadable chain, a first certificate that is no
+            CA or whose key is not ``signer``'s, a chain that does not chain, a certificate of
+            the chain not valid at ``now``, an authority the JWKS bundle cannot carry
+            (``svid.authority_jwk``).
+    """
     chain = tuple(_certificates(chain_file, "identity.ca_certificates"))
     previous = tuple(
         c for f in previous_files for c in _certificates(f, "identity.previous_ca_certificates")
@@ -156,7 +221,41 @@ def load_ca(
                 "identity.ca_certificates",
                 "the certificates do not chain in order (CA first, root last)",
             ) from exc
-    return IdentityCa(trust_domain, signer, chain, previous, max_lifetime)
+    _valid_now(chain, now)
+    _expressible(chain[-1:], "identity.ca_certificates")
+    _expressible(previous, "identity.previous_ca_certificates")
+    ca = IdentityCa(trust_domain, signer, chain, previous, max_lifetime)
+    warning = ca.expiry_warning(now)
+    if warning is not None:
+        log.warning("identity CA: %s", warning)
+    return ca
+
+
+def _valid_now(chain: Sequence[x509.Certificate], now: datetime) -> None:
+    """Raises: ConfigError: a certificate of the issuing chain expired or not yet valid (every
+    issuance would fail, or hand out certificates no peer accepts yet)."""
+    for certificate in chain:
+        subject = certificate.subject.rfc4514_string()
+        if now >= certificate.not_valid_after_utc:
+            raise ConfigError(
+                "identity.ca_certificates",
+                f"{subject!r} expired at {certificate.not_valid_after_utc.isoformat()}: rotate "
+                "the CA (docs/api.md, Rotating the CA)",
+            )
+        if now < certificate.not_valid_before_utc:
+            raise ConfigError(
+                "identity.ca_certificates",
+                f"{subject!r} is not valid before {certificate.not_valid_before_utc.isoformat()}",
+            )
+
+
+def _expressible(authorities: Sequence[x509.Certificate], setting: str) -> None:
+    """Raises: ConfigError: an authority whose key the JWKS bundle cannot carry."""
+    for authority in authorities:
+        try:
+            authority_jwk(authority)
+        except ValueError as exc:
+            raise ConfigError(setting, str(exc)) from exc
 
 
 def _described(certificate: x509.Certificate) -> dict[str, str]:

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from broker.core.sqlite_wal import connect_wal
+
 Unavailable = Callable[[str, BaseException], Exception]  # (store kind, cause) -> the 503 to raise
 
 
@@ -64,9 +66,7 @@ class SqliteThread:
     def _db(self) -> sqlite3.Connection:
         if self._connection is None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self._path, timeout=self._timeout, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
+            db = connect_wal(self._path, timeout=self._timeout)
             db.executescript(self._schema)
             self._connection = db
         return self._connection

@@ -8,6 +8,8 @@ package broker.attest
 
 import rego.v1
 
+import data.broker.kbs
+
 default allow := false
 
 allow if {
@@ -15,6 +17,13 @@ allow if {
 	production_image
 	hardware_tee
 	image_known
+}
+
+# A Confidential Containers guest over the KBS protocol (docs/kbs.md) gets a result when some key
+# may be released to it (data.broker.kbs_guests, below).
+allow if {
+	kbs.production
+	kbs_guest_known
 }
 
 confidential_space if {
@@ -25,8 +34,11 @@ confidential_space if {
 production_image if {
 	input.tee.debug == false
 	input.tee.secure_boot == true
-	data.broker.required_support in input.tee.software.support
+	supported_release
 }
+
+# Positive helper (not `not x in y` on an input field: see release.rego).
+supported_release if data.broker.required_support in input.tee.software.support
 
 hardware_tee if input.tee.technology in data.broker.hardware_tees
 
@@ -36,25 +48,80 @@ image_known if {
 	input.tee.workload.image_digest in data.broker.images[key]
 }
 
-reasons contains "evidence is not a Confidential Space attestation" if not confidential_space
+reasons contains "evidence is not a Confidential Space attestation" if {
+	not kbs.guest
+	not confidential_space
+}
 
 reasons contains "debug image: a production Confidential Space image is required" if {
+	not kbs.guest
 	input.tee.debug != false
 }
 
-reasons contains "secure boot is not on" if not input.tee.secure_boot == true
+reasons contains "secure boot is not on" if {
+	not kbs.guest
+	not input.tee.secure_boot == true
+}
 
 reasons contains msg if {
-	not data.broker.required_support in input.tee.software.support
+	not kbs.guest
+	not supported_release
 	msg := sprintf("image lacks the %s support attribute", [data.broker.required_support])
 }
 
 reasons contains msg if {
+	not kbs.guest
 	not hardware_tee
 	msg := sprintf("technology '%v' is not an allowed hardware TEE", [input.tee.technology])
 }
 
 reasons contains msg if {
+	not kbs.guest
 	not image_known
 	msg := sprintf("image %s is not allowed for any key", [input.tee.workload.image_digest])
+}
+
+# --- Confidential Containers guests (the KBS facade, docs/kbs.md) -------------------------------
+# Raw evidence the broker verified itself, not debug, that one of some key's references in
+# data.broker.kbs_guests matches: measurements and TCB judged by kbs.rego's functions
+# (reference_matches: its comment says how), the same release.rego asks, so they cannot drift.
+kbs_guest_known if {
+	some key
+	some reference in data.broker.kbs_guests[key]
+	kbs.reference_matches(reference)
+}
+
+kbs_guest_measured if {
+	some key
+	some reference in data.broker.kbs_guests[key]
+	kbs.measured(reference)
+}
+
+reasons contains "KBS guest: debug, or evidence the broker did not verify" if {
+	kbs.guest
+	not kbs.production
+}
+
+reasons contains msg if {
+	kbs.production
+	not kbs_guest_measured
+	msg := sprintf("KBS guest (%v) with these measurements is not allowed for any key", [input.tee.technology])
+}
+
+reasons contains msg if {
+	kbs.production
+	not kbs_guest_known
+	some key
+	some reference in data.broker.kbs_guests[key]
+	kbs.measured(reference)
+	not kbs.tcb_acceptable(reference)
+	msg := kbs.tcb_refusal(reference)
+}
+
+reasons contains msg if {
+	kbs.guest
+	some key
+	some reference in data.broker.kbs_guests[key]
+	not kbs.reference_valid(reference)
+	msg := sprintf("key %v: a kbs_guests reference is not an object of technology, non-empty measurements and optionally tcb_statuses, snp_min_tcb: it matches nothing", [key])
 }

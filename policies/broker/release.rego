@@ -6,6 +6,8 @@ package broker.release
 
 import rego.v1
 
+import data.broker.kbs
+
 default allow := false
 
 allow if {
@@ -15,6 +17,17 @@ allow if {
 	image_allowed
 	gpus_acceptable
 	count(key_requirement_failures) == 0
+	count(key_policy_denials) == 0
+}
+
+# A Confidential Containers guest over the KBS protocol (docs/kbs.md): its measurements on the
+# key's references (below) instead of an image digest; GPUs and per-key policies as for any
+# runner. A key with requirements (key_requirements: Confidential Space fields) is never
+# released to one: its evidence has none of the fields they test.
+allow if {
+	kbs_guest_allowed
+	gpus_acceptable
+	not data.broker.key_requirements[input.request.key]
 	count(key_policy_denials) == 0
 }
 
@@ -28,33 +41,48 @@ confidential_space if {
 production_image if {
 	input.tee.debug == false
 	input.tee.secure_boot == true
-	data.broker.required_support in input.tee.software.support
+	supported_release
 }
+
+# Positive helpers: `not x in y` is never used on a field of the input. OPA evaluates a call's
+# arguments outside the `not`, so when `x` is missing the whole rule is undefined (it neither
+# denies nor explains); `not helper` is true when the field is missing.
+supported_release if data.broker.required_support in input.tee.software.support
 
 hardware_tee if input.tee.technology in data.broker.hardware_tees
 
 # The workload's image digest is on the allow-list of the requested key.
 image_allowed if input.tee.workload.image_digest in data.broker.images[input.request.key]
 
-reasons contains "evidence is not a Confidential Space attestation" if not confidential_space
+reasons contains "evidence is not a Confidential Space attestation" if {
+	not kbs.guest
+	not confidential_space
+}
 
 reasons contains "debug image: a production Confidential Space image is required" if {
+	not kbs.guest
 	input.tee.debug != false
 }
 
-reasons contains "secure boot is not on" if not input.tee.secure_boot == true
+reasons contains "secure boot is not on" if {
+	not kbs.guest
+	not input.tee.secure_boot == true
+}
 
 reasons contains msg if {
-	not data.broker.required_support in input.tee.software.support
+	not kbs.guest
+	not supported_release
 	msg := sprintf("image lacks the %s support attribute", [data.broker.required_support])
 }
 
 reasons contains msg if {
+	not kbs.guest
 	not hardware_tee
 	msg := sprintf("technology '%v' is not an allowed hardware TEE", [input.tee.technology])
 }
 
 reasons contains msg if {
+	not kbs.guest
 	not image_allowed
 	msg := sprintf("image %s is not allowed for key %s", [
 		input.tee.workload.image_digest,
@@ -98,7 +126,7 @@ reasons contains msg if {
 
 # A GPU is acceptable only if every condition holds (a missing field fails its condition).
 gpu_ok(gpu) if {
-	gpu.arch in {"HOPPER", "BLACKWELL"}
+	gpu_arch_allowed(gpu)
 	gpu.cc_mode == "on"
 	gpu.debug == false
 	gpu.measurements == "match"
@@ -107,11 +135,13 @@ gpu_ok(gpu) if {
 	version_at_least(gpu.driver_version, gpu_policy.min_driver)
 }
 
+gpu_arch_allowed(gpu) if gpu.arch in {"HOPPER", "BLACKWELL"}
+
 # Reasons name what failed; they explain a deny, they never cause an allow.
 reasons contains msg if {
 	gpu_policy
 	some gpu in input.gpus
-	not gpu.arch in {"HOPPER", "BLACKWELL"}
+	not gpu_arch_allowed(gpu)
 	msg := sprintf("GPU %v: architecture %v is not allowed", [object.get(gpu, "id", null), object.get(gpu, "arch", null)])
 }
 
@@ -222,13 +252,17 @@ signed_by_allowed_signer if {
 
 key_requirement_failures contains "projects" if {
 	key_requirements.projects
-	not input.tee.platform.project_id in key_requirements.projects
+	not in_allowed_project
 }
+
+in_allowed_project if input.tee.platform.project_id in key_requirements.projects
 
 key_requirement_failures contains "zones" if {
 	key_requirements.zones
-	not input.tee.platform.zone in key_requirements.zones
+	not in_allowed_zone
 }
+
+in_allowed_zone if input.tee.platform.zone in key_requirements.zones
 
 key_requirement_failures contains "restart_policy" if {
 	key_requirements.restart_policy
@@ -270,3 +304,53 @@ key_policy_denials contains reason if {
 }
 
 reasons contains reason if some reason in key_policy_denials
+
+# --- Confidential Containers guests (the KBS facade, docs/kbs.md) -------------------------------
+# A guest whose evidence matches one of data.broker.kbs_guests[<key>]'s references: measurements
+# and TCB as kbs.rego judges them (its comment says how).
+kbs_guest_allowed if {
+	kbs.production
+	some reference in data.broker.kbs_guests[input.request.key]
+	kbs.reference_matches(reference)
+}
+
+reasons contains "KBS guest: debug, or evidence the broker did not verify" if {
+	kbs.guest
+	not kbs.production
+}
+
+reasons contains msg if {
+	kbs.guest
+	data.broker.key_requirements[input.request.key]
+	msg := sprintf("key %v has requirements only a Confidential Space runner can meet", [input.request.key])
+}
+
+reasons contains msg if {
+	kbs.guest
+	some reference in data.broker.kbs_guests[input.request.key]
+	not kbs.reference_valid(reference)
+	msg := sprintf("key %v: a kbs_guests reference is not an object of technology, non-empty measurements and optionally tcb_statuses, snp_min_tcb: it matches nothing", [input.request.key])
+}
+
+reasons contains msg if {
+	kbs.production
+	not kbs_measured_for_key
+	msg := sprintf("KBS guest (%v) with these measurements is not allowed for key %v", [
+		input.tee.technology,
+		input.request.key,
+	])
+}
+
+kbs_measured_for_key if {
+	some reference in data.broker.kbs_guests[input.request.key]
+	kbs.measured(reference)
+}
+
+reasons contains msg if {
+	kbs.production
+	not kbs_guest_allowed
+	some reference in data.broker.kbs_guests[input.request.key]
+	kbs.measured(reference)
+	not kbs.tcb_acceptable(reference)
+	msg := kbs.tcb_refusal(reference)
+}

@@ -23,7 +23,7 @@ from broker.policy.build import compile_policy_dir
 from broker.policy.testing import find_opa
 from tests.integration.conftest import RunningBroker
 from tests.integration.every_record import every_kind_of_record
-from tests.integration.identity import identity_broker
+from tests.integration.kbs import every_record_broker
 from tests.support.constants import KEY
 
 AUDITOR_TOKEN = "console-auditor-token-7c1e9a"
@@ -121,10 +121,10 @@ class Browser:
 
 
 async def every_kind_broker(start_broker: Callable[..., Any]) -> tuple[RunningBroker, str]:
-    """A console broker with attestation and workload certificates on, holding every kind of
+    """A console broker with attestation, workload certificates and KBS on, holding every kind of
     record a live broker writes, and a refusal whose reason holds a script; the jti of the
     attestation result it revoked."""
-    broker = await identity_broker(
+    broker = await every_record_broker(
         start_broker, extra_toml=CONSOLE_TOML, workdir_setup=with_xss_reason
     )
     jti = await every_kind_of_record(broker)

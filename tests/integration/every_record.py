@@ -25,6 +25,7 @@ from broker.keys.store.base import KeyVersionRecord
 from tests.integration.attested import DENIED_KEY, Runner, admin_post
 from tests.integration.conftest import RunningBroker
 from tests.integration.identity import ask_identity, make_csr
+from tests.integration.kbs import kbs_records
 from tests.support.constants import KEY
 
 EXTRA_KEY = "models/feeds-extra"
@@ -32,7 +33,7 @@ NEWER_TYPE = "from_a_newer_broker"  # a record type this version does not know
 
 
 async def every_kind_of_record(broker: RunningBroker) -> str:
-    """Drive a live broker (``identity_broker``: attestation and workload certificates on)
+    """Drive a live broker (``every_record_broker``: attestation, workload certificates, KBS on)
     through every decision and change it records; the attestation's jti (it is revoked)."""
     async with broker.client() as client:
         await client.release(KEY, broker.token_source())  # release allow
@@ -51,6 +52,8 @@ async def every_kind_of_record(broker: RunningBroker) -> str:
         if broker.settings.identity.enabled:  # identity allow: a workload certificate
             status, body, _ = await ask_identity(runner, session, make_csr()[1])
             assert status == 201, body
+    if broker.settings.kbs.enabled:  # kbs_auth, kbs_attest, kbs_resource allow and deny
+        await kbs_records(broker)
     status, body = await admin_post(
         broker, "/v1/admin/keys", {"name": EXTRA_KEY, "purpose": "model-weights"}
     )

@@ -1,6 +1,7 @@
 """The attestation store's contract on every backend, against real servers where there is one
 (redis-server and PostgreSQL on loopback): put, get, revoke (the first reason stays), expiry,
-two clients of one store (replicas) seeing each other's revocation, an entry whose revocation
+two clients of one store (replicas) seeing each other's revocation, workload certificates
+listed by several replicas at once (none lost), an entry whose revocation
 record is owed kept past its expiry until the record is written, and 503 when the store is
 down — never an attestation treated as active."""
 
@@ -18,6 +19,7 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
+from broker.attestation.issued import IssuedCertificate
 from broker.attestation.stored import (
     ACTIVE,
     RECORD_GRACE,
@@ -26,6 +28,7 @@ from broker.attestation.stored import (
     AttestationStore,
     claim_record,
     hand_over,
+    note_certificate,
     note_log_index,
     record_written,
     revoke,
@@ -206,6 +209,33 @@ async def test_concurrent_revocations_keep_one_reason(
     assert final.pending_record is not None
     i = final.pending_record["who"].removeprefix("admin ")
     assert final.pending_record["reason"] == final.reason == f"reason {i}"  # the winner's record
+
+
+async def test_concurrent_certificates_are_each_listed_once(
+    uri: str, stores: Callable[[], AttestationStore]
+) -> None:
+    """Issue 32: eight replicas list a workload certificate each on one result at once; the
+    atomic update loses none, and none is listed once the result is revoked."""
+    store = stores()
+    shared = entry()
+    await store.put(shared)
+    clients = [store] * 8 if uri == "memory" else [stores() for _ in range(8)]  # replicas
+
+    def issued(n: int) -> IssuedCertificate:
+        return IssuedCertificate(
+            format(n + 1, "x"), "spiffe://td/w", f"{n:064x}", shared.expires_at
+        )
+
+    await asyncio.gather(
+        *(note_certificate(c, shared.jti, issued(n), NOW) for n, c in enumerate(clients))
+    )
+    listed = await store.get(shared.jti, NOW)
+    assert listed is not None
+    assert sorted(c.sha256 for c in listed.identities) == [f"{n:064x}" for n in range(8)]
+    await revoke(clients[-1], shared.jti, "revoked", NOW, who="admin")
+    after = await note_certificate(store, shared.jti, issued(8), NOW)
+    assert after is not None
+    assert (after.status, len(after.identities)) == (REVOKED, 8)
 
 
 async def test_an_entry_owing_its_record_is_kept_past_its_expiry(

@@ -25,7 +25,8 @@ from tests.integration.every_record import (
     with_a_key_rotation,
     with_a_repair,
 )
-from tests.integration.identity import SPIFFE_ID, identity_broker
+from tests.integration.identity import SPIFFE_ID
+from tests.integration.kbs import RESOURCE, UNMAPPED, every_record_broker
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
 from tests.support.syslog import syslog_collector
@@ -76,7 +77,7 @@ async def test_feeds_report_each_key_and_every_record_type(
     messages: list[bytes] = []
     transport, port = await syslog_collector(messages)
     try:
-        broker = await identity_broker(
+        broker = await every_record_broker(
             start_broker, environ={"BROKER_AUDIT_SINK": f"syslog://127.0.0.1:{port}"}
         )
         jti = await every_kind_of_record(broker)
@@ -296,6 +297,37 @@ def _check_repair(record: dict[str, Any], produced: list[dict[str, Any]], _: str
     assert event["unmapped"]["removed_sha256"] == record["removed_sha256"]
 
 
+def _check_kbs_auth(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
+    session = record["kbs"]["session"]
+    assert session is not None
+    assert event["resources"] == [{"type": "kbs_session", "uid": session}]
+    assert event["actor"] == {"user": {"uid": None, "name": "sample"}, "session": {"uid": session}}
+    assert event["unmapped"]["kbs"] == record["kbs"]
+
+
+def _check_kbs_attest(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
+    assert event["resources"] == [{"type": "attestation", "uid": record["jti"]}]
+    assert event["actor"]["session"] == {"uid": record["jti"]}
+    assert event["unmapped"]["kbs"]["tee"] == "sample"
+    assert event["unmapped"]["expires_at"] == record["expires_at"]
+
+
+def _check_kbs_resource(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    allowed = record["result"] == "allow"
+    assert (event["activity_id"], event["status_id"]) == (2, 1 if allowed else 2)
+    assert event["status_code"] == record["code"]
+    named = [{"type": "key", "name": KEY, "version": "1", "uid": record["kid"]}]
+    assert event["resources"] == (named if allowed else [])  # refused before its key: none
+    assert event["actor"]["session"] == {"uid": record["attestation"]["jti"]}
+    assert event["unmapped"]["kbs"]["path"] == (RESOURCE if allowed else UNMAPPED)
+    assert event["unmapped"]["attestation_log_index"] == record["attestation"]["log_index"]
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], str], None]] = {
     "release": _check_release,
     "attested_release": _check_attested,
@@ -308,5 +340,8 @@ CHECKS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], str], None]] =
     "log_key_rotation": _check_key_rotation,
     "identity": _check_identity,
     "identity_ca": _check_identity_ca,
+    "kbs_auth": _check_kbs_auth,
+    "kbs_attest": _check_kbs_attest,
+    "kbs_resource": _check_kbs_resource,
 }
 ADMIN_DIGEST = hashlib.sha256(ADMIN.encode()).hexdigest()

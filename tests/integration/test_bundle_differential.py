@@ -530,7 +530,8 @@ def test_build_is_reproducible_and_names_no_temporary_path(tmp_path: Path) -> No
     files = opa_bundle.unpack(first, source="built")
     assert sorted(files) == [
         ".manifest", ".signatures.json", "broker/attest.rego", "broker/identity.rego",
-        "broker/release.rego", "broker_internal/decision.rego", "data.json", "policy.wasm",
+        "broker/kbs.rego", "broker/release.rego", "broker_internal/decision.rego", "data.json",
+        "policy.wasm",
     ]  # fmt: skip
     assert json.loads(files[".manifest"])["revision"] == "c0ffee"
     with tarfile.open(fileobj=io.BytesIO(first), mode="r:gz") as archive:

@@ -57,16 +57,31 @@ def allows(files: dict[str, bytes]) -> object:
     ("extra", "says"),
     [
         ({"broker/widen.rego": WIDENING_MODULE}, "package broker.release is not allowed"),
+        (  # a second module in the KBS rules' package: every KBS guest "production"
+            {"broker/extra.rego": "package broker.kbs\n\nimport rego.v1\n\nproduction := true\n"},
+            "package broker.kbs is not allowed",
+        ),
         ({"broker_internal/decision.rego": ALLOW_ALL_WRAPPER}, "not the broker's decision wrapper"),
         ({"data.json": '{"broker_internal": {}}'}, "data.json defines data.broker_internal"),
+        (  # a KBS reference without measurements: every TDX guest would match it
+            {"data.json": '{"broker": {"kbs_guests": {"models/x": [{"technology": "tdx"}]}}}'},
+            "data.broker.kbs_guests['models/x'][0] needs measurements",
+        ),
     ],
-    ids=["second-allow-in-broker.release", "allow-all-wrapper", "data-outside-data.broker"],
+    ids=[
+        "second-allow-in-broker.release",
+        "second-module-in-broker.kbs",
+        "allow-all-wrapper",
+        "data-outside-data.broker",
+        "kbs-reference-without-measurements",
+    ],
 )
 def test_opa_built_bundle_that_widens_allow_is_refused_at_load(
     extra: dict[str, str], says: str, tmp_path: Path
 ) -> None:
     files = opa_built(SHIPPED, extra)
-    if "data.json" not in extra:  # the attack is real: OPA's build of it allows the key
+    if "data.json" not in extra and "broker/extra.rego" not in extra:
+        # the attack is real: OPA's build of it allows the key (a KBS guest's, for extra.rego)
         assert allows(files) is True
     verify = signing_keys(tmp_path)
     raw = signed(files, tmp_path / "sign.pem", Freshness(version=2, expires=FAR_FUTURE))

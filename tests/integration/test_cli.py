@@ -186,10 +186,11 @@ def test_demo_runs_end_to_end(demo: tuple[Path, str]) -> None:
     _, stdout = demo
     assert "denied 403 policy_denied" in stdout
     assert (
-        "decision log verified: 21 records (create, create ok, create, create ok, "
+        "decision log verified: 24 records (create, create ok, create, create ok, "
         "weights-encrypt, policy_change, identity_ca, "
         "allow, deny, attestation allow, attested_release allow, attestation allow, "
-        "identity allow, attestation allow, identity allow, policy_change, "
+        "identity allow, attestation allow, identity allow, kbs_auth allow, kbs_attest allow, "
+        "kbs_resource allow, policy_change, "
         "attestation_revoked, attestation_revoked, attestation_revoked, deny, "
         "attested_release deny)" in stdout
     )
@@ -198,6 +199,9 @@ def test_demo_runs_end_to_end(demo: tuple[Path, str]) -> None:
     assert "over mTLS, each checked the other's SPIFFE ID: spiffe://" in stdout
     assert "got 'layer 5 activations'" in stdout
     assert "a third, unattested client is refused at the handshake" in stdout
+    # issue 33: a Confidential Containers guest fetches the demo key over the KBS protocol
+    assert "[kbs] a CoCo guest (sample evidence: DEVELOPMENT switch) ran /kbs/v0/auth" in stdout
+    assert "decrypts to models/demo-llama v1" in stdout
     assert "the formerly allowed image is now denied" in stdout
     # attest once: the weights key and a query key on one result, then revoked by the reload
     assert "released models/demo-llama v1 (AES-256) on it with a DPoP proof" in stdout

@@ -63,7 +63,8 @@ def link_distribution(name: str, site: Path) -> None:
     tops = set()
     for file in dist.files or []:
         top = file.parts[0]
-        if top.endswith((".dist-info", ".pth")) or top in {"..", "__pycache__"}:
+        # the metadata too: a package may read its own (dcap-qvl: importlib.metadata.version)
+        if top.endswith(".pth") or top in {"..", "__pycache__"}:
             continue
         tops.add(top)
     for top in tops:

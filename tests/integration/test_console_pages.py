@@ -56,16 +56,17 @@ async def test_every_page_renders_over_every_kind_of_record(
         found = tables(page)
         by_version = {(row[0], row[1]): row for row in found["key-versions"]}
         released = by_version[(KEY, "1")]
-        # a release, a release on the result, and its key of a partial one; one refused (the
-        # script reason); one image; two recipient keys (the release's, the result's); one result
-        assert released[3:7] == ["3", "1", f"1 {ALLOWED} {TIMES}3", "2"]
-        assert released[7] == "1"
+        # a release, a release on the result, its key of a partial one, a KBS guest's resource;
+        # one refused (the script reason); one image (a KBS guest has none); three recipient
+        # keys (the release's, the result's, the guest's tee-pubkey); two results
+        assert released[3:7] == ["4", "1", f"1 {ALLOWED} {TIMES}3", "3"]
+        assert released[7] == "2"
         assert by_version[(DENIED_KEY, "1")][3:5] == ["0", "3"]
         never = {(row[0], row[1]) for row in found["never-released"]}
         assert {(DENIED_KEY, "1"), (EXTRA_KEY, "1")} <= never
         assert (KEY, "1") not in never
         attestations = {row[0]: row for row in found["attestations"]}
-        assert len(attestations) == 2  # the SDK's (revoked), the hand-made runner's
+        assert len(attestations) == 3  # the SDK's (revoked), the hand-made runner's, the guest's
         assert attestations[jti][3] == f"{KEY} v1 {TIMES}2"
         assert "by token:" in attestations[jti][4]
         assert "feeds test" in attestations[jti][4]

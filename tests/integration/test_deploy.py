@@ -195,7 +195,7 @@ def test_the_shipped_config_is_a_valid_broker_config(tmp_path: Path) -> None:
     assert mounts["challenge-key"] == "/etc/broker/challenge"
     assert secrets["challenge-key"] == "broker-challenge-key"
     policies = one("overlays/production", "ConfigMap", name=_generated("broker-policies"))
-    assert set(policies["data"]) == {"release.rego", "data.json"}
+    assert set(policies["data"]) == {"release.rego", "kbs.rego", "data.json"}
 
 
 ONE_EDIT = "../../../policies/broker/key_policies/mistral.rego"

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from broker.crypto.svid import ATTESTATION_OID, attestation_of
+from broker.crypto.svid import ATTESTATION_OID, NOT_BEFORE_BACKDATE, attestation_of
 from tests.integration.attested import Runner, admin_post, mint
 from tests.integration.identity import (
     SPIFFE_ID,
@@ -45,7 +45,6 @@ def _check_profile(leaf: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> N
     san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.UniformResourceIdentifier) == [SPIFFE_ID]
     assert len(list(san)) == 1
-    assert "*" not in SPIFFE_ID
     constraints = leaf.extensions.get_extension_for_class(x509.BasicConstraints)
     assert constraints.critical
     assert constraints.value.ca is False
@@ -88,21 +87,25 @@ async def test_an_attested_runner_gets_an_svid_that_chains_to_the_bundle(
     verifier = x509.verification.PolicyBuilder().store(store).build_client_verifier()
     verified = verifier.verify(leaf, intermediates)
     assert [str(u.value) for u in verified.subjects or ()] == [SPIFFE_ID]
-    # lifetime: at most the EAR's remaining life (ttl 120 s here), never the 1 h cap
+    # lifetime: at most the EAR's remaining life (ttl 120 s here), never the 1 h cap; valid
+    # from 30 s before the request (a peer's clock a little behind), X.509's whole seconds
     ear = json.loads(base64.urlsafe_b64decode(runner.token.split(".")[1] + "=="))
-    assert leaf.not_valid_after_utc <= datetime.fromtimestamp(ear["exp"], UTC)
-    assert leaf.not_valid_after_utc - leaf.not_valid_before_utc <= timedelta(seconds=120)
+    assert leaf.not_valid_after_utc == datetime.fromtimestamp(ear["exp"], UTC)
+    (record,) = _identity_records(broker)
+    asked = datetime.fromisoformat(record["time"])
+    assert leaf.not_valid_before_utc == (asked - NOT_BEFORE_BACKDATE).replace(microsecond=0)
+    assert leaf.not_valid_after_utc - asked <= timedelta(seconds=120)
     # the private extension: non-critical, the attestation's jti and the policy's digest
     extension = leaf.extensions.get_extension_for_oid(ATTESTATION_OID)
     assert extension.critical is False
     carried = json.loads(extension.value.value)  # type: ignore[attr-defined]
     assert attestation_of(leaf) == extension.value.value  # type: ignore[attr-defined]
     assert carried == {"jti": ear["jti"], "policy_digest": body["policy_digest"]}
-    (record,) = _identity_records(broker)
     assert record["result"] == "allow"
     assert record["code"] is None
     assert record["spiffe_id"] == SPIFFE_ID
     assert record["serial"] == format(leaf.serial_number, "x") == body["serial"]
+    assert record["sha256"] == leaf.fingerprint(hashes.SHA256()).hex()
     assert record["attestation"]["jti"] == ear["jti"]
     assert isinstance(record["attestation"]["log_index"], int)
     assert record["policy_digest"] == body["policy_digest"]
@@ -119,6 +122,7 @@ async def _refused(
     assert len(records) == before + 1, body  # every refusal that reached the broker: a record
     assert records[-1]["code"] == body["error"]["code"]
     assert records[-1]["serial"] is None
+    assert records[-1]["sha256"] is None
     assert records[-1]["result"] != "allow"
     return status, body["error"]["code"], records[-1]
 
@@ -159,6 +163,9 @@ async def test_hostile_requests_are_refused_each_with_its_own_code(
             .decode()
         )
         assert (await _refused(broker, runner, session, csr384))[:2] == (400, "csr_key_invalid")
+        # a key algorithm cryptography does not know (was a 500 internal_error)
+        unknown = _unknown_key_algorithm(good)
+        assert (await _refused(broker, runner, session, unknown))[:2] == (400, "csr_key_invalid")
         # the EAR without a proof
         status, code, _ = await _refused(broker, runner, session, good, proof=None)
         assert (status, code) == (401, "dpop_proof_invalid")
@@ -189,6 +196,14 @@ async def test_hostile_requests_are_refused_each_with_its_own_code(
         assert record["attestation"]["jti"] == jti
 
 
+def _unknown_key_algorithm(csr: str) -> str:
+    """``csr`` with its key's algorithm id-ecPublicKey (1.2.840.10045.2.1) made
+    1.2.840.10045.2.5, as base64 DER (its signature no longer matters: the key is read first)."""
+    der = bytearray(x509.load_pem_x509_csr(csr.encode()).public_bytes(serialization.Encoding.DER))
+    der[der.find(bytes.fromhex("06072a8648ce3d0201")) + 8] = 0x05
+    return base64.b64encode(bytes(der)).decode()
+
+
 async def test_an_image_the_policy_maps_to_no_identity_gets_none(
     start_broker: Callable[..., Any],
 ) -> None:
@@ -210,15 +225,42 @@ async def test_an_image_the_policy_maps_to_no_identity_gets_none(
     assert record["spiffe_id"] is None
 
 
+async def test_a_wildcard_path_from_the_policy_gives_no_identity(
+    start_broker: Callable[..., Any],
+) -> None:
+    """X509-SVID §2: no wildcards. A policy (or its data) that maps an image to a path with
+    ``*`` gets no certificate for it: the broker refuses the path, whatever the policy says."""
+    broker = await identity_broker(start_broker)
+    data_file = broker.workdir / "policies" / "broker" / "data.json"
+    data = json.loads(data_file.read_text())
+    data["identities"] = dict.fromkeys(data["identities"], "shards/*")
+    data_file.write_text(json.dumps(data))
+    status, body = await admin_post(broker, "/v1/admin/policy/reload")
+    assert status == 200, body
+    async with aiohttp.ClientSession() as session:
+        runner = Runner(broker)
+        await runner.attest(session)
+        status, code, record = await _refused(broker, runner, session, make_csr()[1])
+    assert (status, code) == (403, "identity_denied")
+    assert record["reasons"] == [
+        "the identity policy's spiffe_path: the SPIFFE ID path segment '*' is not allowed"
+    ]
+
+
 async def test_identity_is_off_by_default(start_broker: Callable[..., Any]) -> None:
     from tests.integration.attested import attest_broker  # noqa: PLC0415
 
     broker = await attest_broker(start_broker)
     async with aiohttp.ClientSession() as session:
-        for path in ("/v1/identity/bundle",):
-            async with session.get(broker.url + path, ssl=broker.client_tls) as response:
-                assert response.status == 404
-                assert (await response.json())["error"]["code"] == "not_found"
+        async with session.get(broker.url + "/v1/identity/bundle", ssl=broker.client_tls) as got:
+            assert got.status == 404
+            assert (await got.json())["error"]["code"] == "not_found"
+        runner = Runner(broker)
+        await runner.attest(session)  # a live result: only [identity] being off refuses it
+        status, body, _ = await ask_identity(runner, session, make_csr()[1])
+    assert status == 404, body
+    assert body["error"]["code"] == "not_found"
+    assert not [r for r in broker.records() if r["type"] == "identity"]
 
 
 @pytest.mark.parametrize("form", ["der-base64"])

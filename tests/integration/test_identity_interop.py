@@ -24,15 +24,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from broker.crypto.svid import bundle_jwks
 from broker.dev.identity_ca import make_dev_identity_ca
 from broker.dev.workspace import private_pem
-from tests.integration.attested import Runner
+from tests.integration.attested import Runner, attest_broker
 from tests.integration.identity import (
+    IDENTITY_TOML,
     SPIFFE_ID,
     TRUST_DOMAIN,
     ask_identity,
     bundle,
     identity_broker,
     make_csr,
+    with_identity,
 )
+from tests.support.identity_cas import make_issuing_ca
 
 PROGRAM = Path(__file__).resolve().parents[1] / "interop" / "spiffe"
 
@@ -116,6 +119,39 @@ def _check_with_go(
     )
     assert code == 1
     assert "svid" in out
+
+
+@pytest.mark.parametrize("root", ["P-384", "P-521", "RSA-3072"])
+async def test_go_spiffe_accepts_the_bundle_of_a_root_of_another_key_kind(
+    start_broker: Callable[..., Any], spiffeverify: Path, tmp_path: Path, root: str
+) -> None:
+    """The operator's root need not be P-256 (the intermediate that signs is): its JWK in the
+    served bundle is what go-jose reads (was: a P-384 root published as ``crv: "secp384r1"``,
+    which go-spiffe refused, and an RSA root left out, so no SVID verified)."""
+
+    def setup(workdir: Path) -> None:
+        with_identity(workdir)
+        make_issuing_ca(datetime.now(UTC), root=root).write(workdir / "identity")
+
+    broker = await attest_broker(start_broker, extra_toml=IDENTITY_TOML, workdir_setup=setup)
+    async with aiohttp.ClientSession() as session:
+        runner = Runner(broker)
+        await runner.attest(session)
+        key, csr = make_csr()
+        status, body, _ = await ask_identity(runner, session, csr)
+        assert status == 201, body
+        jwks = await bundle(broker, session)
+    (jwk,) = jwks["keys"]
+    assert (jwk["kty"], jwk.get("crv")) == (
+        ("RSA", None) if root.startswith("RSA") else ("EC", root)
+    )
+    files = {name: tmp_path / name for name in ("bundle.json", "chain.pem", "key.pem")}
+    files["bundle.json"].write_text(json.dumps(jwks))
+    files["chain.pem"].write_text(body["certificates"])
+    files["key.pem"].write_bytes(private_pem(key))
+    args = (files["bundle.json"], files["chain.pem"], files["key.pem"])
+    code, out = await asyncio.to_thread(_verify, spiffeverify, TRUST_DOMAIN, *args)
+    assert (code, out) == (0, json.dumps({"id": SPIFFE_ID}, separators=(",", ":")))
 
 
 def _jwks_of(root: Path) -> dict[str, object]:

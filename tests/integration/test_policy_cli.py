@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,24 @@ def test_check_refuses_a_module_that_widens_access(tmp_path: Path) -> None:
     refused = run("policy", "check", str(policies))
     assert refused.returncode == 2
     assert "broker/backdoor.rego: package broker.release is not allowed" in refused.stderr
+
+
+def test_check_refuses_a_kbs_reference_without_measurements(tmp_path: Path) -> None:
+    """It would match every guest of its technology: refused before any guest asks, naming it
+    (the shipped policy also lets it match nothing)."""
+    for guests in (
+        {"models/llama": [{"technology": "tdx"}]},
+        {"models/llama": [{"technology": "tdx", "measurement": {"mrtd": "aa"}}]},
+    ):
+        policies = copy_policy(tmp_path / "p", kbs_guests=guests)
+        refused = run("policy", "check", str(policies))
+        assert refused.returncode == 2, refused.stdout
+        assert "broker/data.json: data.broker.kbs_guests['models/llama'][0]" in refused.stderr
+        shutil.rmtree(policies)
+    pinned = {"models/llama": [{"technology": "tdx", "measurements": {"mrtd": "aa"}}]}
+    assert (
+        run("policy", "check", str(copy_policy(tmp_path / "p", kbs_guests=pinned))).returncode == 0
+    )
 
 
 def test_fmt_check_fails_on_unformatted_rego(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ from tests.integration.every_record import (
     every_kind_of_record,
     with_a_repair,
 )
-from tests.integration.identity import identity_broker
+from tests.integration.kbs import every_record_broker
 from tests.integration.test_audit_feeds import CHECKS, written_types
 from tests.support.cli import Ran, run
 from tests.support.constants import KEY
@@ -58,6 +58,10 @@ SEVERITY = {
     ("attestation_revoked", None): 5,
     ("identity", "allow"): 6,
     ("identity_ca", None): 5,  # the CA in force changed
+    ("kbs_auth", "allow"): 6,
+    ("kbs_attest", "allow"): 6,
+    ("kbs_resource", "allow"): 6,
+    ("kbs_resource", "deny"): 4,
     ("policy_change", None): 5,
     ("key_admin", None): 5,  # a key change's intent (or a read: backup, weights-*)
     ("key_admin", "ok"): 5,  # its outcome: made
@@ -89,7 +93,7 @@ async def _rotate_and_publish(log: Path) -> str:
 async def test_every_reader_reads_every_record_type(
     start_broker: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    broker = await identity_broker(start_broker)
+    broker = await every_record_broker(start_broker)
     jti = await every_kind_of_record(broker)
     await a_bug_after_the_first_key(broker, monkeypatch)
     log = tmp_path / "decisions.log"
@@ -165,7 +169,7 @@ def _rows(*args: str) -> list[dict[str, Any]]:
 
 
 def _query(log: Path, records: list[dict[str, Any]], jti: str) -> None:
-    releases = [r for r in records if r["type"] in ("release", "attested_release")]
+    releases = [r for r in records if r["type"] in ("release", "attested_release", "kbs_resource")]
     by_key = _rows(str(log), "--key", KEY)
     assert [r["index"] for r in by_key] == [r["index"] for r in releases if KEY in _named_keys(r)]
     assert {r["key"] for r in by_key} == {KEY}
@@ -204,12 +208,13 @@ def _query(log: Path, records: list[dict[str, Any]], jti: str) -> None:
 
 def _replay(log: Path, policies: Path) -> None:
     lines = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies)))
-    # 2 full-evidence releases, 3 attestations, 4 keys decided on results and 1 workload
-    # certificate, all re-decided the same; skipped: the key withdrawn by the bug (error), the
-    # key it never decided, the release refused before its key
+    # 2 full-evidence releases, 3 attestations, 4 keys decided on results, 1 workload
+    # certificate, a KBS guest's attestation and its resource, all re-decided the same; skipped:
+    # the key withdrawn by the bug (error), the key it never decided, the release and the KBS
+    # resource refused before their key
     assert lines[-1]["summary"] == {
-        "decisions": 10, "unchanged": 10, "allow_to_deny": 0, "deny_to_allow": 0,
-        "spiffe_id_changed": 0, "reasons_changed": 0, "skipped": 3,
+        "decisions": 12, "unchanged": 12, "allow_to_deny": 0, "deny_to_allow": 0,
+        "spiffe_id_changed": 0, "reasons_changed": 0, "skipped": 4,
     }  # fmt: skip
     denied = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies),
                      "--key", DENIED_KEY))  # fmt: skip
@@ -255,7 +260,7 @@ def _an_unknown_type_is_read_as_unknown(log: Path, known: int, policies: Path) -
     rows = _rows(str(log), "--who", "broker v99")
     assert [r["type"] for r in rows] == ["from_a_newer_broker"]
     replayed = _ok(run("policy", "replay", "--log", str(log), "--policy", str(policies)))
-    assert replayed[-1]["summary"]["decisions"] == 10  # not a decision it can re-decide
+    assert replayed[-1]["summary"]["decisions"] == 12  # not a decision it can re-decide
     assert syslog_message(line).startswith(b"<37>1 ")  # auth, notice
     with pytest.raises(RecordError, match="not a record"):
         parse_record(b"[1]")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,13 @@ from aiohttp import web
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from broker.attestation.raw import RawVerifier
-from broker.attestation.raw.snp_certs import SnpVerifier, build_snp_verifier
+from broker.attestation.raw.snp_certs import (
+    KDS_FETCH_BURST,
+    KDS_FETCHES_PER_SECOND,
+    KDS_MISS_SECONDS,
+    SnpVerifier,
+    build_snp_verifier,
+)
 from broker.attestation.raw.snp_report import Tcb
 from broker.core.errors import AttestationError, ErrorCode, UpstreamError
 from tests.support.snp import AT, fake_amd, fixture, guest_evidence, milan_report, serde_object
@@ -100,15 +108,60 @@ async def test_vcek_fetched_from_kds_once_and_cached(kds: Kds) -> None:
 async def test_kds_without_the_vcek_is_a_refusal_and_an_outage_is_503(kds: Kds) -> None:
     async with aiohttp.ClientSession() as session:
         snp = await verifier(session, kds.url)
-        kds.certs.clear()
-        await refused(ErrorCode.SNP_VEK_MISSING, snp, without_chain(guest_evidence()))
-        for status in (500, 429):
+        for status in (500, 429):  # an outage is not remembered: asked again each time
             kds.status = status
             await refused(ErrorCode.SNP_KDS_UNAVAILABLE, snp, without_chain(guest_evidence()))
+        assert len(kds.hits) == 2
         kds.status, kds.certs["Genoa/" + GENOA_HWID + "?" + GENOA_QUERY] = 200, b"not DER"
         await refused(ErrorCode.SNP_KDS_UNAVAILABLE, snp, without_chain(guest_evidence()))
+        kds.certs.clear()
+        await refused(ErrorCode.SNP_VEK_MISSING, snp, without_chain(guest_evidence()))
         closed = await verifier(session, "http://127.0.0.1:9", timeout_seconds=2.0)
         await refused(ErrorCode.SNP_KDS_UNAVAILABLE, closed, without_chain(guest_evidence()))
+
+
+def unsigned_report(chip_id: bytes) -> dict[str, Any]:
+    """A report naming ``chip_id`` with no valid signature: what anyone can send."""
+    evidence = without_chain(guest_evidence())
+    evidence["attestation_report"]["chip_id"] = list(chip_id)
+    evidence["attestation_report"]["signature"]["r"] = [0] * 72
+    return evidence
+
+
+async def test_a_chip_the_kds_does_not_know_is_asked_for_once(kds: Kds) -> None:
+    """50 identical unsigned reports naming a chip AMD does not know: one KDS request, then the
+    answer is believed for KDS_MISS_SECONDS; after that it is asked again."""
+    async with aiohttp.ClientSession() as session:
+        snp = await verifier(session, kds.url)
+        for _ in range(50):
+            await refused(ErrorCode.SNP_VEK_MISSING, snp, unsigned_report(bytes([7]) * 64))
+        assert len(kds.hits) == 1
+        later = AT + timedelta(seconds=KDS_MISS_SECONDS)
+        with pytest.raises(AttestationError):
+            await snp.verify(unsigned_report(bytes([7]) * 64), now=later)
+        assert len(kds.hits) == 2
+
+
+async def test_random_chip_ids_cost_a_bounded_number_of_kds_requests(kds: Kds) -> None:
+    """Each unsigned report names another chip: past the burst, the broker refuses without
+    asking AMD (503, the guest may retry), so a stranger cannot turn it into a KDS flood."""
+    async with aiohttp.ClientSession() as session:
+        snp = await verifier(session, kds.url)
+        codes = []
+        for _ in range(100):
+            with pytest.raises((AttestationError, UpstreamError)) as caught:
+                await snp.verify(unsigned_report(os.urandom(64)), now=AT)
+            codes.append(caught.value.code)
+        assert len(kds.hits) == KDS_FETCH_BURST  # the clock stood still: no refill
+        assert codes.count(ErrorCode.SNP_VEK_MISSING) == KDS_FETCH_BURST
+        assert codes.count(ErrorCode.SNP_KDS_UNAVAILABLE) == 100 - KDS_FETCH_BURST
+        # a guest whose VCEK is cached, or that sends its chain, is not held up by the flood
+        assert (await snp.verify(guest_evidence(), now=AT)).tee["product"] == "Genoa"
+        refill = AT + timedelta(seconds=10 / KDS_FETCHES_PER_SECOND)
+        for _ in range(20):
+            with pytest.raises((AttestationError, UpstreamError)):
+                await snp.verify(unsigned_report(os.urandom(64)), now=refill)
+        assert len(kds.hits) == KDS_FETCH_BURST + 10  # ten seconds' worth
 
 
 async def test_guest_cert_chain_needs_no_network() -> None:

@@ -191,6 +191,7 @@ class QuoteSpec:
     report_data: bytes = bytes(64)
     mrtd: bytes = bytes(range(48))
     tee_tcb_svn: bytes = TEE_TCB_SVN
+    mrconfigid: bytes = bytes(48)  # CoCo: the init-data digest, zero-padded
 
 
 def forge_quote(pki: ForgedPki, spec: QuoteSpec = QuoteSpec()) -> bytes:
@@ -198,7 +199,7 @@ def forge_quote(pki: ForgedPki, spec: QuoteSpec = QuoteSpec()) -> bytes:
     header = struct.pack("<HHIHH", spec.version, 2, 0x81, 0, 0) + INTEL_QE_VENDOR_ID
     header += bytes(20)
     body = spec.tee_tcb_svn + bytes(48 * 2 + 8) + spec.td_attributes
-    body += bytes.fromhex("e702060000000000") + spec.mrtd + bytes(48 * 3)
+    body += bytes.fromhex("e702060000000000") + spec.mrtd + spec.mrconfigid + bytes(48 * 2)
     body += b"".join(bytes([0x40 + i]) * 48 for i in range(4)) + spec.report_data
     if spec.body_type == 3:
         body += spec.tee_tcb_svn + bytes(48)

@@ -83,6 +83,7 @@ def test_the_ca_key_must_be_the_first_certificates(tmp_path: Path) -> None:
         chain_file=ca.chain,
         previous_files=[],
         max_lifetime=timedelta(hours=1),
+        now=datetime.now(UTC),
     )
     assert len(loaded.chain) == 2
     assert len(loaded.intermediates) == 1
@@ -94,6 +95,7 @@ def test_the_ca_key_must_be_the_first_certificates(tmp_path: Path) -> None:
             chain_file=ca.chain,
             previous_files=[],
             max_lifetime=timedelta(hours=1),
+            now=datetime.now(UTC),
         )
     assert caught.value.key == "identity.ca_key"
     with pytest.raises(ConfigError) as caught:  # the root is no issuing CA here: wrong order
@@ -103,5 +105,6 @@ def test_the_ca_key_must_be_the_first_certificates(tmp_path: Path) -> None:
             chain_file=ca.root,
             previous_files=[],
             max_lifetime=timedelta(hours=1),
+            now=datetime.now(UTC),
         )
     assert caught.value.key == "identity.ca_key"

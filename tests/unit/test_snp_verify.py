@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from broker.attestation.claims import ita_tee
 from broker.attestation.ita import VerifiedItaToken
@@ -118,6 +119,33 @@ def test_report_chained_to_an_unpinned_root_rejected() -> None:
     report = signed(raw, key)
     assert verify(report, vcek, trust=forged.trust()).tee["product"] == "Milan"  # the control
     refused(ErrorCode.SNP_CERT_CHAIN_INVALID, lambda: verify(report, vcek))
+
+
+EC_PUBLIC_KEY_OID = bytes.fromhex("06072a8648ce3d0201")  # id-ecPublicKey, DER
+RSASSA_PSS_OID = bytes.fromhex("06092a864886f70d01010a")
+
+
+@pytest.mark.parametrize(
+    ("oid", "unknown"),
+    [
+        (EC_PUBLIC_KEY_OID, bytes.fromhex("06072a8648ce3d0209")),  # a key algorithm no one knows
+        (RSASSA_PSS_OID, bytes.fromhex("06092a864886f70d01017f")),  # a signature algorithm
+    ],
+)
+def test_guest_sent_vcek_with_an_unknown_algorithm_is_a_chain_error(
+    oid: bytes, unknown: bytes
+) -> None:
+    """The guest sends its VCEK: one whose key (or signature) algorithm ``cryptography`` does not
+    know raises ``UnsupportedAlgorithm`` (not a ValueError) when read; that is an invalid chain,
+    not a 500."""
+    raw, amd = milan_report(), fake_amd("Milan")
+    vcek, key = amd.vcek(MILAN_TCB, raw[0x1A0:0x1E0])
+    report = signed(raw, key)
+    assert verify(report, vcek, trust=amd.trust()).technology == "sev-snp"  # the control
+    der = vcek.public_bytes(Encoding.DER)
+    assert oid in der
+    strange = load_certificate(der.replace(oid, unknown))
+    refused(ErrorCode.SNP_CERT_CHAIN_INVALID, lambda: verify(report, strange, trust=amd.trust()))
 
 
 def test_vcek_under_another_products_root_rejected() -> None:

@@ -13,7 +13,7 @@ import pytest
 from broker.attestation.claims import ita_tee
 from broker.attestation.ita import VerifiedItaToken
 from broker.attestation.raw.tdx import TdxTrust, authenticate_quote, tdx_tee, verify_tdx_quote
-from broker.attestation.raw.tdx_collateral import TdxCollateral, parse_collateral_json
+from broker.attestation.raw.tdx_collateral import TdxCollateral, check_fresh, parse_collateral_json
 from broker.attestation.raw.tdx_dcap import DcapVerdict, dcap_verify
 from broker.attestation.raw.tdx_quote import parse_quote
 from broker.core.errors import AttestationError, ErrorCode
@@ -82,6 +82,20 @@ def test_collateral_past_next_update_is_refused_with_its_code(late: timedelta, p
         verify_tdx_quote(raw, collateral, trust=INTEL_TRUST, now=past_crl + late)
     assert caught.value.code == ErrorCode.TDX_COLLATERAL_EXPIRED
     assert f"{part} nextUpdate" in caught.value.message
+
+
+def test_collateral_at_its_next_update_instant_is_expired() -> None:
+    """At ``nextUpdate`` exactly the collateral has no time left to vouch for anything (a token
+    judged with it would expire as it is issued): expired, like a second later, not a pass
+    that fails further on."""
+    raw, collateral = sample("tdx_quote")
+    with pytest.raises(AttestationError) as caught:  # the broker's own check, not dcap-qvl's
+        check_fresh(collateral, collateral.next_update)
+    assert caught.value.code == ErrorCode.TDX_COLLATERAL_EXPIRED
+    assert "PCK CRL nextUpdate" in caught.value.message
+    assert refused(raw, collateral, INTEL_TRUST, now=collateral.next_update) == (
+        ErrorCode.TDX_COLLATERAL_EXPIRED
+    )
 
 
 def test_collateral_dated_after_now_is_refused() -> None:

@@ -29,6 +29,36 @@ class VerifiedRawEvidence:
     tee: Mapping[str, Any]  # the policy input's ``tee`` section
     claims: Mapping[str, Any] = field(default_factory=dict)  # parsed fields, for ``claims[…]``
     verified_at: datetime | None = None
+    # the launch field the host binds init-data into, as signed: ("mrconfigid", 48 bytes) on
+    # TDX, ("host_data", 32 bytes) on SEV-SNP; None where there is none (sample)
+    init_data_field: tuple[str, bytes] | None = None
+
+
+def unsigned_sections() -> dict[str, Any]:
+    """The ``tee`` members raw evidence has no value for, in the token verifiers' shape
+    (``claims.ita_tee``) with empty values: one policy reads every kind, and a rule on one of
+    them (a Confidential Space requirement) finds an empty value, never a missing field."""
+    return {
+        "issuer": "",
+        "secure_boot": False,  # no quote or report says anything of the guest's firmware boot
+        "software": {"name": "", "version": "", "support": []},
+        "workload": {
+            "image_reference": "",
+            "image_digest": "",
+            "image_id": "",
+            "restart_policy": "",
+            "service_accounts": [],
+        },
+        "platform": {
+            "project_id": "",
+            "project_number": "",
+            "zone": "",
+            "instance_id": "",
+            "instance_name": "",
+        },
+        "tcb_status": "",
+        "advisory_ids": [],
+    }
 
 
 class RawVerifier(Protocol):

@@ -37,14 +37,14 @@ from datetime import datetime
 from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from cryptography.utils import CryptographyDeprecationWarning
 from cryptography.x509.oid import NameOID
 
-from broker.attestation.raw import VerifiedRawEvidence
+from broker.attestation.raw import VerifiedRawEvidence, unsigned_sections
 from broker.attestation.raw.snp_report import (
     PLATFORM_BITS,
     POLICY_BITS,
@@ -70,7 +70,7 @@ HWID_OID = f"{AMD_OID}.4"
 HWID_BYTES = {"Milan": 64, "Genoa": 64, TURIN: 8}  # how much of CHIP_ID a VCEK names
 VEK_NAMES = {"vcek": "SEV-VCEK", "vlek": "SEV-VLEK"}
 PEM_MARK = b"-----BEGIN CERTIFICATE-----"
-_CHAIN_ERRORS = (ValueError, TypeError, InvalidSignature)
+_CHAIN_ERRORS = (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm)
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,10 @@ def _chain(
         raise _chain_invalid(
             f"the report is signed by its {kind.upper()}, not by {common_name(vek)!r}"
         )
-    key = vek.public_key()
+    try:  # the guest may send any certificate: an algorithm cryptography lacks is not a bug
+        key = vek.public_key()
+    except (UnsupportedAlgorithm, ValueError) as exc:
+        raise _chain_invalid("the endorsement key's algorithm is not known") from exc
     if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp384r1":
         raise _chain_invalid("the endorsement key is not an ECDSA P-384 key")
     for middle in trust.intermediates:
@@ -313,32 +316,15 @@ def _verified(
     and every parsed field as ``claims``."""
     tcbs = {name: tcb.as_json() for name, tcb in report.tcbs(product).items()}
     tee = {
+        **unsigned_sections(),
         "verifier": "local",
         "issuer": common_name(ark),  # ARK-Milan, ARK-Genoa, ARK-Turin
         "technology": TECHNOLOGY,
         "debug": report.debug,
-        "secure_boot": False,  # an SNP report says nothing of the guest's firmware boot
-        "software": {"name": "", "version": "", "support": []},
-        "workload": {
-            "image_reference": "",
-            "image_digest": "",
-            "image_id": "",
-            "restart_policy": "",
-            "service_accounts": [],
-        },
-        "platform": {
-            "project_id": "",
-            "project_number": "",
-            "zone": "",
-            "instance_id": "",
-            "instance_name": "",
-        },
         "measurements": report.digests(),
         "tcb": tcbs["reported_tcb"],
-        # AMD publishes no TCB status service: the broker states none (docs/policy.md), and a
+        # AMD publishes no TCB status service: tcb_status stays "" (docs/policy.md), and a
         # policy compares ``tcb`` with minimum SPLs instead.
-        "tcb_status": "",
-        "advisory_ids": [],
         "product": product,
         "signing_key": kind,
         "vmpl": report.vmpl,
@@ -367,5 +353,5 @@ def _verified(
     }
     return VerifiedRawEvidence(
         technology=TECHNOLOGY, report_data=report.report_data, tee=tee, claims=claims,
-        verified_at=now,
+        verified_at=now, init_data_field=("host_data", report.host_data),
     )  # fmt: skip

@@ -14,9 +14,17 @@ SNP I/O is here; the checks are ``raw/snp.py``'s).
   so answers are cached for the process's life (LRU-bounded); requests for one certificate in
   flight at once share one fetch, and at most ``KDS_MAX_CONCURRENT`` leave the broker at once.
 
-A KDS that cannot be reached, times out or answers 429/5xx is ``snp_kds_unavailable`` (503);
-one that says 400/404 (no such chip or TCB), a masked chip id, or no source at all is
-``snp_vek_missing`` (401).
+The report is unsigned until its VCEK is found, so the chip id and TCB a KDS request names are
+the guest's word: a stranger could make the broker ask AMD for any chip. So a KDS "no such
+chip/TCB" (400/404) is remembered too, for ``KDS_MISS_SECONDS`` (bounded, ``KDS_MISS_ENTRIES``),
+and requests for certificates not cached leave at most at ``KDS_FETCHES_PER_SECOND`` (bursts of
+``KDS_FETCH_BURST``) per process: past that, ``snp_kds_unavailable`` without asking AMD (whose
+own rate limit would otherwise shut out every guest). Operators avoid KDS entirely with
+``[snp] certs_dir`` or guests that send their ``cert_chain`` (docs/kbs.md).
+
+A KDS that cannot be reached, times out or answers 429/5xx, or the broker's own limit above, is
+``snp_kds_unavailable`` (503); one that says 400/404 (no such chip or TCB), a masked chip id, or
+no source at all is ``snp_vek_missing`` (401).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +55,7 @@ from broker.attestation.raw.snp import (
 )
 from broker.attestation.raw.snp_evidence import SnpEvidence, cert_entries, parse_evidence
 from broker.attestation.raw.snp_report import TURIN, SnpReport, parse_report
+from broker.core.buckets import TokenBuckets
 from broker.core.errors import AttestationError, ErrorCode, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -58,6 +67,10 @@ MAX_CERT_FILES = 4096
 MAX_KDS_ANSWER_BYTES = 16 * 1024
 KDS_CACHE_ENTRIES = 4096
 KDS_MAX_CONCURRENT = 4
+KDS_MISS_SECONDS = 600  # a KDS "no such chip or TCB" is believed this long
+KDS_MISS_ENTRIES = 4096
+KDS_FETCHES_PER_SECOND = 1.0  # requests for certificates not cached, per process
+KDS_FETCH_BURST = 30
 KDS_GONE = (400, 404)  # KDS: no such chip id or TCB (the report's claim, not an outage)
 
 
@@ -167,23 +180,34 @@ class KdsClient:
         self._timeout = timeout_seconds
         self._on_request = on_request
         self._cache: OrderedDict[str, x509.Certificate] = OrderedDict()
+        self._misses: OrderedDict[str, datetime] = OrderedDict()  # url -> believed until
         self._inflight: dict[str, asyncio.Task[x509.Certificate | None]] = {}
         self._slots = asyncio.Semaphore(KDS_MAX_CONCURRENT)
+        self._fetches = TokenBuckets(KDS_FETCHES_PER_SECOND, KDS_FETCH_BURST, max_names=1)
 
-    async def vcek(self, report: SnpReport, product: str) -> x509.Certificate | None:
-        """The VCEK for the report's chip and REPORTED_TCB; ``None`` when the KDS has none.
+    async def vcek(self, report: SnpReport, product: str, now: datetime) -> x509.Certificate | None:
+        """The VCEK for the report's chip and REPORTED_TCB; ``None`` when the KDS has none
+        (said now, or within ``KDS_MISS_SECONDS`` before ``now``).
 
         Raises:
-            UpstreamError: ``snp_kds_unavailable``.
+            UpstreamError: ``snp_kds_unavailable`` (the KDS, or the broker's limit on it).
         """
         url = self.vcek_url(report, product)
         cached = self._cache.get(url)
         if cached is not None:
             self._cache.move_to_end(url)
             return cached
+        if self._misses.get(url, now) > now:
+            return None  # AMD said "no such chip or TCB" a moment ago: not asked again
         task = self._inflight.get(url)
         if task is None:
-            task = asyncio.ensure_future(self._fetch(url))
+            if self._fetches.wait_for("kds", now.timestamp()) > 0:
+                raise UpstreamError(
+                    "too many AMD KDS lookups for certificates not cached; retry later (or "
+                    "send the cert_chain, or set [snp] certs_dir)",
+                    code=ErrorCode.SNP_KDS_UNAVAILABLE,
+                )
+            task = asyncio.ensure_future(self._fetch(url, now))
             self._inflight[url] = task
             task.add_done_callback(lambda _: self._inflight.pop(url, None))
         return await asyncio.shield(task)  # one caller's cancellation ends no other's fetch
@@ -199,7 +223,7 @@ class KdsClient:
         query = "&".join(f"{name}={value:02d}" for name, value in spl)
         return f"{self._url}/vcek/v1/{product}/{hwid}?{query}"
 
-    async def _fetch(self, url: str) -> x509.Certificate | None:
+    async def _fetch(self, url: str, now: datetime) -> x509.Certificate | None:
         try:
             async with self._slots:
                 status, body = await get_bounded(
@@ -210,6 +234,10 @@ class KdsClient:
                     on_request=self._on_request,
                 )
             if status in KDS_GONE:
+                self._misses[url] = now + timedelta(seconds=KDS_MISS_SECONDS)
+                self._misses.move_to_end(url)
+                while len(self._misses) > KDS_MISS_ENTRIES:
+                    self._misses.popitem(last=False)
                 return None
             cert = _kds_certificate(status, body)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -266,11 +294,15 @@ class SnpVerifier:
         evidence = parse_evidence(primary_evidence)
         report = parse_report(evidence.report)
         sent, middles = sent_certificates(evidence, report)
-        vek = sent[0] if sent else await self._vek(report)
+        vek = sent[0] if sent else await self._vek(report, now)
         trust = replace(self._trust, intermediates=(*self._trust.intermediates, *middles))
-        return verify_snp_report(report, vek, trust, now=now, max_vmpl=self._max_vmpl)
+        # RSA-PSS chain and ECDSA P-384 checks are CPU work: off the event loop (certificates
+        # are loaded above, on the loop: their loader changes warning filters threads share)
+        return await asyncio.to_thread(
+            verify_snp_report, report, vek, trust, now=now, max_vmpl=self._max_vmpl
+        )
 
-    async def _vek(self, report: SnpReport) -> x509.Certificate:
+    async def _vek(self, report: SnpReport, now: datetime) -> x509.Certificate:
         found = find_vek(report, self._veks)
         if found is not None:
             return found
@@ -279,7 +311,7 @@ class SnpVerifier:
         if self._kds is not None and report.signing_key == "vcek" and not report.chip_id_masked:
             if product is None:
                 raise _missing("a version 2 report names no product to ask AMD's KDS for")
-            vek = await self._kds.vcek(report, product)
+            vek = await self._kds.vcek(report, product, now)
         if vek is None:
             raise _missing("no VCEK/VLEK for this report: none sent, none configured, none at KDS")
         return vek

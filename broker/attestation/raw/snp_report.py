@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.core.errors import AttestationError, ErrorCode
+from broker.core.protocol import SNP_PRODUCTS
 
 REPORT_BYTES = 1184  # 0x4A0
 SIGNED_BYTES = 0x2A0  # the signature covers [0, 0x2A0)
@@ -26,7 +27,7 @@ SIGNATURE_OFFSET = 0x2A0
 SIGNATURE_FIELD_BYTES = 72  # R, then S: little-endian, zero-padded past P-384's 48 bytes
 SUPPORTED_VERSIONS = (2, 3)
 SIG_ALGO_ECDSA_P384_SHA384 = 1
-PRODUCTS = ("Milan", "Genoa", "Turin")
+PRODUCTS = SNP_PRODUCTS
 TURIN = "Turin"
 
 # Field offsets (ABI Table 23)
@@ -141,6 +142,11 @@ class SnpReport:
     @property
     def report_data(self) -> bytes:
         return self.field(_REPORT_DATA, 64)
+
+    @property
+    def host_data(self) -> bytes:
+        """HOST_DATA: 32 bytes the host chose at launch (CoCo: the init-data digest)."""
+        return self.field(_HOST_DATA, 32)
 
     @property
     def chip_id(self) -> bytes:

@@ -37,13 +37,13 @@ from datetime import datetime
 from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from cryptography.x509.oid import NameOID
 
-from broker.attestation.raw import VerifiedRawEvidence
+from broker.attestation.raw import VerifiedRawEvidence, unsigned_sections
 from broker.attestation.raw.tdx_collateral import PCK_CAS, TdxCollateral, check_fresh
 from broker.attestation.raw.tdx_dcap import DcapVerdict, check_same_report, dcap_verify, pck_fmspc
 from broker.attestation.raw.tdx_quote import TdxQuote, parse_quote
@@ -88,9 +88,12 @@ def authenticate_quote(raw_quote: bytes, trust: TdxTrust) -> AuthenticQuote:
     for child, parent in itertools.pairwise(chain):
         try:
             child.verify_directly_issued_by(parent)
-        except (ValueError, TypeError, InvalidSignature) as exc:
+        except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm) as exc:
             raise _chain("a PCK chain certificate is not signed by the next one") from exc
-    pck_key = chain[0].public_key()
+    try:
+        pck_key = chain[0].public_key()
+    except (UnsupportedAlgorithm, ValueError) as exc:
+        raise _chain("the PCK key's algorithm is not known") from exc
     if not isinstance(pck_key, ec.EllipticCurvePublicKey):
         raise _chain("the PCK key is not an EC key")
     if not _signed_by(pck_key, quote.qe_report_signature, quote.qe_report):
@@ -138,6 +141,7 @@ def verify_tdx_quote(
         tee=tdx_tee(quote, verdict),
         claims=tdx_claims(quote, verdict, collateral),
         verified_at=now,
+        init_data_field=("mrconfigid", quote.body["mrconfigid"]),
     )
 
 
@@ -180,26 +184,10 @@ def tdx_tee(quote: TdxQuote, verdict: DcapVerdict) -> dict[str, Any]:
     ``claims.ita_tee`` (one policy reads every kind), with ``verifier`` ``local``."""
     body = quote.body
     return {
+        **unsigned_sections(),  # issuer "": the chain ends at the pinned Intel SGX Root CA
         "verifier": "local",
-        "issuer": "",  # no token issuer: the chain ends at the pinned Intel SGX Root CA
         "technology": "tdx",
         "debug": quote.debug,
-        "secure_boot": False,  # a TD quote says nothing of secure boot
-        "software": {"name": "", "version": "", "support": []},
-        "workload": {
-            "image_reference": "",
-            "image_digest": "",
-            "image_id": "",
-            "restart_policy": "",
-            "service_accounts": [],
-        },
-        "platform": {
-            "project_id": "",
-            "project_number": "",
-            "zone": "",
-            "instance_id": "",
-            "instance_name": "",
-        },
         "measurements": {
             "mrtd": body["mrtd"].hex(),
             "rtmr": [value.hex() for value in quote.rtmrs],

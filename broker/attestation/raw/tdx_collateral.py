@@ -82,16 +82,17 @@ def _invalid(problem: str) -> AttestationError:
 
 
 def check_fresh(collateral: TdxCollateral, now: datetime) -> None:
-    """Refuse collateral that is not valid at ``now``.
+    """Refuse collateral that is not valid at ``now``: at its ``nextUpdate`` instant it has
+    expired already (dcap-qvl agrees, and a token judged with it would expire as it is issued).
 
     Raises:
-        AttestationError: ``tdx_collateral_expired`` (a ``nextUpdate`` is past),
+        AttestationError: ``tdx_collateral_expired`` (a ``nextUpdate`` has come),
             ``tdx_collateral_invalid`` (a part is dated after ``now``).
     """
     for part, moment in collateral.next_updates:
-        if now > moment:
+        if now >= moment:
             raise AttestationError(
-                f"TDX collateral: {part} nextUpdate {moment.isoformat()} is past "
+                f"TDX collateral: {part} nextUpdate {moment.isoformat()} has been reached "
                 f"(at {now.isoformat()}); fetch fresh collateral",
                 code=ErrorCode.TDX_COLLATERAL_EXPIRED,
             )

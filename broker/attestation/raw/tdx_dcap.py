@@ -19,19 +19,9 @@ import dcap_qvl
 from broker.attestation.raw.tdx_collateral import TdxCollateral
 from broker.attestation.raw.tdx_quote import TdxQuote
 from broker.core.errors import AttestationError, ErrorCode
+from broker.core.protocol import TDX_TCB_STATUSES
 
-# Intel's TCB statuses a verified quote can carry (the policy decides on each); Revoked is
-# refused before a policy sees it.
-TCB_STATUSES = frozenset(
-    {
-        "UpToDate",
-        "SWHardeningNeeded",
-        "ConfigurationNeeded",
-        "ConfigurationAndSWHardeningNeeded",
-        "OutOfDate",
-        "OutOfDateConfigurationNeeded",
-    }
-)
+TCB_STATUSES = TDX_TCB_STATUSES  # Revoked is refused before a policy sees it
 # dcap-qvl 0.7.0's refusals (its error text, pinned with the version) -> our code and words.
 # First match wins; anything unlisted is tdx_quote_invalid (fail closed, never a pass).
 DCAP_REFUSALS: tuple[tuple[str, ErrorCode, str], ...] = (

@@ -87,7 +87,7 @@ class FileCollateralSource:
     async def collateral(self, fmspc: str, ca: str, now: datetime) -> TdxCollateral | None:
         found = await asyncio.to_thread(self._scan)
         matches = [c for c in found if (c.fmspc, c.ca) == (fmspc, ca)]
-        fresh = [c for c in matches if c.not_before <= now <= c.next_update]
+        fresh = [c for c in matches if c.not_before <= now < c.next_update]
         return max(fresh or matches, key=lambda c: c.next_update, default=None)
 
     def _scan(self) -> list[TdxCollateral]:
@@ -152,8 +152,8 @@ class PcsCollateralSource:
                 fetched = await self._fetch(fmspc, ca)
             except (aiohttp.ClientError, TimeoutError, AttestationError, _HttpStatus) as exc:
                 log.warning("TDX collateral for %s/%s not fetched: %s", fmspc, ca, exc)
-                if cached is not None and now <= cached[1].next_update:
-                    return cached[1]  # the last good answer, never past its nextUpdate
+                if cached is not None and now < cached[1].next_update:
+                    return cached[1]  # the last good answer, never at or past its nextUpdate
                 raise _unavailable(f"none could be fetched for FMSPC {fmspc}") from exc
             self._cache[key] = (now, fetched)
             return fetched
@@ -230,7 +230,8 @@ class TdxRawVerifier:
             UpstreamError: ``tdx_collateral_unavailable``.
         """
         evidence = parse_tdx_evidence(primary_evidence)
-        authentic = authenticate_quote(evidence.quote, self._trust)
+        # chains, ECDSA and dcap-qvl are CPU work (~5 ms a quote): kept off the event loop
+        authentic = await asyncio.to_thread(authenticate_quote, evidence.quote, self._trust)
         collateral = None
         for source in self._sources:
             collateral = await source.collateral(authentic.fmspc, authentic.ca, now)
@@ -238,7 +239,9 @@ class TdxRawVerifier:
                 break
         if collateral is None:
             raise _unavailable(f"none configured for FMSPC {authentic.fmspc} ({authentic.ca})")
-        verified = verify_tdx_quote(evidence.quote, collateral, trust=self._trust, now=now)
+        verified = await asyncio.to_thread(
+            verify_tdx_quote, evidence.quote, collateral, trust=self._trust, now=now
+        )
         extra: dict[str, Any] = {"cc_eventlog_replayed": False}
         if evidence.cc_eventlog is not None:
             extra["cc_eventlog_sha384"] = hashlib.sha384(evidence.cc_eventlog).hexdigest()

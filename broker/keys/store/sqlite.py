@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from broker.core.errors import Conflict, ErrorCode, UpstreamError
 from broker.core.protocol import Algorithm
+from broker.core.sqlite_wal import connect_wal
 from broker.keys.store.base import KeyVersionRecord, Purpose, VersionState
 
 T = TypeVar("T")
@@ -58,10 +59,7 @@ class SqliteKeyStore:
         # Wrapped keys only, but still nobody else's business: SQLite gives its -wal and -shm
         # files the database file's mode.
         self._path.touch(mode=0o600, exist_ok=True)
-        conn = sqlite3.connect(self._path, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("PRAGMA busy_timeout=5000")
+        conn = connect_wal(self._path, timeout=5.0)
         conn.executescript(SCHEMA)
         self._conn = conn
 
