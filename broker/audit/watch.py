@@ -5,10 +5,13 @@ rekor-monitor's habit, for the decision log: the rules of a small TOML file
 the records it has not seen yet and has checked against a signed checkpoint (docs/audit.md,
 "Watch rules").
 
-key of an ``attested_release``); its image is the record's ``identity.image_digest`` and its
-recipient the record's ``runner_key_thumbprint``. What a rule cannot read counts against the
-release (fail closed): a released key without an image digest is not in any list, a release
-without a readable time is outside every hour, a line that is not a record is a hit of its own.
+A release is a key a record decided ``allow`` (``envelope.RELEASING``: a runner's ``release``,
+each key of an ``attested_release``, a KBS guest's ``kbs_resource``); its image is the
+record's ``identity.image_digest`` and its recipient the record's ``runner_key_thumbprint``.
+What a rule cannot read counts against the release (fail closed): a released key without an
+image digest (a KBS guest of raw TDX or SEV-SNP evidence has none) is not in any list, a
+release without a readable time is outside every hour, a line that is not a record is a hit
+of its own.
 A refused decision is one a record decided ``deny`` (each key of a release, an attestation as
 a whole). A ``recipients`` rule reports once per window and key, a ``deny_rate`` rule once per
 window: after a hit it is quiet until ``window_seconds`` have passed. Their recent recipients
@@ -27,7 +30,14 @@ from datetime import datetime
 from fnmatch import fnmatchcase
 from typing import Any
 
-from broker.audit.envelope import Envelope, KeyDecision, RecordError, instant, parse_record
+from broker.audit.envelope import (
+    RELEASING,
+    Envelope,
+    KeyDecision,
+    RecordError,
+    instant,
+    parse_record,
+)
 from broker.audit.outcomes import ALLOW, DENY
 from broker.audit.watch_rules import (
     KIND_OF,
@@ -41,9 +51,7 @@ from broker.audit.watch_rules import (
     Windowed,
     describe,
 )
-from broker.core.records import RecordType
 
-RELEASES = (RecordType.RELEASE, RecordType.ATTESTED_RELEASE)
 UNREADABLE = "unreadable_record"  # the kind of a hit no rule made: a line that is not a record
 
 
@@ -194,7 +202,7 @@ def _windows_of(rule: Windowed, saved: Any) -> dict[str, _Window]:
 
 def _released(record: Envelope) -> Iterator[KeyDecision]:
     """The keys a record released (decided ``allow``)."""
-    if record.kind in RELEASES:
+    if record.kind in RELEASING:
         yield from (k for k in record.keys if k.decided and k.result == ALLOW)
 
 

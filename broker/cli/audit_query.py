@@ -15,6 +15,7 @@ from typing import Any
 
 from broker.audit.envelope import (
     ATTESTATION_TYPES,
+    RELEASING,
     Envelope,
     RecordError,
     parse_record,
@@ -162,11 +163,7 @@ def _attestation_of(record: Envelope) -> str | None:
 def _query(args: argparse.Namespace) -> int:
     # Releases (per key on attestation results too); with --who, the changes someone made (key
     # and policy records); with --attestation, that result's whole story.
-    wanted: frozenset[RecordType] | None = (
-        frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.KBS_RESOURCE})
-        if args.who is None
-        else None
-    )
+    wanted: frozenset[RecordType] | None = RELEASING if args.who is None else None
     if args.who is None and args.result in CHANGE_ONLY:  # what only a key change's outcome says
         wanted = frozenset({RecordType.KEY_ADMIN})
     if args.attestation is not None:

@@ -27,13 +27,12 @@ from typing import Any
 from aiohttp import web
 
 from broker.api.services import DECISIONS, KEYS
-from broker.audit.envelope import Envelope, KeyDecision
+from broker.audit.envelope import RELEASING, Envelope, KeyDecision
 from broker.audit.log import DecisionLog
 from broker.audit.outcomes import ALLOW, DENY
 from broker.audit.query import Filters, rows
 from broker.console.reading import (
     ATTESTATIONS,
-    RELEASES,
     Window,
     filters_of,
     paging,
@@ -47,7 +46,7 @@ from broker.core.records import ChangeResult, RecordType
 SHOWN = 100  # attestation results, revocations and key changes listed (the newest)
 LISTED = 5  # images named per key version (the count is exact)
 MAX_STORE_VERSIONS = 1_000  # key versions of the store's list shown
-READ = RELEASES | ATTESTATIONS | {RecordType.ATTESTATION_REVOKED, RecordType.KEY_ADMIN}
+READ = RELEASING | ATTESTATIONS | {RecordType.ATTESTATION_REVOKED, RecordType.KEY_ADMIN}
 
 
 @dataclass
@@ -103,7 +102,7 @@ class Keys:
 
     def add(self, record: Envelope, filters: Filters) -> None:
         jti = None if record.attestation is None else record.attestation.jti
-        if record.kind in RELEASES:
+        if record.kind in RELEASING:
             for row in rows(record):
                 if row.key is not None and row.key.key is not None and filters.matches(row):
                     self._release(record, row.key, row.result, jti)

@@ -32,8 +32,6 @@ MAX_INDEX_DIGITS = 12
 FILTERS = ("key", "image", "replica")
 # what the timeline counts and the deny page lists: every decision (a KBS handshake's too)
 DECIDING = DECISION_TYPES | {RecordType.KBS_AUTH}
-# a key released (or refused): to a runner, on an attestation result, to a KBS guest
-RELEASES = frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.KBS_RESOURCE})
 ATTESTATIONS = frozenset(ATTESTING)  # a result issued: a runner's or a KBS guest's
 
 

@@ -20,6 +20,7 @@ from broker.audit.publisher import checkpoint_paths
 from broker.client import BrokerClientError
 from tests.integration.attested import ADMIN, DENIED_KEY, admin_post, attest_broker
 from tests.integration.conftest import RunningBroker
+from tests.integration.kbs import kbs_broker, kbs_records
 from tests.integration.watch import covered, log_key, monitor
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
@@ -258,3 +259,37 @@ async def test_records_that_do_not_hash_to_the_checkpoint_are_refused_and_exit_c
     assert (code, hits, report["ok"]) == (3, [], True)  # the log checked, its records unread
     assert report["watch"]["checked"] is False
     assert "HTTP 401" in report["watch"]["problem"]
+
+
+async def test_a_key_released_to_a_kbs_guest_is_a_release_to_the_rules(
+    start_broker: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A KBS guest's resource is a release of its key: "key K only to these images" and the
+    hours hold for it as for a runner's release. The guest's evidence names no image (a
+    ``sample`` guest, as a raw TDX or SEV-SNP one): in no list, a hit (fail closed)."""
+    broker = await kbs_broker(start_broker)
+    await kbs_records(broker)
+    await covered(broker)
+    records = broker.records()
+    (released,) = [
+        r["index"] for r in records if r["type"] == "kbs_resource" and r["result"] == "allow"
+    ]
+    assert not records[released]["identity"]["image_digest"]  # the guest's evidence names none
+    now = datetime.now(UTC)
+    start, end = (now.hour + 2) % 24, (now.hour + 3) % 24
+    (tmp_path / "rules.toml").write_text(
+        f'[[rule]]\nname = "llama to its image"\nkind = "key_images"\nkey = "{KEY}"\n'
+        f'images = ["{ALLOWED}"]\n'
+        f'[[rule]]\nname = "not now"\nkind = "release_hours"\nkeys = ["{KEY}"]\n'
+        f'hours = "{start:02d}:00-{end:02d}:00"\n'
+    )
+    code, hits, report = await asyncio.to_thread(
+        monitor,
+        *("--state", str(tmp_path / "monitor.json"), str(broker.settings.audit.log)),
+        *("--key", await log_key(broker), "--rules", str(tmp_path / "rules.toml")),
+    )
+    assert code == 4, report
+    assert by_rule(hits) == {"llama to its image": [released], "not now": [released]}
+    hit = next(h for h in hits if h["rule"] == "llama to its image")
+    assert (hit["type"], hit["key"]) == ("kbs_resource", KEY)
+    assert "released to image (none recorded), not in the list" in hit["detail"]

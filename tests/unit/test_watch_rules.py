@@ -85,12 +85,16 @@ images = ["sha256:{"0" * 64}"]
     allowed, partial = record("release.allow"), record("attested_release.partial")
     denied = record("release.deny-policy")  # refused: never a hit, whatever the image
     no_image = record("release.allow", identity={})
-    found = hits(rules, allowed, partial, denied, no_image)
+    # a KBS guest's resource (its key at the top, as a release's); raw evidence names no image
+    guest = record("release.allow", type="kbs_resource", identity={"image_digest": ""})
+    found = hits(rules, allowed, partial, denied, no_image, guest)
     assert found == [
         ("models elsewhere", 0, "models/llama"),
         ("models elsewhere", 1, "models/llama"),  # the key it released, not the one refused
         ("llama listed", 3, "models/llama"),  # no image recorded: in no list (fail closed)
         ("models elsewhere", 3, "models/llama"),
+        ("llama listed", 4, "models/llama"),  # released through the KBS facade: the same
+        ("models elsewhere", 4, "models/llama"),
     ]
 
 
