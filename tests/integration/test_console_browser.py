@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
@@ -73,6 +74,11 @@ FLIP_A_SIGNATURE_BYTE = """(note) => {
   lines[i] = `${dash} ${name} ${btoa(String.fromCharCode(...raw))}`;
   return lines.join("\\n");
 }"""
+ADD_A_WITNESS_LINE = (
+    """(note) => `${note}\\u2014 witness.example/w1 ${btoa("\\x00".repeat(68))}\\n`"""
+)
+PIN_PROBLEM = """const p = document.getElementById('pin-problem');
+return p && p.textContent ? p.textContent : null;"""
 
 
 async def _records(broker: RunningBroker) -> None:
@@ -134,6 +140,8 @@ def _browse(
     """The auditor's visit (blocking: a thread). ``old``: an earlier genuine checkpoint;
     ``candidate``: a bundle that withdraws the key's image, to compare."""
     seen: list[str] = []
+    origin = broker.settings.audit.origin
+    another_key = NoteSigner(origin, Ed25519PrivateKey.generate()).verifier_key()
     with headless_chromium(broker.workdir / "tls" / "server.pem") as driver:
         driver.get(broker.url + "/console/")
         assert driver.current_url == broker.url + "/console/login"
@@ -175,6 +183,18 @@ def _browse(
         assert wait_for(driver, VERDICT).startswith(
             "verified: signed by the pinned key; consistent"
         )
+        witnessed = _intercept(driver, ADD_A_WITNESS_LINE)  # a cosignature: named, not verified
+        driver.refresh()
+        assert wait_for(driver, VERDICT).startswith("verified: signed by the pinned key")
+        signers = driver.find_element(By.CSS_SELECTOR, "tr.log .signers").text
+        assert signers == f"{origin} (verified), witness.example/w1 (not verified)", signers
+        _stop_intercepting(driver, witnessed)
+        driver.find_element(By.ID, "pin-key").send_keys(another_key)  # same origin, other key
+        driver.find_element(By.ID, "pin").click()
+        problem = wait_for(driver, PIN_PROBLEM)
+        assert problem.startswith(f"not pinned: another key is pinned for {origin}"), problem
+        driver.refresh()  # the pin stayed
+        assert wait_for(driver, VERDICT).startswith("verified: signed by the pinned key")
 
         driver.get(broker.url + "/console/denials")
         texts = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#reasons td.reason")]
@@ -189,6 +209,11 @@ def _browse(
         assert XSS_REASON in [e.text for e in driver.find_elements(By.CSS_SELECTOR, "li.reason")]
         seen += resources(driver)
         _shot(driver, "record")
+        shrunk = _intercept(driver, f"() => {json.dumps(old)}")  # signed, but older than seen
+        driver.refresh()
+        proof = wait_for(driver, PROOF)
+        assert proof.startswith("FAILED: the log shrank"), proof
+        _stop_intercepting(driver, shrunk)
 
         driver.get(broker.url + f"/console/timeline?key={KEY}")
         assert int(wait_for(driver, "return document.getElementById('chart').dataset.points")) > 0

@@ -34,7 +34,8 @@ async function check(row) {
     const { checkpoint, previous } = await checkLog(origin, key);
     row.querySelector(".size").textContent = checkpoint.size.toString();
     row.querySelector(".root code").textContent = btoa(String.fromCharCode(...checkpoint.root));
-    row.querySelector(".signers").textContent = checkpoint.signers.join(", ");
+    const witnesses = checkpoint.cosigners.map((name) => `${name} (not verified)`);
+    row.querySelector(".signers").textContent = [`${checkpoint.signer} (verified)`, ...witnesses].join(", ");
     const history = previous === null
       ? "the first checkpoint this browser saw of it (kept for the next visit)"
       : `consistent with size ${previous.size} seen ${previous.at}`;

@@ -1,6 +1,7 @@
 // One record's inclusion proof, verified in this browser: the record's bytes are leaf `index`
-// of the newest checkpoint's tree, that checkpoint signed by the key pinned on the health page.
-import { b64decode, fetchJson, leafHash, pins, verifiedCheckpoint, verifyInclusion, VerifyError } from "./verify.js";
+// of the newest checkpoint's tree, that checkpoint signed by the key pinned on the health page
+// and consistent with the last checkpoint this browser saw (checkLog, as the health page).
+import { b64decode, checkLog, fetchJson, leafHash, pins, verifyInclusion, VerifyError } from "./verify.js";
 
 const element = document.getElementById("proof");
 
@@ -18,7 +19,7 @@ async function prove() {
     return;
   }
   try {
-    const checkpoint = await verifiedCheckpoint(origin, key);
+    const { checkpoint } = await checkLog(origin, key);
     if (index >= checkpoint.size) {
       say(`not yet covered: the newest checkpoint has ${checkpoint.size} records; reload in a moment`, "unpinned");
       return;

@@ -80,7 +80,9 @@ export async function openNote(verifier, note) {
     if (raw.length < 4 || !equal(raw.slice(0, 4), verifier.hash)) continue;
     const ok = await crypto.subtle.verify("Ed25519", verifier.key, raw.slice(4), encoder.encode(body));
     if (!ok) throw new VerifyError("the signature does not verify");
-    return { body, signers: lines.map((l) => l.slice(EM_DASH.length).split(" ")[0]) };
+    // the other lines (witnesses' cosignatures) are named, not verified
+    const cosigners = lines.filter((l) => l !== line).map((l) => l.slice(EM_DASH.length).split(" ")[0]);
+    return { body, signer: verifier.name, cosigners };
   }
   throw new VerifyError(`no signature by ${verifier.name}`);
 }
@@ -177,8 +179,14 @@ export function pins() {
   }
 }
 
+// A key is pinned once: another key for a log already pinned is refused (an auditor who means
+// to replace it forgets this browser's pins first), so a page cannot swap a pin silently.
 export async function pin(text) {
   const verifier = await parseVerifierKey(text);
+  const pinned = pins()[verifier.name];
+  if (pinned !== undefined && pinned !== text.trim()) {
+    throw new VerifyError(`another key is pinned for ${verifier.name}; to replace it, forget this browser's pins first`);
+  }
   localStorage.setItem(PINS, JSON.stringify({ ...pins(), [verifier.name]: text.trim() }));
   return verifier.name;
 }
@@ -213,12 +221,13 @@ export async function fetchJson(url) {
   return JSON.parse(await fetchText(url));
 }
 
-// The newest checkpoint of a log, its signature checked with the pinned key.
-export async function verifiedCheckpoint(origin, keyText) {
+// The newest checkpoint of a log, its signature checked with the pinned key (checkLog also
+// checks it against the last one this browser saw: use that).
+async function verifiedCheckpoint(origin, keyText) {
   const verifier = await parseVerifierKey(keyText);
   const note = await fetchText(`/v1/log/checkpoint?origin=${encodeURIComponent(origin)}`);
-  const { body, signers } = await openNote(verifier, note);
-  return { ...parseCheckpoint(body, origin), signers };
+  const { body, signer, cosigners } = await openNote(verifier, note);
+  return { ...parseCheckpoint(body, origin), signer, cosigners };
 }
 
 // Verify a log's newest checkpoint against the pin and the last one this browser saw; the
