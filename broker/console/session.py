@@ -15,8 +15,13 @@ A session is a cookie value the broker signs and keeps nothing of:
 The session key is 32 random bytes in ``console.key`` beside the decision log (created 0600 by
 the first process that starts; ``core/secrets_files.py``), so the workers of one host accept
 each other's cookies and a restart keeps sessions. Logging out writes the session id's SHA-256
-and expiry to ``console.revoked`` beside it (every worker reads it before it accepts a cookie);
-entries are dropped once expired, so the file stays as small as the live sessions.
+to ``console.revoked`` beside it (every worker reads it before it accepts a cookie), until the
+latest moment any copy of that session could still be open — its log-in plus
+``MAX_SESSION_SECONDS`` (and the clock skew), not the logged-out cookie's own expiry: a copy
+renewed before the log-out expires later. Entries are dropped once past it, so the file stays
+as small as the sessions that could still be alive. A file past ``MAX_REVOKED_BYTES`` is not
+read partly (a newer entry would be missed): every session is refused, with an error in the
+log, until its entries expire (fail closed).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import fcntl
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -40,9 +46,10 @@ SESSION_SECONDS = 15 * 60  # idle lifetime: re-issued while used
 MAX_SESSION_SECONDS = 8 * 60 * 60  # never longer than this after the log-in
 CLOCK_SKEW_SECONDS = 60  # a cookie issued "in the future" by a worker whose clock runs ahead
 MAX_COOKIE_CHARS = 256
-MAX_REVOKED_BYTES = 1024 * 1024  # a bound on what one read takes (live sessions only)
+MAX_REVOKED_BYTES = 1024 * 1024  # ~13,000 log-outs within MAX_SESSION_SECONDS; past it: fail closed
 VERSION = "v1"
 AUDITOR = "auditor"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -131,28 +138,47 @@ class SessionKeys:
         return f"token:{found[:12]}"
 
     def revoke(self, session: Session, now: int) -> None:
-        """Write the session off for every worker until it would have expired. Blocking."""
-        entry = f"{_sid_digest(session.sid)} {session.expires}\n"
+        """Write the session off for every worker until no copy of it can be open: its log-in
+        plus ``MAX_SESSION_SECONDS`` (a copy renewed before the log-out lives past the logged-out
+        cookie's expiry, never past that). Entries of the file past their time are dropped;
+        every other one is kept, however many. Blocking."""
+        until = session.login + MAX_SESSION_SECONDS + CLOCK_SKEW_SECONDS
+        entry = f"{_sid_digest(session.sid)} {until}\n"
         fd = os.open(self._revoked, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(fd, "r+", encoding="ascii") as handle:
+        with os.fdopen(fd, "r+", encoding="ascii", errors="replace") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-            live = [
-                line for line in handle.read(MAX_REVOKED_BYTES).splitlines() if _live(line, now)
-            ]
+            live = [line.rstrip("\n") + "\n" for line in handle if _live(line, now)]
             handle.seek(0)
             handle.truncate()
-            handle.write("".join(f"{line}\n" for line in live) + entry)
+            handle.write("".join(live) + entry)
             handle.flush()
             os.fsync(handle.fileno())
+            if os.fstat(handle.fileno()).st_size > MAX_REVOKED_BYTES:
+                self._overflowing()
 
     def is_revoked(self, session: Session) -> bool:
-        """Whether a log-out wrote this session off. Blocking."""
-        with contextlib.suppress(FileNotFoundError), self._revoked.open(encoding="ascii") as handle:
+        """Whether a log-out wrote this session off — or the file is past its bound, when
+        every session counts as written off (it is never read partly). Blocking."""
+        with (
+            contextlib.suppress(FileNotFoundError),
+            self._revoked.open(encoding="ascii", errors="replace") as handle,
+        ):
+            text = handle.read(MAX_REVOKED_BYTES + 1)
+            if len(text) > MAX_REVOKED_BYTES:
+                self._overflowing()
+                return True
             wanted = _sid_digest(session.sid)
-            return any(
-                line.split(" ")[0] == wanted for line in handle.read(MAX_REVOKED_BYTES).splitlines()
-            )
+            return any(line.split(" ")[0] == wanted for line in text.splitlines())
         return False
+
+    def _overflowing(self) -> None:
+        log.error(
+            "console: %s holds more than %d bytes of log-outs: every console session is refused "
+            "until they expire (at most %d s after their log-ins) or the file is removed",
+            self._revoked,
+            MAX_REVOKED_BYTES,
+            MAX_SESSION_SECONDS,
+        )
 
 
 def _sid_digest(sid: str) -> str:
@@ -160,5 +186,5 @@ def _sid_digest(sid: str) -> str:
 
 
 def _live(line: str, now: int) -> bool:
-    _, _, expires = line.partition(" ")
-    return expires.isdigit() and int(expires) > now
+    _, _, until = line.rstrip("\n").partition(" ")
+    return until.isascii() and until.isdigit() and int(until) > now

@@ -5,13 +5,20 @@ on one key file) accept each other's sessions and log-outs."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 
 import pytest
 
 from broker.config import AdminSettings
-from broker.console.session import MAX_SESSION_SECONDS, SESSION_SECONDS, SessionKeys
+from broker.console.session import (
+    CLOCK_SKEW_SECONDS,
+    MAX_REVOKED_BYTES,
+    MAX_SESSION_SECONDS,
+    SESSION_SECONDS,
+    SessionKeys,
+)
 
 AUDITOR = hashlib.sha256(b"auditor-token").hexdigest()
 KEY_ADMIN = hashlib.sha256(b"key-admin-token").hexdigest()
@@ -112,17 +119,60 @@ def test_logout_revokes_the_session_for_every_worker(log: Path) -> None:
     assert (log.parent / "console.revoked").stat().st_mode & 0o777 == 0o600
 
 
-def test_revocations_are_dropped_once_expired(log: Path) -> None:
+def test_revocations_are_dropped_once_no_copy_can_be_open(log: Path) -> None:
     keys = SessionKeys.beside(log)
     old = keys.open(keys.issue(AUDITOR, NOW), ADMIN, NOW)
     assert old is not None
     keys.revoke(old, NOW)
-    later = NOW + SESSION_SECONDS + 1
+    later = NOW + MAX_SESSION_SECONDS + CLOCK_SKEW_SECONDS + 1
     young = keys.open(keys.issue(AUDITOR, later), ADMIN, later)
     assert young is not None
     keys.revoke(young, later)
     lines = (log.parent / "console.revoked").read_text().splitlines()
     assert len(lines) == 1  # the first expired: no longer kept
+
+
+def test_a_copy_renewed_before_the_log_out_stays_revoked_past_the_cookies_expiry(
+    log: Path,
+) -> None:
+    """A stolen copy of the cookie, renewed (used) before its owner logged out, expires after
+    the owner's cookie; the log-out holds until no copy can be open (log-in plus the maximum)."""
+    keys = SessionKeys.beside(log)
+    owners = keys.open(keys.issue(AUDITOR, NOW), ADMIN, NOW)
+    assert owners is not None
+    stolen = keys.renew(owners, NOW + 600)  # the thief's copy, renewed as it was used
+    copy = keys.open(stolen, ADMIN, NOW + 600)
+    assert copy is not None
+    assert copy.expires > owners.expires
+    keys.revoke(owners, NOW + 660)  # the owner logs out with the older cookie
+    assert keys.open(stolen, ADMIN, owners.expires + 60) is not None  # past the owner's expiry
+    for now in (owners.expires + 60, NOW + MAX_SESSION_SECONDS - 1):
+        other = keys.open(keys.issue(AUDITOR, now), ADMIN, now)
+        assert other is not None
+        keys.revoke(other, now)  # another log-out: the file drops what has expired
+        assert keys.is_revoked(copy)  # so a copy renewed again and again stays refused
+
+
+def test_a_revocation_file_past_its_bound_refuses_every_session_and_keeps_every_entry(
+    log: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = SessionKeys.beside(log)
+    session = keys.open(keys.issue(AUDITOR, NOW), ADMIN, NOW)
+    stranger = keys.open(keys.issue(AUDITOR, NOW), ADMIN, NOW)
+    assert session is not None
+    assert stranger is not None
+    revoked = log.parent / "console.revoked"
+    filler = "".join(f"{n:064x} {NOW + 3600}\n" for n in range(MAX_REVOKED_BYTES // 76 + 1))
+    revoked.write_text(filler)  # others' log-outs, past the bound
+    keys.revoke(session, NOW)  # its entry after the first MAX_REVOKED_BYTES
+    assert revoked.stat().st_size > MAX_REVOKED_BYTES
+    assert revoked.read_text().startswith(filler)  # nothing dropped that is still live
+    with caplog.at_level(logging.ERROR, logger="broker.console.session"):
+        assert keys.is_revoked(session)  # not missed past the bound
+        assert keys.is_revoked(stranger)  # and every other session refused: fail closed
+    assert "every console session is refused" in caplog.text
+    revoked.write_text("")
+    assert not keys.is_revoked(stranger)
 
 
 @pytest.mark.parametrize(
