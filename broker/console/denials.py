@@ -11,7 +11,6 @@ record's exact bytes) and the public proof and checkpoint routes.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import shlex
@@ -36,6 +35,7 @@ from broker.console.reading import (
     window_of,
 )
 from broker.console.templates import render
+from broker.console.work import console_read
 from broker.core.errors import InputError, NotFound
 
 TOP = 20
@@ -88,7 +88,7 @@ async def denials_page(request: web.Request) -> web.Response:
     except InputError as exc:
         problem = exc.message
     else:
-        denials = await asyncio.to_thread(_read, decisions, span, filters)
+        denials = await console_read(request, _read, decisions, span, filters)
     return render(
         request,
         "denials.html",
@@ -116,7 +116,7 @@ async def _line(request: web.Request) -> tuple[int, bytes]:
     index = _index(request)
     decisions = request.app[DECISIONS]
     await decisions.refresh()
-    line = await asyncio.to_thread(read_record, decisions, index)
+    line = await console_read(request, read_record, decisions, index)
     if line is None:
         raise NotFound(f"no record {index} in this replica's log ({decisions.committed_size})")
     return index, line

@@ -11,7 +11,6 @@ the whole log), with older / newer links that page through the history itself.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from bisect import bisect_left
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from aiohttp import web
 from broker.audit.envelope import Envelope, RecordError, parse_record
 from broker.audit.log import DecisionLog
 from broker.console.reading import PAGE, number
+from broker.console.work import CONSOLE_WORK
 from broker.core.records import RecordType
 
 KINDS = frozenset({RecordType.POLICY_CHANGE, RecordType.POLICY_RELOAD_FAILED})
@@ -107,5 +107,5 @@ async def history(
     """
     end = number(query, "end")
     index = app[HISTORY_INDEX]
-    await asyncio.to_thread(index.update, decisions)
-    return await asyncio.to_thread(index.page, decisions, end)
+    await app[CONSOLE_WORK].run(index.update, decisions)
+    return await app[CONSOLE_WORK].run(index.page, decisions, end)

@@ -19,7 +19,6 @@ Every list is bounded (``SHOWN``, ``MAX_STORE_VERSIONS``); counts are exact for 
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from broker.console.reading import (
     window_of,
 )
 from broker.console.templates import render
+from broker.console.work import console_read
 from broker.core.errors import InputError, UpstreamError
 from broker.core.records import ChangeResult, RecordType
 
@@ -211,7 +211,7 @@ async def keys_page(request: web.Request) -> web.Response:
     except InputError as exc:
         problem = exc.message
     else:
-        keys = await asyncio.to_thread(_read, decisions, span, filters)
+        keys = await console_read(request, _read, decisions, span, filters)
     stored, store_problem = await _stored(request, None if keys is None else filters.key)
     return render(
         request,

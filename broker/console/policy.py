@@ -37,6 +37,7 @@ from broker.console.auth import check_origin
 from broker.console.history import history
 from broker.console.reading import DEFAULT_RECORDS, Window, read, window_of
 from broker.console.templates import render
+from broker.console.work import console_read
 from broker.core.errors import BodyTooLarge, ConfigError, InputError, RequestTimeout
 from broker.core.records import DECISION_TYPES
 from broker.decisions.replay import SUMMARY, Changed, Replay
@@ -127,10 +128,10 @@ async def compare(request: web.Request) -> web.Response:
             decisions = request.app[DECISIONS]
             await decisions.refresh()
             span = window_of(fields, decisions, maximum=MAX_REPLAY_RECORDS)
-            compiled, verified = await asyncio.to_thread(
-                _candidate, fields["bundle"], request.app[SETTINGS].policy
+            compiled, verified = await console_read(
+                request, _candidate, fields["bundle"], request.app[SETTINGS].policy
             )
-            comparison = await asyncio.to_thread(_compare, decisions, span, compiled, verified)
+            comparison = await console_read(request, _compare, decisions, span, compiled, verified)
         except InputError as exc:  # the upload: not the form, too large, too slow
             return await _page(request, None, exc.message, exc.status)
         except PolicyLoadError as exc:  # the candidate: does not read, verify or compile

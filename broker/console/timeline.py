@@ -10,7 +10,6 @@ is not a key's or an image's).
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from broker.audit.outcomes import RESULTS
 from broker.audit.query import Filters, rows
 from broker.console.reading import DECIDING, Window, filters_of, paging, read, window_of
 from broker.console.templates import render
+from broker.console.work import console_read
 from broker.core.errors import InputError
 from broker.core.records import RecordType
 
@@ -129,7 +129,7 @@ async def _timeline(request: web.Request) -> Timeline:
     decisions = request.app[DECISIONS]
     await decisions.refresh()
     span = window_of(request.query, decisions)
-    return await asyncio.to_thread(_read, decisions, span, filters, interval)
+    return await console_read(request, _read, decisions, span, filters, interval)
 
 
 def _read(decisions: DecisionLog, span: Window, filters: Filters, interval: int | None) -> Timeline:

@@ -10,7 +10,6 @@ replica's log links to the record's page (its inclusion proof verified there).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from aiohttp import web
@@ -18,6 +17,7 @@ from aiohttp import web
 from broker.api.services import CLOCK, SETTINGS
 from broker.audit.watch_state import MAX_STATE_BYTES, WatchView, watch_member, watch_view
 from broker.console.templates import render
+from broker.console.work import console_read
 
 
 def _read(path: Path) -> tuple[WatchView | None, str | None]:
@@ -46,7 +46,7 @@ async def watch_page(request: web.Request) -> web.Response:
     if path is None:
         view, problem = None, "no [audit] watch_state in this broker's configuration"
     else:
-        view, problem = await asyncio.to_thread(_read, path)
+        view, problem = await console_read(request, _read, path)
     now = request.app[CLOCK]()
     age = None
     if view is not None and view.checked_at is not None:

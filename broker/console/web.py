@@ -22,6 +22,7 @@ from broker.api.services import SETTINGS
 from broker.console import auth, denials, health, history, keys, policy, timeline, watch
 from broker.console.session import SessionKeys
 from broker.console.templates import ENVIRONMENT, load_templates, render
+from broker.console.work import CONSOLE_WORK, ConsoleBusy, ConsoleWork
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PREFIX = "/console"
@@ -95,6 +96,8 @@ def install(app: web.Application) -> None:
         if route.permission not in (Permission.PUBLIC, Permission.AUDITOR):
             raise TypeError(f"console route {route.path} declares no console permission")
         handler = route.handler
+        if route.page:
+            handler = _busy_page(handler)
         if route.permission is Permission.AUDITOR:
             handler = auth.require_session(handler, page=route.page)
         if route.rate_limited:
@@ -103,6 +106,23 @@ def install(app: web.Application) -> None:
     app.router.add_get(PREFIX + "/static/{name:[A-Za-z0-9._-]+}", auth.require_enabled(static))
     app.on_response_prepare.append(_security_headers)
     app.cleanup_ctx.append(_start)
+
+
+def _busy_page(handler: Handler) -> Handler:
+    """A page whose reads found the console busy (``work.py``): the problem page, 503 (a data
+    route's ``ConsoleBusy`` is the JSON error, as every error of the API)."""
+
+    async def page(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ConsoleBusy as exc:
+            response = render(
+                request, "problem.html", status=503, title="Busy", problem=exc.message
+            )
+            response.headers.update(exc.headers)
+            return response
+
+    return page
 
 
 async def static(request: web.Request) -> web.StreamResponse:
@@ -130,9 +150,11 @@ async def _security_headers(request: web.Request, response: web.StreamResponse) 
 
 async def _start(app: web.Application) -> AsyncIterator[None]:
     """The templates and the session key (files: in a thread), the comparison lock, the
-    policy history's index."""
+    policy history's index, the console's threads (closed at the end)."""
     app[ENVIRONMENT] = await asyncio.to_thread(load_templates)
     app[auth.SESSION_KEYS] = await asyncio.to_thread(SessionKeys.beside, app[SETTINGS].audit.log)
     app[policy.COMPARING] = asyncio.Lock()  # one candidate compared at a time per worker
     app[history.HISTORY_INDEX] = history.HistoryIndex()  # found at the first visit
+    app[CONSOLE_WORK] = ConsoleWork()
     yield
+    app[CONSOLE_WORK].close()

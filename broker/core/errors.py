@@ -78,6 +78,7 @@ class ErrorCode(StrEnum):
     # admin authentication
     UNAUTHORIZED = "unauthorized"
     ORIGIN_REFUSED = "origin_refused"  # a console form posted from another origin (CSRF): 403
+    CONSOLE_BUSY = "console_busy"  # every console read slot of a worker stayed taken: 503
     # keys
     KEY_UNKNOWN = "key_unknown"
     KEY_VERSION_UNAVAILABLE = "key_version_unavailable"
