@@ -12,16 +12,22 @@ and shows the counts and the newest changed decisions. **Compare only**: the can
 when the broker has one, else compared unverified and said so), held to the structure rules
 and compiled by the pinned ``opa`` as a reload would (``build.load_verified_bundle``), used for
 this answer and dropped. Nothing here reaches the policy manager: the auditor role cannot
-change policy. Bounded: ``MAX_CANDIDATE_BYTES`` per upload, ``MAX_REPLAY_RECORDS`` records
-re-decided, one comparison at a time per worker (``COMPARING``), the form ``Origin``-checked as
-every console POST.
+change policy. Bounded: ``MAX_CANDIDATE_BYTES`` per upload (read before the comparison lock is
+taken: a slow upload holds no one up), ``MAX_REPLAY_RECORDS`` records re-decided within
+``COMPARE_SECONDS`` (past it the comparison stops and the page says after how many records),
+one comparison at a time per worker (``COMPARING``), the form ``Origin``-checked as every
+console POST. A candidate that fails at run time (a conflict between its rules' values, its
+evaluation budget spent) is the candidate's problem, not the broker's: ``400`` with the record
+it failed on and OPA's message, logged at INFO — never ``policy_unavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shlex
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,24 +42,35 @@ from broker.config import PolicySettings
 from broker.console.auth import check_origin
 from broker.console.history import history
 from broker.console.reading import DEFAULT_RECORDS, Window, read, window_of
+from broker.console.session import SESSION
 from broker.console.templates import render
 from broker.console.work import console_read
-from broker.core.errors import BodyTooLarge, ConfigError, InputError, RequestTimeout
+from broker.core.errors import BodyTooLarge, ConfigError, InputError, RequestTimeout, UpstreamError
 from broker.core.records import DECISION_TYPES
 from broker.decisions.replay import SUMMARY, Changed, Replay
 from broker.policy import opa_bundle
 from broker.policy.build import load_verified_bundle
 from broker.policy.testing import find_opa
-from broker.policy.wasm import CompiledPolicy, PolicyLoadError
+from broker.policy.wasm import CompiledPolicy, EvaluationFailed, PolicyLoadError
 
 MAX_CANDIDATE_BYTES = 4 * 1024 * 1024  # an uploaded bundle (the default policy's is ~120 KiB)
 MAX_REPLAY_RECORDS = DEFAULT_RECORDS  # records whose decisions one comparison re-decides
+COMPARE_SECONDS = 30.0  # one comparison's time; past it, it stops and says where
 MAX_FIELD_BYTES = 64  # ``records``, ``end``
 MAX_PARTS = 4
 CHANGES_SHOWN = 100  # the newest changed decisions listed (the counts are exact)
 CANDIDATE = "the uploaded candidate"
 COMPARING: web.AppKey[asyncio.Lock] = web.AppKey("console_comparing", asyncio.Lock)
 FORM_FIELDS = ("end", "records")
+log = logging.getLogger(__name__)
+
+
+class CandidateFailed(Exception):
+    """The candidate stopped with a run-time error on a record's decision."""
+
+    def __init__(self, index: int | None, problem: str) -> None:
+        where = "a record" if index is None else f"record {index}"
+        super().__init__(f"the candidate failed on {where}: {problem}")
 
 
 async def history_page(request: web.Request) -> web.Response:
@@ -87,6 +104,8 @@ async def _page(
         summary=SUMMARY,
         max_candidate_kib=MAX_CANDIDATE_BYTES // 1024,
         max_replay=MAX_REPLAY_RECORDS,
+        compare_seconds=int(COMPARE_SECONDS),
+        stopped_at=None if comparison is None else comparison.stopped_at,
         shown=CHANGES_SHOWN,
     )
 
@@ -101,6 +120,8 @@ class Comparison:
     summary: dict[str, int] = field(default_factory=dict)
     changes: deque[Changed] = field(default_factory=lambda: deque(maxlen=CHANGES_SHOWN))
     since: str | None = None  # the time of the window's first decision record
+    records: int = 0  # decision records compared
+    stopped_at: int | None = None  # COMPARE_SECONDS passed: the last record compared
 
     def printed(self) -> list[str]:
         """What ``broker policy replay`` prints for these decisions: a JSON line per changed
@@ -119,26 +140,40 @@ class Comparison:
 async def compare(request: web.Request) -> web.Response:
     """``POST /console/policy/compare`` (multipart form: ``bundle``, ``records``, ``end``)."""
     check_origin(request)
+    try:
+        fields = await _form(request)  # before the lock: the upload holds up no one else
+    except InputError as exc:  # not the form, too large, too slow
+        return await _page(request, None, exc.message, exc.status)
     lock = request.app[COMPARING]
     if lock.locked():
         return await _page(request, None, "another comparison is running here; try again", 429)
     async with lock:
-        try:
-            fields = await _form(request)
-            decisions = request.app[DECISIONS]
-            await decisions.refresh()
-            span = window_of(fields, decisions, maximum=MAX_REPLAY_RECORDS)
-            compiled, verified = await console_read(
-                request, _candidate, fields["bundle"], request.app[SETTINGS].policy
-            )
-            comparison = await console_read(request, _compare, decisions, span, compiled, verified)
-        except InputError as exc:  # the upload: not the form, too large, too slow
-            return await _page(request, None, exc.message, exc.status)
-        except PolicyLoadError as exc:  # the candidate: does not read, verify or compile
-            return await _page(request, None, str(exc), 400)
-        except ConfigError as exc:  # no opa here to compile it with
-            return await _page(request, None, f"cannot compile a candidate here: {exc}", 503)
-    return await _page(request, comparison, None)
+        comparison, problem, status = await _compared(request, fields)
+    return await _page(request, comparison, problem, status)
+
+
+async def _compared(
+    request: web.Request, fields: dict[str, Any]
+) -> tuple[Comparison | None, str | None, int]:
+    """The candidate compared, or the problem that stopped it and the status to say it with."""
+    try:
+        decisions = request.app[DECISIONS]
+        await decisions.refresh()
+        span = window_of(fields, decisions, maximum=MAX_REPLAY_RECORDS)
+        compiled, verified = await console_read(
+            request, _candidate, fields["bundle"], request.app[SETTINGS].policy
+        )
+        comparison = await console_read(request, _compare, decisions, span, compiled, verified)
+    except InputError as exc:  # ``records`` or ``end``
+        return None, exc.message, exc.status
+    except CandidateFailed as exc:  # the candidate's problem, not the broker's policy's
+        log.info("console: %s compared a candidate that failed: %s", request[SESSION].who, exc)
+        return None, str(exc), 400
+    except PolicyLoadError as exc:  # the candidate: does not read, verify or compile
+        return None, str(exc), 400
+    except ConfigError as exc:  # no opa here to compile it with
+        return None, f"cannot compile a candidate here: {exc}", 503
+    return comparison, None, 200
 
 
 async def _form(request: web.Request) -> dict[str, Any]:
@@ -219,11 +254,27 @@ def _candidate(raw: bytes, settings: PolicySettings) -> tuple[CompiledPolicy, bo
 def _compare(
     decisions: DecisionLog, span: Window, compiled: CompiledPolicy, verified: bool
 ) -> Comparison:
-    replaying = Replay(compiled)
+    """The candidate re-deciding the window's decisions, oldest first, until the window ends or
+    ``COMPARE_SECONDS`` pass (then ``stopped_at`` says where). Blocking: a thread.
+
+    Raises:
+        CandidateFailed: the candidate stopped with a run-time error on a decision.
+    """
+    replaying = Replay(compiled, failures=logging.DEBUG)  # said by ``compare``, at INFO
     comparison = Comparison(compiled, span, verified)
+    deadline = time.monotonic() + COMPARE_SECONDS
     for record in read(decisions, span, DECISION_TYPES):
         if comparison.since is None:
             comparison.since = record.time
-        comparison.changes.extend(replaying.changes(record))
+        try:
+            comparison.changes.extend(replaying.changes(record))
+        except EvaluationFailed as exc:
+            raise CandidateFailed(record.index, exc.problem) from exc
+        except UpstreamError as exc:  # its memory cannot hold the input
+            raise CandidateFailed(record.index, exc.message) from exc
+        comparison.records += 1
+        if time.monotonic() > deadline:
+            comparison.stopped_at = record.index
+            break
     comparison.summary = dict(replaying.summary)
     return comparison

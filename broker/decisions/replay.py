@@ -20,6 +20,7 @@ or the console's window of the log) and show the result. Blocking (the engine): 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -92,9 +93,11 @@ class Changed:
 class Replay:
     """One candidate policy, re-deciding the records it is given; ``summary`` counts them."""
 
-    def __init__(self, compiled: CompiledPolicy) -> None:
+    def __init__(self, compiled: CompiledPolicy, *, failures: int = logging.ERROR) -> None:
+        """``failures``: the level the candidate's evaluation failures are logged at
+        (``WasmPolicyInstance``)."""
         self.digest = compiled.digest
-        self._instance = WasmPolicyInstance(compiled)
+        self._instance = WasmPolicyInstance(compiled, failures=failures)
         self.summary = dict.fromkeys(SUMMARY, 0)
 
     def changes(

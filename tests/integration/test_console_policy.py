@@ -10,14 +10,17 @@ import asyncio
 import html
 import io
 import json
+import logging
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
+from broker.console import policy
 from broker.console.policy import MAX_CANDIDATE_BYTES
 from broker.policy import opa_bundle
 from tests.integration.console import (
@@ -234,3 +237,120 @@ async def test_a_signed_candidate_is_verified_with_the_brokers_bundle_key(
         assert status == 200, page
         assert f'id="candidate-digest">{digest}<' in page  # a signature is not policy
         assert "not verified" in " ".join(page.split())
+
+
+CONFLICT_MODULE = f"""package broker.key_policies.conflict
+
+import rego.v1
+
+applies_to := [{json.dumps(KEY)}]
+
+level := 1 if input.request.key
+level := 2 if input.request.key
+
+deny contains "never" if level == 3
+"""
+
+
+async def test_a_candidate_that_fails_at_run_time_is_its_problem_said_in_the_page(
+    start_broker: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two values for one complete rule: the candidate compiles, then stops on the first
+    decision it re-decides. A 400 naming the record and OPA's message, logged at INFO as the
+    candidate's problem — not ``policy_unavailable``, not an ERROR of the broker's policy."""
+    broker = await console_broker(start_broker)
+    async with broker.client() as client:
+        await client.release(KEY, broker.token_source())
+    (first,) = [r["index"] for r in broker.records() if r["type"] == "release"]
+    conflicting = opa_bundle.pack(
+        await asyncio.to_thread(opa_built, SHIPPED, {"broker/conflict.rego": CONFLICT_MODULE})
+    )
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        await browser.login()
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            status, page = await _upload(browser, conflicting)
+    assert status == 400, page
+    problem = re.search(r'id="compare-problem">([^<]+)<', page)
+    assert problem is not None
+    assert html.unescape(problem.group(1)) == (
+        f"the candidate failed on record {first}: "
+        "policy/broker/conflict.rego:8:1: var assignment conflict"
+    )
+    assert 'id="comparison"' not in page
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    (said,) = [r for r in caplog.records if r.name == "broker.console.policy"]
+    assert said.levelno == logging.INFO
+    assert f"failed on record {first}" in said.getMessage()
+
+
+async def test_a_comparison_stops_at_its_deadline_and_says_where(
+    start_broker: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(policy, "COMPARE_SECONDS", 0.0)  # past after the first record
+    broker = await console_broker(start_broker)
+    async with broker.client() as client:
+        for _ in range(3):
+            await client.release(KEY, broker.token_source())
+    first = next(r["index"] for r in broker.records() if r["type"] == "release")
+    same = await asyncio.to_thread(
+        candidate_bundle, broker.workdir / "policies", tmp_path, withdraw=None
+    )
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        await browser.login()
+        status, page = await _upload(browser, same)
+    assert status == 200, page
+    stopped = re.search(r'id="compare-stopped">([^<]+)<', page)
+    assert stopped is not None
+    assert " ".join(stopped.group(1).split()).startswith(
+        f"Stopped after 1 decision records (through record {first}): a comparison runs at most 0 s"
+    )
+    assert tables(page)["summary"][0][:2] == ["1", "1"]  # the one record compared
+
+
+async def test_an_upload_still_arriving_holds_no_other_comparison_up(
+    start_broker: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The form is read before the comparison lock is taken: while one auditor's upload is
+    half sent, another's candidate is compared (not ``429``)."""
+    broker = await console_broker(start_broker)
+    same = await asyncio.to_thread(
+        candidate_bundle, broker.workdir / "policies", tmp_path, withdraw=None
+    )
+    boundary = "slowupload"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="bundle"; filename="c.tar.gz"\r\n'
+        "Content-Type: application/gzip\r\n\r\n"
+    ).encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    arrived = asyncio.Event()
+
+    async def slowly() -> AsyncIterator[bytes]:
+        yield head + same[:100]
+        await arrived.wait()  # the rest only once the other comparison is answered
+        yield same[100:] + tail
+
+    async with aiohttp.ClientSession() as session:
+        browser = Browser(broker, session)
+        await browser.login()
+        slow = asyncio.create_task(
+            session.post(
+                broker.url + "/console/policy/compare",
+                data=slowly(),
+                headers={
+                    **browser.headers(),
+                    "Content-Type": f"multipart/form-data; boundary={boundary}",
+                },
+                ssl=broker.client_tls,
+                allow_redirects=False,
+            )
+        )
+        await asyncio.sleep(0.3)  # its head is in: the server reads its form
+        status, page = await _upload(browser, same)
+        arrived.set()
+        async with await slow as response:
+            late = response.status, await response.text()
+    assert status == 200, page
+    assert late[0] == 200, late[1]
