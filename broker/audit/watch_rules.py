@@ -20,7 +20,7 @@ rules") and ``audit/watch.py`` runs them over records::
     name = "refused reloads"
     kind = "record_type"                 # any record of this type
     type = "policy_reload_failed"
-    result = "deny"                      # optional: and this result (a release's outcome)
+    # result = "deny"                    # optional, for types that have one: and this result
 
     [[rule]]
     name = "refusal burst"
@@ -36,8 +36,9 @@ rules") and ``audit/watch.py`` runs them over records::
     window_seconds = 3600
 
 A file that cannot be used — not TOML, an unknown kind or member, a value of the wrong type or
-out of range, two rules of one name, an empty list that would allow nothing silently — is
-refused whole (``RulesError``, naming the rule): never run partly, never ignored.
+out of range, two rules of one name, an empty list that would allow nothing silently, a
+``result`` its type never has (a typo would never match) — is refused whole (``RulesError``,
+naming the rule): never run partly, never ignored.
 """
 
 from __future__ import annotations
@@ -48,12 +49,20 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from broker.core.records import KNOWN_TYPES, RecordType
+from broker.audit.outcomes import ALLOW, DENY, ERROR, PARTIAL
+from broker.core.records import DECISION_TYPES, KNOWN_TYPES, ChangeResult, RecordType
 
 MAX_RULES = 200
 MAX_LIST = 10_000  # images or keys in one rule
 MAX_TRACKED = 10_000  # entries a windowed rule remembers per window (the newest); max is below
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")  # datetime.weekday() order
+# the results a record_type rule may name, per type (a type not here has none): a decision's
+# (a release on a result's outcome may be partial), a key change's outcome
+RESULTS_OF: dict[str, tuple[str, ...]] = {
+    **{kind.value: (ALLOW, DENY, ERROR) for kind in DECISION_TYPES | {RecordType.KBS_AUTH}},
+    RecordType.ATTESTED_RELEASE.value: (ALLOW, PARTIAL, DENY, ERROR),
+    RecordType.KEY_ADMIN.value: tuple(result.value for result in ChangeResult),
+}
 
 
 class RulesError(ValueError):
@@ -204,6 +213,11 @@ def _rule(table: Mapping[str, Any]) -> Rule:
         if written not in KNOWN_TYPES | {RecordType.UNKNOWN.value}:
             raise RulesError(f"type {written!r} is not a record type ({', '.join(KNOWN_TYPES)})")
         result = _text(table, "result") if "result" in table else None
+        results = RESULTS_OF.get(written, ())
+        if result is not None and not results:
+            raise RulesError(f"result: {written} records have no result (leave it out)")
+        if result is not None and result not in results:
+            raise RulesError(f"result {result!r} is not one of {written}'s ({', '.join(results)})")
         return RecordOfType(name, written, result)
     most, seconds = table.get("max"), table.get("window_seconds")
     if not isinstance(most, int) or isinstance(most, bool) or not 0 < most < MAX_TRACKED:

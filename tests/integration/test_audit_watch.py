@@ -238,6 +238,14 @@ async def test_records_that_do_not_hash_to_the_checkpoint_are_refused_and_exit_c
     assert done.returncode == 2
     (line,) = done.stderr.splitlines()
     assert line.startswith(f"error: {tmp_path / 'bad.toml'}: rule #1 ('office'): hours:"), line
+    typo = tmp_path / "typo.toml"  # a result its type never has: it would never match
+    typo.write_text('[[rule]]\nname = "refusals"\nkind = "record_type"\ntype = "release"\n'
+                    'result = "denied"\n')  # fmt: skip
+    done = run("audit", "monitor", "--state", str(state), str(copy), "--rules", str(typo))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(
+        f"error: {typo}: rule #1 ('refusals'): result 'denied' is not one of release's"
+    ), done.stderr
     for refused, flag in (
         (["--sink", "syslog://127.0.0.1:514"], "--sink"),  # without --rules
         ([*watch, "--sink", "ftp://siem.example/"], "--sink"),

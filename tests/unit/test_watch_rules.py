@@ -48,6 +48,22 @@ def hits(rules: str, *lines: bytes, watch: Watch | None = None) -> list[tuple[st
         ("[[rule]]\nname='a'\nkind='release_hours'\nhours='07:00-07:00'", "hours:"),
         ("[[rule]]\nname='a'\nkind='release_hours'\nhours='07:00-19:00'\ndays=['monday']", "days"),
         ("[[rule]]\nname='a'\nkind='record_type'\ntype='policy_reload_fail'", "not a record type"),
+        (
+            "[[rule]]\nname='a'\nkind='record_type'\ntype='release'\nresult='denied'",
+            "rule #1 ('a'): result 'denied' is not one of release's (allow, deny, error)",
+        ),
+        (
+            "[[rule]]\nname='a'\nkind='record_type'\ntype='release'\nresult='partial'",
+            "result 'partial' is not one of release's",  # only a release on a result's
+        ),
+        (
+            "[[rule]]\nname='a'\nkind='record_type'\ntype='policy_change'\nresult='allow'",
+            "result: policy_change records have no result (leave it out)",
+        ),
+        (
+            "[[rule]]\nname='a'\nkind='record_type'\ntype='key_admin'\nresult='allow'",
+            "result 'allow' is not one of key_admin's (ok, error, unknown)",
+        ),
         ("[[rule]]\nname='a'\nkind='recipients'\nkey='k'\nmax=0\nwindow_seconds=60", "max:"),
         ("[[rule]]\nname='a'\nkind='deny_rate'\nkey='k'\nmax=1\nwindow_seconds=60", "'key'"),
         ("[[rule]]\nname='a'\nkind='deny_rate'\nmax=10000\nwindow_seconds=60", "max: a whole"),
@@ -116,6 +132,7 @@ def test_record_type_reports_every_record_of_the_type_and_result() -> None:
     rules = (
         '[[rule]]\nname="reloads"\nkind="record_type"\ntype="policy_reload_failed"\n'
         '[[rule]]\nname="partial"\nkind="record_type"\ntype="attested_release"\nresult="partial"\n'
+        '[[rule]]\nname="failed changes"\nkind="record_type"\ntype="key_admin"\nresult="error"\n'
         '[[rule]]\nname="newer"\nkind="record_type"\ntype="unknown"\n'
     )
     failed = canonical({"type": "policy_reload_failed", "time": WEDNESDAY_0304, "problem": "x"})
