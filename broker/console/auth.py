@@ -1,8 +1,10 @@
 """Log in, log out, and the session check of every console route but the login page.
 
 * Log-in is a POST form (``token``), so the token never appears in a URL, a history or a
-  server's access log; it must hold the ``auditor`` role (``[admin]``). A wrong token and one
-  without the role get the same page (401).
+  server's access log; it must hold the ``auditor`` role and no other (``[admin]``): the console
+  is read-only, and a token that can change keys or policy is not typed into a browser for it.
+  A wrong token and one without the role get the same page (401); a token with more roles is
+  told to use an auditor-only token (401).
 * The session cookie (``session.py``) is ``HttpOnly``, ``SameSite=Strict``, and over TLS
   ``Secure`` with the ``__Host-`` prefix (``Path=/``, no ``Domain``: no other site or subdomain
   can set it); over the loopback development HTTP listener it is ``console-session`` on
@@ -24,7 +26,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from broker.api.services import CLOCK, SETTINGS
-from broker.console.session import AUDITOR, SESSION, Session, SessionKeys
+from broker.console.session import AUDITOR, SESSION, Session, SessionKeys, auditor_only
 from broker.console.templates import render
 from broker.core.errors import ErrorCode, Forbidden, InputError, NotFound, Unauthorized
 
@@ -115,14 +117,19 @@ async def login(request: web.Request) -> web.StreamResponse:
     token = form.get("token")
     usable = isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_CHARS and token.isascii()
     digest = hashlib.sha256(token.strip().encode() if usable else b"").hexdigest()  # type: ignore[union-attr]
-    if not usable or AUDITOR not in request.app[SETTINGS].admin.roles_of(digest):
-        log.info("console: a log-in with a token that is not an auditor's")
+    roles = request.app[SETTINGS].admin.roles_of(digest) if usable else frozenset()
+    if not auditor_only(roles):
+        wider = AUDITOR in roles  # an admin token: said so, it is the holder's own
+        log.info("console: a log-in with a token that is not an auditor-only one")
         return render(
             request,
             "login.html",
             status=401,
             title="Log in",
-            problem="That is not an auditor token.",
+            problem=f"That token holds more than the auditor role ({', '.join(sorted(roles))}): "
+            "use an auditor-only token (the console is read-only)."
+            if wider
+            else "That is not an auditor token.",
         )
     response = see_other("/console/")
     _set_cookie(request, response, request.app[SESSION_KEYS].issue(digest, _now(request)))

@@ -110,7 +110,7 @@ class SessionKeys:
 
     def open(self, cookie: str, admin: AdminSettings, now: int) -> Session | None:
         """The session the cookie holds, or ``None``: malformed, forged, expired, or its token
-        no longer holds the ``auditor`` role. (Revocation is checked by ``is_revoked``.)"""
+        no longer holds the ``auditor`` role alone. (Revocation is checked by ``is_revoked``.)"""
         usable = len(cookie) <= MAX_COOKIE_CHARS and cookie.isascii() and cookie.isprintable()
         parts = cookie.split(".") if usable else []  # aiohttp keeps undecodable bytes as surrogates
         if len(parts) != 6 or parts[0] != VERSION:
@@ -128,12 +128,13 @@ class SessionKeys:
         return None if who is None else Session(sid, ref, who, login, expires)
 
     def _auditor(self, ref: str, admin: AdminSettings) -> str | None:
-        """``token:<12 hex>`` of the configured token the ref names, if it is an auditor's."""
+        """``token:<12 hex>`` of the configured token the ref names, if it is an auditor-only
+        one (a token given another role since ends its sessions, as one that lost the role)."""
         found = None
         for digest in (*admin.token_sha256, *(d for d, _ in admin.tokens)):
             if hmac.compare_digest(self.token_ref(digest).encode(), ref.encode()):
                 found = digest  # no early exit: every digest is compared
-        if found is None or AUDITOR not in admin.roles_of(found):
+        if found is None or not auditor_only(admin.roles_of(found)):
             return None
         return f"token:{found[:12]}"
 
@@ -179,6 +180,11 @@ class SessionKeys:
             MAX_REVOKED_BYTES,
             MAX_SESSION_SECONDS,
         )
+
+
+def auditor_only(roles: frozenset[str]) -> bool:
+    """Whether a token's roles let it open the console: ``auditor`` and nothing else."""
+    return roles == {AUDITOR}
 
 
 def _sid_digest(sid: str) -> str:

@@ -1,6 +1,6 @@
 """What the console's tests share: a broker with an auditor token (and an admin token without
-that role, which must not open the console), a per-key policy whose deny reason holds a script,
-and an HTTP client that logs in as a browser does."""
+that role and one with every role, neither of which may open the console), a per-key policy
+whose deny reason holds a script, and an HTTP client that logs in as a browser does."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from tests.support.constants import KEY
 
 AUDITOR_TOKEN = "console-auditor-token-7c1e9a"
 KEY_ADMIN_TOKEN = "console-key-admin-token-2b8d40"
+FULL_ADMIN_TOKEN = "console-full-admin-token-5e03c1"  # every role, auditor included
 COOKIE = "__Host-console-session"
 CONSOLE_TOML = f"""
 [[admin.tokens]]
@@ -37,6 +38,10 @@ roles = ["auditor"]
 [[admin.tokens]]
 sha256 = "{hashlib.sha256(KEY_ADMIN_TOKEN.encode()).hexdigest()}"
 roles = ["key-admin", "policy-admin"]
+
+[[admin.tokens]]
+sha256 = "{hashlib.sha256(FULL_ADMIN_TOKEN.encode()).hexdigest()}"
+roles = ["key-admin", "policy-admin", "auditor"]
 """
 
 OTHER_IMAGE = "sha256:" + "0" * 64

@@ -17,6 +17,7 @@ from broker.console.web import CSP
 from tests.integration.console import (
     AUDITOR_TOKEN,
     COOKIE,
+    FULL_ADMIN_TOKEN,
     KEY_ADMIN_TOKEN,
     OTHER_IMAGE,
     XSS_REASON,
@@ -54,6 +55,10 @@ async def test_login_logout_and_the_session_cookie(start_broker: Callable[..., A
         status, response, _ = await browser.post("/console/login", {"token": KEY_ADMIN_TOKEN})
         assert status == 401
         assert "Set-Cookie" not in response.headers  # key-admin is not auditor
+        status, response, page = await browser.post("/console/login", {"token": FULL_ADMIN_TOKEN})
+        assert status == 401
+        assert "Set-Cookie" not in response.headers  # more than auditor: not in a browser
+        assert "use an auditor-only token" in page
         jar = await browser.login()
         cookie = jar[COOKIE]
         assert cookie["httponly"]

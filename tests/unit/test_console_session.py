@@ -99,10 +99,17 @@ def test_session_ends_with_its_tokens_auditor_role(log: Path, admin: AdminSettin
     assert keys.open(keys.issue(AUDITOR, NOW), admin, NOW) is None
 
 
-def test_token_sha256_tokens_hold_the_auditor_role(log: Path) -> None:
+@pytest.mark.parametrize(
+    "admin",
+    [
+        AdminSettings(token_sha256=(AUDITOR,)),  # a full admin token (every role)
+        AdminSettings(tokens=((AUDITOR, ("auditor", "key-admin")),)),  # it gained a role
+    ],
+)
+def test_only_an_auditor_only_token_holds_a_session(log: Path, admin: AdminSettings) -> None:
     keys = SessionKeys.beside(log)
-    admin = AdminSettings(token_sha256=(AUDITOR,))
-    assert keys.open(keys.issue(AUDITOR, NOW), admin, NOW) is not None
+    assert keys.open(keys.issue(AUDITOR, NOW), ADMIN, NOW) is not None
+    assert keys.open(keys.issue(AUDITOR, NOW), admin, NOW) is None
 
 
 def test_logout_revokes_the_session_for_every_worker(log: Path) -> None:
