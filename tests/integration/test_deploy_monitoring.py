@@ -1,8 +1,10 @@
 """The operators' dashboard and alerting rules in deploy/ (issue 34) against the metrics the
 broker really exports: a live broker (one process, and ``--workers 2`` as deployed) is driven
-through releases allowed and refused, an attestation and a refused policy reload, ``/metrics`` is
-scraped, and every metric name in the Grafana dashboard's expressions and in the alert rules must
-be among its samples. The rules file is checked by ``promtool check rules`` and its alerts by
+through releases allowed, refused and failed (a policy error), an attestation and a refused
+policy reload, ``/metrics`` is scraped, and every metric name in the Grafana dashboard's
+expressions and in the alert rules must be among its samples, each label a selector matches on
+among that metric's labels, and each value it matches exactly (``label="value"``) among that
+label's values. The rules file is checked by ``promtool check rules`` and its alerts by
 ``promtool test rules`` (deploy/prometheus/alerts_test.yml: each alert fires on the series that
 should fire it, not on a healthy broker); the dashboard's structure is checked here."""
 
@@ -50,6 +52,10 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
 KEYWORDS |= {"and", "or", "unless", "inf", "nan"}
 GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^}]*)\}")
+MATCHER = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+TARGET_LABELS = {"instance", "job"}  # Prometheus adds them when it scrapes: not in /metrics
+Scraped = dict[str, list[dict[str, str]]]  # sample name -> each sample's labels
 
 
 def promql_names(expr: str) -> set[str]:
@@ -78,6 +84,46 @@ def test_the_tokenizer_finds_metric_names_and_nothing_else() -> None:
         "/ ignoring(code) group_left c:rule - time() unless d{} or e[5m:1m] > bool 1e3"
     )
     assert promql_names(expr) == {"a_seconds_bucket", "b_total", "c:rule", "d", "e"}
+
+
+def label_matchers(expr: str) -> Iterator[tuple[str, str, str, str]]:
+    """``(metric, label, operator, value)`` of each label matcher of each selector."""
+    for selector in SELECTOR.finditer(expr):
+        for matcher in MATCHER.finditer(selector.group(2)):
+            label, operator, value = matcher.groups()
+            yield selector.group(1), label, operator, value
+
+
+def unmatched(expressions: list[str], scraped: Scraped) -> list[str]:
+    """The matchers that can match no exported series: a label the metric does not have, or
+    (``=``) a value no sample of it has. Regular expressions and ``!=`` are checked for the
+    label only; the labels Prometheus adds (``instance``, ``job``) are left out."""
+    problems = []
+    for expr in expressions:
+        for metric, label, operator, value in label_matchers(expr):
+            if label in TARGET_LABELS:
+                continue
+            labels = scraped.get(metric, [])
+            if not any(label in sample for sample in labels):
+                problems.append(f"{metric} has no label {label!r}: {expr}")
+            elif operator == "=" and not any(sample.get(label) == value for sample in labels):
+                problems.append(f'{metric}{{{label}="{value}"}} is not exported: {expr}')
+    return problems
+
+
+def test_the_matchers_are_found_and_checked() -> None:
+    expr = 'sum(rate(a_total{instance=~"$instance", outcome!="allow"}[5m])) / b{store = "nonce"}'
+    assert list(label_matchers(expr + " + c{}")) == [
+        ("a_total", "instance", "=~", "$instance"),
+        ("a_total", "outcome", "!=", "allow"),
+        ("b", "store", "=", "nonce"),
+    ]
+    scraped = {"b": [{"store": "key"}, {"store": "nonce"}], "a_total": [{"outcome": "deny"}]}
+    assert unmatched(['b{store="nonce"}', 'a_total{outcome!="x"}'], scraped) == []
+    assert unmatched(['b{store="nonse"}', 'a_total{result="deny"}'], scraped) == [
+        'b{store="nonse"} is not exported: b{store="nonse"}',
+        "a_total has no label 'result': a_total{result=\"deny\"}",
+    ]
 
 
 def dashboard_expressions(dashboard: dict[str, Any]) -> Iterator[str]:
@@ -156,28 +202,53 @@ def test_promtool_checks_the_rules_and_each_tested_alert_fires_as_expected() -> 
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
-async def scrape(broker: RunningBroker) -> set[str]:
-    """The sample names ``/metrics`` exports now."""
+FAILING_IMAGE = "sha256:" + "e" * 64
+# A per-key policy that stops with a run-time error (two values of one complete rule) for one
+# image only: a release decided "error", as a broken policy or a store outage would make one.
+FAILING_POLICY = f"""package broker.key_policies.monitoring_test
+
+import rego.v1
+
+applies_to := [{json.dumps(KEY)}]
+
+level := 1 if input.tee.workload.image_digest == "{FAILING_IMAGE}"
+level := 2 if input.tee.workload.image_digest == "{FAILING_IMAGE}"
+
+deny contains "never" if level == 3
+"""
+
+
+def with_failing_image(workdir: Path) -> None:
+    (workdir / "policies" / "broker" / "failing_image.rego").write_text(FAILING_POLICY)
+
+
+async def scrape(broker: RunningBroker) -> Scraped:
+    """The samples ``/metrics`` exports now: each name, with each of its samples' labels."""
     async with (
         aiohttp.ClientSession() as session,
         session.get(broker.url + "/metrics", ssl=broker.client_tls) as response,
     ):
         assert response.status == 200
         text = await response.text()
-    return {
-        sample.name for family in text_string_to_metric_families(text) for sample in family.samples
-    }
+    scraped: Scraped = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            scraped.setdefault(sample.name, []).append(dict(sample.labels))
+    return scraped
 
 
 @pytest.mark.parametrize("deployment", ["process", "workers"], indirect=True)
 async def test_every_metric_the_dashboard_and_the_alerts_read_is_exported(
     start_broker: Callable[..., Any],
 ) -> None:
-    broker = await attest_broker(start_broker)
+    broker = await attest_broker(start_broker, workdir_setup=with_failing_image)
     async with broker.client() as client:
         await client.release(KEY, broker.token_source())
         with pytest.raises(BrokerClientError):
             await client.release(DENIED_KEY, broker.token_source())
+        with pytest.raises(BrokerClientError) as failed:  # outcome="error", which an alert reads
+            await client.release(KEY, broker.token_source(digest=FAILING_IMAGE))
+        assert failed.value.code == "policy_unavailable"
         attestation = await client.attest(broker.token_source())
         await attestation.release(KEY)
     broken = broker.workdir / "policies" / "broker" / "broken.rego"
@@ -185,7 +256,8 @@ async def test_every_metric_the_dashboard_and_the_alerts_read_is_exported(
     status, _ = await admin_post(broker, "/v1/admin/policy/reload")
     assert status >= 400
     broken.unlink()
-    exported = await scrape(broker)
+    scraped = await scrape(broker)
+    exported = set(scraped)
 
     dashboard = json.loads(DASHBOARD.read_text())
     alerts = yaml.safe_load(ALERTS.read_text())
@@ -196,6 +268,9 @@ async def test_every_metric_the_dashboard_and_the_alerts_read_is_exported(
     assert sorted(in_dashboard - exported) == []
     assert sorted(in_alerts - exported) == []
     assert "broker_made_up_total" not in exported  # the comparison can fail
+    expressions = [*dashboard_expressions(dashboard), *(r["expr"] for r in alert_rules(alerts))]
+    assert sum(1 for e in expressions for _ in label_matchers(e)) > 10  # the matchers are read
+    assert unmatched(expressions, scraped) == []
 
 
 async def samples(broker: RunningBroker) -> dict[str, float]:
