@@ -25,6 +25,11 @@ K8S_OPENAPI := $(VENV)/k8s-openapi-$(KUBERNETES_VERSION).json
 # Debian packages the tests need (installed by `make test` when missing).
 SOFTHSM := /usr/lib/softhsm/libsofthsm2.so
 REDIS := /usr/bin/redis-server
+# Debian's Chromium and its driver: the console's browser test (tests/integration/test_console_browser.py).
+CHROMEDRIVER := /usr/bin/chromedriver
+# promtool (Debian's prometheus package; its daemon is not started) checks deploy/prometheus/alerts.yml
+# and runs its alert unit tests (tests/integration/test_deploy_monitoring.py).
+PROMTOOL := /usr/bin/promtool
 
 .PHONY: demo test lint typecheck pytest policy-test bench soak clean postgresql deploy-tools deploy-check image image-lock
 
@@ -34,10 +39,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[server,gcs,dev]'
 	@touch $(STAMP)
 
+# The workspace is kept (build/demo): the demo ends with its console's URL and auditor token.
 demo: $(STAMP) $(OPA)
-	$(BIN)/broker demo
+	rm -rf build/demo
+	$(BIN)/broker demo --workdir build/demo
 
-test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools lint typecheck policy-test pytest
+test: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(PROMTOOL) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools lint typecheck policy-test pytest
 
 # The layer contract (docs/architecture.md) is part of lint: an import up the layers fails here.
 lint: $(STAMP)
@@ -59,6 +66,16 @@ $(SOFTHSM):
 $(REDIS):
 	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq redis-server) \
 	  || (echo "install redis-server for the shared nonce store tests" >&2; exit 1)
+
+# Chromium and chromium-driver (the console's browser test) come from Debian too: no browser
+# download; Selenium is given both paths.
+$(CHROMEDRIVER):
+	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) \
+	  || (echo "install chromium and chromium-driver for the console's browser test" >&2; exit 1)
+
+$(PROMTOOL):
+	command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
+	  || (echo "install prometheus (for promtool) to check the alerting rules" >&2; exit 1)
 
 # PostgreSQL server binaries (shared nonce store tests): usually present; else from Debian.
 postgresql:
@@ -106,7 +123,7 @@ policy-test: $(STAMP) $(OPA)
 
 # Three workers on two cores: much of the suite waits on broker processes, OPA and disks.
 PYTEST_WORKERS ?= 3
-pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools
+pytest: $(STAMP) $(OPA) $(SOFTHSM) $(REDIS) $(CHROMEDRIVER) $(PROMTOOL) $(FAKE_GCS) $(DPOP_INTEROP) $(KBS_HARNESS) postgresql deploy-tools
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 bench: $(STAMP) $(OPA) $(FAKE_GCS)
@@ -118,6 +135,7 @@ bench: $(STAMP) $(OPA) $(FAKE_GCS)
 	$(BIN)/python bench/weights_bench.py
 	$(BIN)/python bench/sources_bench.py
 	$(BIN)/python bench/identity_bench.py
+	$(BIN)/python bench/console_bench.py
 	$(BIN)/python bench/kbs_bench.py
 
 # Not part of `make test`: a 20 s max run, then 2 minutes at 70 % of it (0 errors, RSS < +10 %).

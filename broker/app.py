@@ -71,6 +71,7 @@ from broker.audit.records import LogCorrupt
 from broker.audit.sink import AuditSink
 from broker.audit.witness import Witness, WitnessKey
 from broker.config import Settings
+from broker.console.web import install as install_console
 from broker.core.errors import ConfigError, UpstreamError
 from broker.core.metrics import Metrics
 from broker.core.refs import (
@@ -137,6 +138,7 @@ def create_app(
     group = workers or WorkerGroup.for_log(settings.audit.log, {})
     app.cleanup_ctx.append(functools.partial(_services, group=group))
     register(app, settings.server)
+    install_console(app)  # /console (docs/console.md): served while a token holds auditor
     register_kbs(app, settings)  # [kbs] enabled: the KBS protocol facade (docs/kbs.md)
     return app
 
@@ -201,7 +203,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             seen=None if attestations.service is None else attestations.service.seen,
         )
         statements = StatementKey(await _statement_signer(settings))
-        publisher = await _checkpoints(settings, audit, session, stack, now=clock())
+        publisher = await _checkpoints(settings, audit, session, stack, metrics, now=clock())
         facts = {
             "keys": settings.keys.store_ref.kind,  # never credentials in it
             "kek": "local (DEVELOPMENT ONLY)" if keys.kek.development_only else keys.kek.reference,
@@ -232,6 +234,7 @@ async def _services(app: web.Application, *, group: WorkerGroup) -> AsyncIterato
             clock=clock,
             interval=settings.server.health_interval_seconds,
             attestation_expired=None if sealed is None else sealed.expired,
+            metrics=metrics,
             identity_ca_warning=None
             if attestations.identity is None
             else attestations.identity.ca.expiry_warning,
@@ -303,6 +306,7 @@ async def _checkpoints(
     audit: DecisionLog,
     session: aiohttp.ClientSession,
     stack: AsyncExitStack,
+    metrics: Metrics,
     *,
     now: datetime,
 ) -> CheckpointPublisher | None:
@@ -327,6 +331,7 @@ async def _checkpoints(
         interval=settings.audit.checkpoint_seconds,
         witnesses=witnesses,
         session=session,
+        metrics=metrics,
     )
     stack.callback(publisher.close)
     await publisher.publish()

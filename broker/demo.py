@@ -27,7 +27,9 @@
 9. Verify the decision log: creation, allow, deny, attestation, releases on it, the policy
    change, the revocation, the denials; chain intact.
 10. With ``--workdir DIR``, leave DIR a ``broker dev`` workspace (its issuer in ``dev-issuer.json``,
-    the image allowed again) for ``broker serve`` and ``broker dev token DIR``.
+    the image allowed again) for ``broker serve`` and ``broker dev token DIR``, and end with the
+    URL of its auditor console once served and the token to log in (``make demo`` keeps its
+    workspace in ``build/demo``).
 
 Returns True only if every step happened as expected.
 """
@@ -96,17 +98,18 @@ def _say(step: str, text: str) -> None:
 
 async def run_demo(workdir: Path | None) -> bool:
     """Run every step; print a few lines; True only if all happened as expected."""
+    auditor_token = secrets.token_urlsafe(24)  # the auditor's: the console of the workspace
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="broker-demo-") as tmp:
-            return await _run(Path(tmp))
+            return await _run(Path(tmp), auditor_token)
     workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before serving
-    ok = await _run(workdir)
+    ok = await _run(workdir, auditor_token)
     if ok:  # the workdir is kept: leave it a `broker dev` workspace to keep experimenting in
-        await asyncio.to_thread(_reopen_workspace, workdir)
+        await asyncio.to_thread(_reopen_workspace, workdir, auditor_token)
     return ok
 
 
-async def _run(workdir: Path) -> bool:
+async def _run(workdir: Path, auditor_token: str) -> bool:
     issuer = DevIssuer(dev_mode=True)
     admin_token = secrets.token_urlsafe(24)  # the security team's, for the reload step
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
@@ -120,6 +123,7 @@ async def _run(workdir: Path) -> bool:
         now=utc_now(),
         keys_extra={"signing_key": "statement-signing.pem"},
         extra_toml=f'[admin]\ntoken_sha256 = ["{_sha256(admin_token)}"]\n\n'
+        f'[[admin.tokens]]\nsha256 = "{_sha256(auditor_token)}"\nroles = ["auditor"]\n\n'
         '[attest]\nenabled = true\nsigning_key = "result-signing.pem"\n'
         + IDENTITY_TOML
         + KBS_TOML.format(key=DEMO_KEY),
@@ -542,9 +546,10 @@ async def _prove_through_api(
     return True
 
 
-def _reopen_workspace(workdir: Path) -> None:
+def _reopen_workspace(workdir: Path, auditor_token: str) -> None:
     """Undo the demo's withdrawal (its module, the emptied allow-list) so the workspace releases
-    again once served, and say how: its issuer mints tokens as a ``broker dev init`` one's."""
+    again once served, and say how: its issuer mints tokens as a ``broker dev init`` one's; and
+    where its auditor console is, with the token to log in (docs/console.md)."""
     (workdir / "policies" / "broker" / "key_policies" / "demo_withdrawn.rego").unlink()
     allow_images(workdir, {DEMO_KEY: [ALLOWED_DIGEST], DEMO_QUERY_KEY: [ALLOWED_DIGEST]})
     for line in (
@@ -554,6 +559,8 @@ def _reopen_workspace(workdir: Path) -> None:
         f"  DevTokenSource.from_workspace(Path({str(workdir)!r}), image={ALLOWED_DIGEST!r})",
     ):
         _say("next", line)
+    _say("console", f"served as above: https://127.0.0.1:8443/console/ (TLS: {workdir}/tls/ca.pem)")
+    _say("console", f"log in with the auditor token {auditor_token}")
 
 
 def _label(record: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from typing import Literal
 
 from broker.audit.log import DecisionLog
 from broker.core.errors import UpstreamError
+from broker.core.metrics import Metrics
 from broker.keys.service import KeyService
 from broker.policy.engine import PolicyEngine
 from broker.policy.manager import PolicyManager
@@ -76,6 +77,8 @@ class Readiness:
     interval: float = 5.0
     # [sealed]: whether the broker's own attestation token has expired at a given time
     attestation_expired: Callable[[datetime], bool] | None = None
+    # each round's findings exported: the stores' and the log writer's state, the log's size
+    metrics: Metrics | None = None
     # [identity]: what is wrong with the identity CA's validity at a given time, if anything
     identity_ca_warning: Callable[[datetime], str | None] | None = None
     _last: HealthRound | None = field(default=None, init=False)
@@ -130,6 +133,13 @@ class Readiness:
             warnings=warnings,
         )
         self._last = state
+        if self.metrics is not None:
+            self.metrics.health_round(
+                nonce_store=checks["nonce_store"] == "ok",
+                key_store=checks["key_store"] == "ok",
+                log_records=self.decisions.committed_size,
+                log_writing=not self.decisions.refusing,
+            )
         return state
 
     def report(self, now: float) -> Report:

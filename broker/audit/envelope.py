@@ -52,6 +52,9 @@ ATTESTATION_TYPES = frozenset(
 )
 ATTESTING = (RecordType.ATTESTATION, RecordType.KBS_ATTEST)  # a result issued (its jti at top)
 RELEASING_ONE = (RecordType.RELEASE, RecordType.KBS_RESOURCE)  # one key, named at the top
+# a key released (or refused): to a runner, on an attestation result, to a KBS guest — what
+# ``broker audit query`` lists as releases, the console's keys page and the watch rules read
+RELEASING = frozenset({*RELEASING_ONE, RecordType.ATTESTED_RELEASE})
 
 
 class RecordError(ValueError):

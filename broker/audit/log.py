@@ -125,6 +125,11 @@ class DecisionLog:
         return self._last_record.get(RecordType.POLICY_CHANGE)
 
     @property
+    def refusing(self) -> bool:
+        """Whether a write failed and this process refuses every append until restarted."""
+        return self._broken
+
+    @property
     def committed_size(self) -> int:
         """Records durably written and hashed into the tree (proofs use at most this)."""
         return self._committed

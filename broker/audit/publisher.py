@@ -31,6 +31,7 @@ from broker.audit.log import DecisionLog
 from broker.audit.records import LogCorrupt
 from broker.audit.witness import Witness, request_cosignature
 from broker.core.errors import UpstreamError
+from broker.core.metrics import Metrics
 from broker.crypto.checkpoint import (
     Checkpoint,
     CheckpointSigner,
@@ -57,8 +58,11 @@ class CheckpointPublisher:
         interval: float,
         witnesses: Sequence[Witness] = (),
         session: aiohttp.ClientSession | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
+        """``metrics``: the newest checkpoint's size and time, and failures, exported."""
         self._log = decisions
+        self._metrics = metrics
         self._signer = signer
         self._interval = interval
         self._witnesses = list(witnesses)
@@ -93,6 +97,7 @@ class CheckpointPublisher:
                 ours = self._ours(note)
                 if last.size >= size and ours:
                     self.latest, self._latest_size = note, last.size
+                    await self._observed(last.size)
                     return note
                 # (a rotated key signs the tree at once, even if it did not grow)
                 if last.size > size or self._log.tree.root(last.size) != last.root:
@@ -104,7 +109,17 @@ class CheckpointPublisher:
             note = await self._sign(size)
             await asyncio.to_thread(self._store, note, size)
             self.latest, self._latest_size = note, size
+            await self._observed(size)
             return note
+
+    async def _observed(self, size: int) -> None:
+        """The metrics of the newest checkpoint: its size, and its file's time (what the
+        console's health page calls its age)."""
+        if self._metrics is None:
+            return
+        path = checkpoint_paths(self._log.path)[0]
+        written = await asyncio.to_thread(_modified, path)
+        self._metrics.checkpoint_published(size, written)
 
     def _ours(self, note: str) -> bool:
         """Whether ``note`` is signed by this publisher's key (after a key rotation the last
@@ -187,3 +202,13 @@ class CheckpointPublisher:
                 await self.publish()
             except (OSError, UpstreamError, LogCorrupt):
                 log.exception("checkpoint could not be signed or written")
+                if self._metrics is not None:
+                    self._metrics.checkpoint_failures.inc()
+
+
+def _modified(path: Path) -> float | None:
+    """``path``'s modification time (None when it cannot be read)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None

@@ -69,13 +69,27 @@ class AuditSink:
             while not self._queue.empty() and len(batch) < BATCH_RECORDS:
                 batch.append(self._queue.get_nowait())
             try:
-                await (self._syslog(batch) if self._parts.scheme == "syslog" else self._post(batch))
+                await self.deliver(batch)
                 self._metrics.sink_sent.inc(len(batch))
             except (OSError, aiohttp.ClientError, TimeoutError) as exc:
                 self._metrics.sink_dropped.inc(len(batch))
                 log.warning(
                     "audit sink %s: %d record(s) not delivered: %s", self._url, len(batch), exc
                 )
+
+    async def deliver(
+        self, batch: list[bytes], *, event: str = "decision", severity: int | None = None
+    ) -> None:
+        """Send ``batch`` now, without the queue (``run``; ``broker audit monitor``'s watch
+        hits: ``event`` is the syslog MSGID, ``severity`` overrides the record's).
+
+        Raises:
+            OSError, aiohttp.ClientError, TimeoutError: not delivered.
+        """
+        if self._parts.scheme == "syslog":
+            await self._syslog(batch, event, severity)
+        else:
+            await self._post(batch)
 
     async def _post(self, batch: list[bytes]) -> None:
         body = b"".join(line + b"\n" for line in batch)
@@ -86,14 +100,15 @@ class AuditSink:
             if reply.status >= 300:
                 raise aiohttp.ClientResponseError(reply.request_info, (), status=reply.status)
 
-    async def _syslog(self, batch: list[bytes]) -> None:
+    async def _syslog(self, batch: list[bytes], event: str, severity: int | None) -> None:
         if self._socket is None:
             self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self._socket.setblocking(False)
         loop = asyncio.get_running_loop()
         address = (self._parts.hostname or "127.0.0.1", self._parts.port or 514)
         for line in batch:
-            await loop.sock_sendto(self._socket, syslog_message(line), address)
+            message = syslog_message(line, event=event, severity=severity)
+            await loop.sock_sendto(self._socket, message, address)
 
     def close(self) -> None:
         if self._socket is not None:
@@ -117,14 +132,16 @@ def syslog_severity(record: Envelope | Mapping[str, Any]) -> int:
     return WARNING if envelope.kind in ATTENTION else NOTICE
 
 
-def syslog_message(line: bytes) -> bytes:
-    """RFC 5424: ``<PRI>1 TIMESTAMP HOST APP - MSGID - MSG``; a line that is not a record (never
-    written by the log) is sent as it is, a warning."""
-    try:
-        severity = syslog_severity(parse_record(line))
-    except RecordError:
-        severity = WARNING
+def syslog_message(line: bytes, *, event: str = "decision", severity: int | None = None) -> bytes:
+    """RFC 5424: ``<PRI>1 TIMESTAMP HOST APP - MSGID - MSG``; MSGID ``event``; without
+    ``severity``, the record's (a line that is not a record, never written by the log, is sent
+    as it is, a warning)."""
+    if severity is None:
+        try:
+            severity = syslog_severity(parse_record(line))
+        except RecordError:
+            severity = WARNING
     priority = SYSLOG_FACILITY_AUTH * 8 + severity
     stamp = datetime.now(UTC).isoformat().replace("+00:00", "Z")
-    header = f"<{priority}>1 {stamp} {socket.gethostname()} sealed-broker - decision - "
+    header = f"<{priority}>1 {stamp} {socket.gethostname()} sealed-broker - {event} - "
     return header.encode() + line

@@ -28,6 +28,10 @@ broker answers for is its own (each replica at its own address), and every log k
 it, after hand-overs, must be the attested one. A refusal is exit 1 (``broker_not_attested``). An
 attestation that binds no checkpoint key (one held in Cloud KMS) is refused unless
 ``--accept-unbound-log-key``: the log key is then only as good as the ``--key`` pinned by hand.
+
+With ``--rules FILE`` (``cli/audit_watch.py``) watch rules run over each verified log's records
+not yet seen, checked against the checkpoint's root; a hit is exit 4, a JSON line and an event
+to the sink.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.audit.handover import Handover, follow_handovers
+from broker.cli import audit_watch
 from broker.cli.audit_sources import Inconsistent, Source, Unreachable, open_source
 from broker.cli.broker_pin import (
     BrokerUnreachable,
@@ -51,6 +56,7 @@ from broker.cli.broker_pin import (
     broker_identity_from_args,
     not_attested_line,
 )
+from broker.cli.status import _bearer as bearer_from_token_file
 from broker.client.broker_identity import BrokerNotAttested
 from broker.core.errors import ConfigError
 from broker.core.jsonsafe import loads_bounded
@@ -59,6 +65,7 @@ from broker.crypto.merkle import verify_consistency
 
 EXIT_INCONSISTENT = 1
 EXIT_UNREACHABLE = 3
+EXIT_WATCH_HIT = audit_watch.EXIT_WATCH_HIT  # --rules: a rule reported a record (1 wins)
 STATE_VERSION = 2  # one entry per origin (version 1: a single log, read and carried over)
 
 
@@ -89,6 +96,7 @@ def add_parser(audit: Any) -> None:
         help="with --broker-image: follow a broker whose attestation binds no checkpoint key "
         "(held in Cloud KMS); its log key is then checked only against --key",
     )
+    audit_watch.add_arguments(monitor)
     monitor.set_defaults(run=run)
 
 
@@ -102,15 +110,18 @@ class Seen:
 
 @dataclass(frozen=True)
 class Followed:
-    """One log's outcome: its report, its exit code, and its new state (None: keep the old)."""
+    """One log's outcome: its report, its exit code, its new state (None: keep the old), and
+    the source that held it."""
 
     report: dict[str, Any]
     code: int
     seen: Seen | None
+    source: Source | None = None
 
 
 def run(args: argparse.Namespace) -> int:
     previous = _load_state(args.state)
+    watch = audit_watch.prepare(args, args.state)  # the rules file is read before any request
     identity = broker_identity_from_args(args)
     if identity is not None and all("://" not in text for text in args.source):
         raise ConfigError("--broker-image", "pins a broker: give its https:// URL")
@@ -124,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 identity=identity,
                 accept_unbound=args.accept_unbound_log_key,
+                headers=bearer_from_token_file(args),
             )
             for text in args.source
         ]
@@ -139,19 +151,24 @@ def run(args: argparse.Namespace) -> int:
     attested = [s.attested.log_key for s in sources if s.attested and s.attested.log_key]
     keys = _keys(args.key, previous, attested)
     outcomes = [_follow(origin, key, previous.get(origin), sources) for origin, key in keys.items()]
+    if watch is not None:
+        outcomes = [watch.follow(o, done) for o, done in zip(keys, outcomes, strict=True)]
     state = dict(previous)
     for origin, outcome in zip(keys, outcomes, strict=True):
         if outcome.seen is not None:
             state[origin] = outcome.seen
     if any(outcome.seen is not None for outcome in outcomes):
-        _save_state(args.state, state)
+        kept = watch.document() if watch else audit_watch.saved_member(args.state)
+        _save_state(args.state, state, kept)
+    if watch is not None:
+        watch.emit()  # a JSON line per hit, and the sink's events
     codes = {outcome.code for outcome in outcomes}
-    code = EXIT_INCONSISTENT if EXIT_INCONSISTENT in codes else max(codes)
+    code = next((c for c in (EXIT_INCONSISTENT, EXIT_WATCH_HIT) if c in codes), max(codes))
     if len(outcomes) == 1:
         print(json.dumps(outcomes[0].report))
     else:
         reports = [outcome.report for outcome in outcomes]
-        print(json.dumps({"ok": code == 0, "logs": reports}))
+        print(json.dumps({"ok": all(r["ok"] for r in reports), "logs": reports}))
     return code
 
 
@@ -241,7 +258,7 @@ def _check(origin: str, key: str, previous: Seen | None, source: Source) -> Foll
     if source.attested is not None:  # the key it was checked with is the attested one
         source.attested.check(origin, pinned)
         report["broker"] = source.attested.report()
-    return Followed(report, 0, Seen(pinned, checkpoint.size, checkpoint.root, note))
+    return Followed(report, 0, Seen(pinned, checkpoint.size, checkpoint.root, note), source)
 
 
 def _open(verifier: NoteVerifier, note: str) -> Checkpoint:
@@ -298,10 +315,11 @@ def _load_state(path: Path) -> dict[str, Seen]:
         raise ConfigError("--state", f"{path} is not this monitor's state: {exc}") from exc
 
 
-def _save_state(path: Path, state: dict[str, Seen]) -> None:
-    """Replace the state atomically: a crash leaves the old state or the new, never half."""
+def _save_state(path: Path, state: dict[str, Seen], watch: dict[str, Any]) -> None:
+    """Replace the state atomically: a crash leaves the old state or the new, never half.
+    ``watch``: the watch rules' progress and hits (``audit_watch``; {}: none)."""
     checked = datetime.now(UTC).isoformat()
-    document = {
+    document: dict[str, Any] = {
         "version": STATE_VERSION,
         "logs": {
             origin: {
@@ -314,6 +332,8 @@ def _save_state(path: Path, state: dict[str, Seen]) -> None:
             for origin, seen in sorted(state.items())
         },
     }
+    if watch:
+        document["watch"] = watch
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     try:

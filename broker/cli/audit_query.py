@@ -9,21 +9,21 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from broker.audit.envelope import (
     ATTESTATION_TYPES,
+    RELEASING,
     Envelope,
-    KeyDecision,
     RecordError,
     parse_record,
 )
 from broker.audit.envelope import instant as record_instant
 from broker.audit.ocsf import ocsf_events
 from broker.audit.outcomes import RESULTS
+from broker.audit.query import Filters, rows, within
 from broker.audit.records import LogCorrupt
 from broker.audit.segments import log_files
 from broker.core.errors import ConfigError, FileFormatError
@@ -155,85 +155,6 @@ def instant(text: str) -> datetime:
     return utc
 
 
-def within(envelope: Envelope, since: datetime | None, until: datetime | None) -> bool:
-    """Whether the record's time lies in ``[since, until]``; a record without a readable time
-    is in no interval (but in the whole log)."""
-    if since is None and until is None:
-        return True
-    when = envelope.at
-    if when is None:
-        return False
-    return not ((since is not None and when < since) or (until is not None and when > until))
-
-
-@dataclass(frozen=True)
-class Row:
-    """One row of ``audit query``: a record, and the key the row is about (a release's key, one
-    key of a release on a result; None for a record that names none per key)."""
-
-    record: Envelope
-    key: KeyDecision | None
-
-    @property
-    def result(self) -> str | None:
-        return self.record.result if self.key is None else self.key.result
-
-    def as_json(self) -> dict[str, Any]:
-        """A release on a result: the request's members and this key's; every other record as
-        written. Without the (masked) policy input either way."""
-        record = self.record
-        if record.kind is not RecordType.ATTESTED_RELEASE or self.key is None:
-            return {k: v for k, v in record.body.items() if k != "input"}
-        attestation = record.attestation
-        key = self.key
-        own = (
-            {"reasons": list(key.reasons), "policy_digest": key.policy_digest}
-            if key.decided
-            else {"message": key.message}  # refused before it was decided: the request's
-        )
-        return {
-            **{k: record.body.get(k) for k in ("type", "index", "seq", "time", "decision_id")},
-            "replica": record.replica,
-            "attestation": None if attestation is None else attestation.jti,
-            "attestation_log_index": None if attestation is None else attestation.log_index,
-            "dpop_jti": record.body.get("dpop_jti"),
-            "identity": record.body.get("identity"),
-            "release_result": record.result,  # the request's: partial when some keys were
-            "key": key.key,
-            "version": key.version,
-            "result": key.result,
-            "code": key.code,
-            **own,
-        }
-
-
-def rows(envelope: Envelope) -> Iterator[Row]:
-    """A record as query rows: a release is one row per key it decided or was asked (a release
-    on an attestation result refused before any key named: one row, without a key); every other
-    record is one row."""
-    decisions = envelope.decisions if envelope.kind is RecordType.ATTESTED_RELEASE else ()
-    for key in decisions or (envelope.keys[0] if envelope.keys else None,):
-        yield Row(envelope, key)
-
-
-def _matches(row: Row, args: argparse.Namespace) -> bool:
-    record, key = row.record, row.key
-    if args.result is not None and args.result not in (row.result, record.result):
-        return False  # a key's row of a partial release: its own result, or the request's
-    checks = [
-        (args.key, record.key if key is None else key.key),
-        (args.code, record.code if key is None else key.code),
-        (args.image, record.identity.get("image_digest")),
-        (args.project, record.identity.get("project_id")),
-        (args.decision, record.decision_id),
-        (args.replica, record.replica),
-        (args.who, record.who),
-    ]
-    if any(wanted is not None and wanted != found for wanted, found in checks):
-        return False
-    return within(record, args.since, args.until)
-
-
 def _attestation_of(record: Envelope) -> str | None:
     """The attestation result whose story the record is part of (ATTESTATION_TYPES)."""
     return None if record.attestation is None else record.attestation.jti
@@ -242,22 +163,19 @@ def _attestation_of(record: Envelope) -> str | None:
 def _query(args: argparse.Namespace) -> int:
     # Releases (per key on attestation results too); with --who, the changes someone made (key
     # and policy records); with --attestation, that result's whole story.
-    wanted: frozenset[RecordType] | None = (
-        frozenset({RecordType.RELEASE, RecordType.ATTESTED_RELEASE, RecordType.KBS_RESOURCE})
-        if args.who is None
-        else None
-    )
+    wanted: frozenset[RecordType] | None = RELEASING if args.who is None else None
     if args.who is None and args.result in CHANGE_ONLY:  # what only a key change's outcome says
         wanted = frozenset({RecordType.KEY_ADMIN})
     if args.attestation is not None:
         wanted = ATTESTATION_TYPES
+    filters = Filters.from_args(args)
     selected = [
         row
         for record in records(args.logs)
         if (wanted is None or record.kind in wanted)
         and (args.attestation is None or _attestation_of(record) == args.attestation)
         for row in rows(record)
-        if _matches(row, args)
+        if filters.matches(row)
     ]
     if args.table:
         print(f"{'index':>7}  {'time':32}  {'type':19}  {'result':6}  {'code':24}  key")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import urllib.error
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +38,8 @@ from broker.crypto.checkpoint import NoteError, NoteVerifier, parse_checkpoint
 from broker.crypto.merkle import MerkleTree
 
 MAX_ANSWER_BYTES = 1024 * 1024
+ENTRIES_PAGE = 500  # records asked per GET /v1/log/entries (the broker serves at most 1000)
+MAX_ENTRIES_BYTES = 64 * 1024 * 1024  # one page's answer
 UNBOUND = (
     "the broker's attestation binds no checkpoint key (one held in Cloud KMS): its log key "
     "cannot be checked against it; --accept-unbound-log-key follows it with the --key you pin"
@@ -89,14 +92,28 @@ class Source(Protocol):
 
     def handovers(self, origin: str) -> list[str]: ...
 
+    def entries(self, origin: str, start: int, end: int) -> Iterable[bytes]:
+        """Records from ``start`` (at least one, at most up to ``end``) exactly as stored;
+        read as they are iterated (a source may stop short: ask again from there)."""
+        ...
+
 
 class BrokerSource:
     """A broker's public audit API."""
 
-    def __init__(self, broker: BrokerConnection, *, accept_unbound: bool) -> None:
-        """Raises: BrokerNotAttested (``checkpoint``) for a log key that is not the attested
+    def __init__(
+        self,
+        broker: BrokerConnection,
+        *,
+        accept_unbound: bool,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """``headers``: an auditor token's, for the records (``entries``; watch rules).
+
+        Raises: BrokerNotAttested (``checkpoint``) for a log key that is not the attested
         one, or an unbound one not accepted; urllib.error.URLError / OSError: not reached."""
         self._broker = broker
+        self._headers = headers or {}
         self.attested: Attested | None = None
         if broker.verified is not None:
             log_key = attested_log_key(broker)
@@ -108,11 +125,11 @@ class BrokerSource:
     def holds(self, origin: str) -> bool:
         return self.attested is None or self.attested.holds(origin)
 
-    def _get(self, path: str, origin: str) -> bytes:
+    def _get(self, path: str, origin: str, *, limit: int = MAX_ANSWER_BYTES) -> bytes:
         query = ("&" if "?" in path else "?") + "origin=" + quote(origin, safe="")
         try:
-            with self._broker.open(path + query) as response:
-                return bytes(response.read(MAX_ANSWER_BYTES))
+            with self._broker.open(path + query, headers=self._headers) as response:
+                return bytes(response.read(limit))
         except urllib.error.HTTPError as exc:
             exc.close()
             raise Unreachable(f"GET {path.split('?', 1)[0]}: HTTP {exc.code}") from exc
@@ -137,6 +154,22 @@ class BrokerSource:
         except (ValueError, AttributeError):
             return []
         return [str(note) for note in notes] if isinstance(notes, list) else []
+
+    def entries(self, origin: str, start: int, end: int) -> list[bytes]:
+        """``GET /v1/log/entries`` (the auditor role: ``--token-file``), from the replica whose
+        log it is (another replica answers 404: give each replica's address).
+
+        Raises:
+            Unreachable: not answered, refused, too large, or no record served.
+        """
+        path = f"/v1/log/entries?start={start}&end={min(end, start + ENTRIES_PAGE)}"
+        raw = self._get(path, origin, limit=MAX_ENTRIES_BYTES + 1)
+        if len(raw) > MAX_ENTRIES_BYTES:
+            raise Unreachable(f"GET /v1/log/entries from {start}: over {MAX_ENTRIES_BYTES} bytes")
+        lines = raw.split(b"\n")[:-1]
+        if not lines:
+            raise Unreachable(f"GET /v1/log/entries served no record from {start}")
+        return lines[: end - start]
 
 
 class LocalLog:
@@ -174,6 +207,37 @@ class LocalLog:
     def handovers(self, origin: str) -> list[str]:
         return read_handovers(self._path)
 
+    def entries(self, origin: str, start: int, end: int) -> Iterator[bytes]:
+        """Records ``[start, end)`` read from the log's files (every segment, in order), one
+        at a time as they are iterated: a large log is never held in memory.
+
+        Raises (while iterated):
+            Unreachable: a file cannot be read, or holds fewer records.
+        """
+        index = start
+        for line in self._lines(start, end):
+            yield line
+            index += 1
+        if index < end:
+            raise Unreachable(f"{self._path} holds {index} records, its checkpoint {end}")
+
+    def _lines(self, start: int, end: int) -> Iterator[bytes]:
+        """The complete lines ``[start, end)`` of the log's files (fewer if they end first)."""
+        index = 0
+        try:
+            for path in log_files(self._path):
+                if not path.exists():
+                    continue
+                with path.open("rb") as handle:
+                    for line in handle:
+                        if index >= end or not line.endswith(b"\n"):  # a torn line ends it
+                            return
+                        if index >= start:
+                            yield line[:-1]
+                        index += 1
+        except OSError as exc:
+            raise Unreachable(f"{self._path}: {exc.strerror}") from exc
+
 
 def check_url(text: str) -> None:
     """A broker URL: ``https://``, or ``http://`` only when its host is loopback, parsed as a
@@ -202,6 +266,7 @@ def open_source(
     timeout: float,
     identity: BrokerIdentity | None,
     accept_unbound: bool,
+    headers: dict[str, str] | None = None,
 ) -> Source:
     """A broker URL (with ``identity``: attested first), or a log file.
 
@@ -214,5 +279,7 @@ def open_source(
         return LocalLog(Path(text))
     check_url(text)
     return BrokerSource(
-        connect(text, identity, ca=ca, timeout=timeout), accept_unbound=accept_unbound
+        connect(text, identity, ca=ca, timeout=timeout),
+        accept_unbound=accept_unbound,
+        headers=headers,
     )

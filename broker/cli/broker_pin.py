@@ -12,7 +12,7 @@ connection's server key is the attested TLS key), before any other request. Ever
 goes over a new connection whose certificate must be that very certificate (SHA-256 of its DER),
 checked after the handshake and before a byte of the request is written; the certificate is
 trusted through the pin alone, as ``aiohttp.Fingerprint`` does for the SDK. No redirect is
-followed on a pinned connection.
+followed on a pinned connection, nor on any request that carries a token (``Authorization``).
 
 ``attested_log_key`` checks that the note verifier key the broker serves at ``GET /v1/log/key``
 is the checkpoint key its attestation binds, comparing the Ed25519 public keys (the note key's
@@ -204,21 +204,30 @@ class BrokerConnection:
 
         Raises:
             BrokerNotAttested: ``tls``, a pinned connection met another certificate.
-            urllib.error.HTTPError: an answer that is not 2xx (a 3xx too, when pinned).
+            urllib.error.HTTPError: an answer that is not 2xx (a 3xx too, when pinned or
+                when ``headers`` carry ``Authorization``: never followed).
             urllib.error.URLError, OSError: the broker was not reached.
         """
         request = urllib.request.Request(  # noqa: S310 - callers check the scheme
             self.url + path, data=data, headers=headers or {}
         )
-        if self.pin is None:
+        credentials = any(name.lower() == "authorization" for name in request.headers)
+        if self.pin is None and not credentials:
             response: http.client.HTTPResponse = urllib.request.urlopen(  # noqa: S310
                 request, context=self.context, timeout=self.timeout
             )
             return response
-        opener = urllib.request.OpenerDirector()  # no redirect, no plain-HTTP handler
+        # pinned, or carrying a token: no redirect (urllib would send the token on to wherever
+        # it points, another host or plain HTTP included), no plain-HTTP handler
+        tls = (
+            urllib.request.HTTPSHandler(context=self.context)
+            if self.pin is None
+            else _PinnedHandler(self.pin)
+        )
+        opener = urllib.request.OpenerDirector()
         for handler in (
             urllib.request.ProxyHandler(),
-            _PinnedHandler(self.pin),
+            tls,
             urllib.request.HTTPDefaultErrorHandler(),
             urllib.request.HTTPErrorProcessor(),
         ):

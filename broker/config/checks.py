@@ -111,12 +111,17 @@ def validate_audit(audit: AuditSettings) -> None:
     for url in audit.witnesses:
         if not url_allowed(url):
             raise ConfigError("audit.witnesses", "https URLs (http only on loopback)")
-    if audit.sink is not None:
-        parts = urlsplit(audit.sink)
-        if parts.scheme == "syslog" and parts.hostname:
-            return
-        if not url_allowed(audit.sink):
-            raise ConfigError("audit.sink", "syslog://HOST:PORT or https://… (http on loopback)")
+    if audit.sink is not None and not sink_allowed(audit.sink):
+        raise ConfigError("audit.sink", SINK_FORMS)
+
+
+SINK_FORMS = "syslog://HOST:PORT or https://… (http on loopback)"
+
+
+def sink_allowed(url: str) -> bool:
+    """An audit sink URL (``[audit] sink``, ``broker audit monitor --sink``)."""
+    parts = urlsplit(url)
+    return (parts.scheme == "syslog" and bool(parts.hostname)) or url_allowed(url)
 
 
 MAX_SVID_LIFETIME_SECONDS = 86400

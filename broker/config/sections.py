@@ -240,6 +240,10 @@ class AuditSettings:
     # The key that signed this log's checkpoints until signing_key replaced it: the broker then
     # signs a hand-over naming the new key and records the rotation (docs/audit.md)
     previous_signing_key: str | None = None
+    # The state file of a `broker audit monitor --rules` run on this host: the console's Watch
+    # rules page shows its rules and last hits (docs/audit.md, "Watch rules"); unset: the page
+    # says so
+    watch_state: Path | None = None
 
     @cached_property
     def signing_ref(self) -> SignerRef | None:

@@ -77,6 +77,8 @@ class ErrorCode(StrEnum):
     ATTESTATION_STORE_MISMATCH = "attestation_store_mismatch"
     # admin authentication
     UNAUTHORIZED = "unauthorized"
+    ORIGIN_REFUSED = "origin_refused"  # a console form posted from another origin (CSRF): 403
+    CONSOLE_BUSY = "console_busy"  # every console read slot of a worker stayed taken: 503
     # keys
     KEY_UNKNOWN = "key_unknown"
     KEY_VERSION_UNAVAILABLE = "key_version_unavailable"
@@ -243,6 +245,13 @@ class Unauthorized(InputError):
 
     status = 401
     default_code = ErrorCode.UNAUTHORIZED
+
+
+class Forbidden(InputError):
+    """A request this caller may not make from where it comes (403)."""
+
+    status = 403
+    default_code = ErrorCode.ORIGIN_REFUSED
 
 
 class NotFound(InputError):

@@ -20,6 +20,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+OUTBOUND_KINDS = ("jwks", "rim", "ocsp")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -125,12 +126,57 @@ class Metrics:
             "Records the audit sink did not deliver (the local log still has them)",
             registry=self.registry,
         )
+        self.log_writer_up = Gauge(
+            "broker_audit_log_writer_up",
+            "1 while the decision log takes records; 0 once a write failed and the process "
+            "refuses every release until restarted (as of the last readiness round; the lowest "
+            "of any worker)",
+            registry=self.registry,
+            multiprocess_mode="livemin",
+        )
+        self.log_writer_up.set(1)
+        self.log_records = Gauge(
+            "broker_audit_log_records",
+            "Records in this replica's decision log, durable and in the tree (as of the last "
+            "readiness round; the highest of any worker)",
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.checkpoint_size = Gauge(
+            "broker_audit_checkpoint_size",
+            "Tree size of this replica's newest signed checkpoint (the highest of any worker)",
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.checkpoint_time = Gauge(
+            "broker_audit_checkpoint_timestamp_seconds",
+            "When this replica's newest signed checkpoint was written (Unix time; its age is "
+            "time() minus this)",
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.checkpoint_failures = Counter(
+            "broker_audit_checkpoint_failures",
+            "Checkpoints that could not be signed or written (signer, files, a log that no "
+            "longer has the last checkpoint's root)",
+            registry=self.registry,
+        )
+        self.store_up = Gauge(
+            "broker_store_up",
+            "1 while the store answered the last readiness round, by store (nonce, key); 0 "
+            "while it does not (the lowest of any worker)",
+            ["store"],
+            registry=self.registry,
+            multiprocess_mode="livemin",
+        )
         self.outbound = Counter(
             "broker_outbound_requests",
             "Requests the evidence verifier sent to upstreams, by kind (jwks, rim, ocsp)",
             ["kind"],
             registry=self.registry,
         )
+        for kind in OUTBOUND_KINDS:  # exported at 0 before the first request of a kind
+            self.outbound.labels(kind)
 
     def policy_info(self, digest: str) -> None:
         if self._digest is not None and self._digest != digest:
@@ -152,10 +198,35 @@ class Metrics:
         self.policy_source_failures.inc()
         self.policy_source_up.set(0)
 
+    def checkpoint_published(self, size: int, written_at: float | None) -> None:
+        """The newest checkpoint after a publish: its tree size, when its file was written."""
+        self.checkpoint_size.set(size)
+        if written_at is not None:
+            self.checkpoint_time.set(written_at)
+
+    def health_round(
+        self, *, nonce_store: bool, key_store: bool, log_records: int, log_writing: bool
+    ) -> None:
+        """What one readiness round found (``api/readiness.py``)."""
+        self.store_up.labels("nonce").set(1 if nonce_store else 0)
+        self.store_up.labels("key").set(1 if key_store else 0)
+        self.log_records.set(log_records)
+        self.log_writer_up.set(1 if log_writing else 0)
+
     def outbound_counter(self, kind: str) -> Callable[[], None]:
         """What an upstream adapter calls for each request it sends (``kind``: jwks, rim,
         ocsp)."""
         return self.outbound.labels(kind).inc
+
+    def value(self, name: str) -> float:
+        """A sample's value (``broker_audit_sink_dropped_total``): this registry's, or with
+        workers the sum over every worker's files (then blocking: a thread). 0 if none."""
+        directory = os.environ.get(MULTIPROCESS_ENV)
+        registry = self.registry
+        if directory:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        return registry.get_sample_value(name) or 0.0
 
     def render(self) -> bytes:
         """The exposition: this registry, or with workers the sum over every worker's files."""

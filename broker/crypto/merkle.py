@@ -224,3 +224,37 @@ def verify_consistency(
         fn >>= 1
         sn >>= 1
     return sn == 0 and fr == first_root and sr == second_root
+
+
+class CompactRange:
+    """The roots of the complete subtrees that cover leaves ``[0, size)``, largest first (one per
+    set bit of ``size``): enough to go on appending leaves and to compute the root of every
+    later size without keeping a leaf. A monitor keeps one per log, so the records a broker
+    serves it are checked against the signed checkpoint's root, not trusted (the "compact
+    range" of Certificate Transparency monitors and Trillian)."""
+
+    def __init__(self, size: int = 0, hashes: Sequence[bytes] = ()) -> None:
+        """Raises: ValueError when ``hashes`` is not one 32-byte hash per set bit of ``size``."""
+        if size < 0 or len(hashes) != size.bit_count() or any(len(h) != 32 for h in hashes):
+            raise ValueError(f"a compact range of {size} leaves has {size.bit_count()} hashes")
+        self.size = size
+        self.hashes = list(hashes)
+
+    def append(self, leaf: bytes) -> None:
+        """Add leaf ``size`` (its RFC 9162 leaf hash): a right child completes its parent."""
+        self.hashes.append(leaf)
+        self.size += 1
+        merges = (self.size & -self.size).bit_length() - 1  # trailing zero bits of the size
+        for _ in range(merges):
+            right = self.hashes.pop()
+            self.hashes.append(node_hash(self.hashes.pop(), right))
+
+    def root(self) -> bytes:
+        """MTH(D[0:size]): the complete subtrees folded from the right (RFC 9162 §2.1.1 splits
+        off the largest power of two first)."""
+        if not self.hashes:
+            return EMPTY_ROOT
+        root = self.hashes[-1]
+        for left in reversed(self.hashes[:-1]):
+            root = node_hash(left, root)
+        return root

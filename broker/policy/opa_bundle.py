@@ -186,7 +186,17 @@ def read_bundle(
     Raises:
         PolicyLoadError: naming the step and the offending entry.
     """
-    files = unpack(raw, source=source)
+    return read_files(unpack(raw, source=source), source=source, verification=verification)
+
+
+def read_files(
+    files: Mapping[str, bytes], *, source: str, verification: BundleVerification | None
+) -> VerifiedBundle:
+    """Steps 4-6 on a bundle's files, unpacked once by the caller (``unpack``: steps 1-3).
+
+    Raises:
+        PolicyLoadError: naming the step and the offending entry.
+    """
     for name in files:
         if name not in ROOT_FILES and not name.endswith(".rego"):
             raise PolicyLoadError(

@@ -131,13 +131,30 @@ def _module(compiled: CompiledPolicy) -> wasmtime.Module:
     return module
 
 
+class EvaluationFailed(UpstreamError):
+    """The policy stopped with a runtime error (``policy_unavailable``, 503): ``problem`` is
+    OPA's message (rule and location) for the log or an auditor, never for a runner."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__("policy evaluation failed", code=ErrorCode.POLICY_UNAVAILABLE)
+        self.problem = problem
+
+
 class WasmPolicyInstance:
     """One instantiated module with its data loaded. Not thread-safe; used on the loop thread."""
 
     def __init__(
-        self, compiled: CompiledPolicy, *, fuel: int = EVAL_FUEL, entrypoint: str = ENTRYPOINT
+        self,
+        compiled: CompiledPolicy,
+        *,
+        fuel: int = EVAL_FUEL,
+        entrypoint: str = ENTRYPOINT,
+        failures: int = logging.ERROR,
     ) -> None:
+        """``failures``: the level an evaluation failure is logged at (ERROR: the policy the
+        broker runs; a candidate's caller, which reports the failure itself, lowers it)."""
         module = _module(compiled)
+        self._failures = failures
         self._entrypoint_name = entrypoint
         self._store = wasmtime.Store(_ENGINE)
         self._fuel = fuel
@@ -165,8 +182,9 @@ class WasmPolicyInstance:
         """The entrypoint's result for ``policy_input`` (``None`` when undefined).
 
         Raises:
-            UpstreamError: ``policy_unavailable`` on a runtime error, an exhausted budget, or
-                an unreadable result. The log line carries OPA's message (rule and location).
+            EvaluationFailed: ``policy_unavailable`` on a runtime error, an exhausted budget,
+                or an unreadable result. The log line and ``problem`` carry OPA's message (rule
+                and location); the client sees only ``policy evaluation failed``.
         """
         return self.evaluate_encoded(
             json.dumps(policy_input, separators=(",", ":"), ensure_ascii=False).encode(
@@ -191,17 +209,13 @@ class WasmPolicyInstance:
             )
         except (wasmtime.WasmtimeError, wasmtime.Trap, _Abort) as exc:
             problem = self._abort_message or str(exc).splitlines()[0]
-            log.error("policy %s: evaluation failed: %s", self.digest, problem)  # noqa: TRY400 - the message is OPA's
-            raise UpstreamError(
-                "policy evaluation failed", code=ErrorCode.POLICY_UNAVAILABLE
-            ) from exc
+            log.log(self._failures, "policy %s: evaluation failed: %s", self.digest, problem)
+            raise EvaluationFailed(problem) from exc
         try:
             results = json.loads(self._read_cstring(int(address)))
         except ValueError as exc:
-            log.exception("policy %s: result is not JSON", self.digest)
-            raise UpstreamError(
-                "policy evaluation failed", code=ErrorCode.POLICY_UNAVAILABLE
-            ) from exc
+            log.log(self._failures, "policy %s: result is not JSON", self.digest, exc_info=True)
+            raise EvaluationFailed("its result is not JSON") from exc
         if not results:
             return None
         return results[0].get("result")

@@ -47,9 +47,17 @@ def with_identity(workdir: Path, ca_key: ec.EllipticCurvePublicKey | None = None
 
 
 async def identity_broker(start_broker: Callable[..., Any], **kwargs: Any) -> RunningBroker:
-    return await attest_broker(
-        start_broker, extra_toml=IDENTITY_TOML, workdir_setup=with_identity, **kwargs
-    )
+    """``attest_broker`` with workload certificates on (plus ``extra_toml`` and a further
+    ``workdir_setup``, when given)."""
+    extra_toml = IDENTITY_TOML + kwargs.pop("extra_toml", "")
+    setup = kwargs.pop("workdir_setup", None)
+
+    def set_up(workdir: Path) -> None:
+        with_identity(workdir)
+        if setup is not None:
+            setup(workdir)
+
+    return await attest_broker(start_broker, extra_toml=extra_toml, workdir_setup=set_up, **kwargs)
 
 
 def make_csr(

@@ -14,7 +14,7 @@ import aiohttp
 
 from tests.integration.attested import DENIED_KEY, attest_broker
 from tests.integration.conftest import RunningBroker
-from tests.integration.identity import IDENTITY_TOML, with_identity
+from tests.integration.identity import identity_broker
 from tests.support.constants import KEY
 from tests.support.kbs_client import Guest
 
@@ -67,10 +67,14 @@ def guest(broker: RunningBroker, kind: str = "P-256") -> Guest:
 
 async def every_record_broker(start_broker: Callable[..., Any], **kwargs: Any) -> RunningBroker:
     """A broker that writes every record type: ``[attest]``, ``[identity]`` and ``[kbs]`` on
-    (the readers' tests, ``test_audit_feeds``, ``test_record_readers``)."""
-    setup = kbs_setup(with_identity)
-    return await attest_broker(
-        start_broker, extra_toml=IDENTITY_TOML + KBS_TOML, workdir_setup=setup, **kwargs
+    (the readers' tests, ``test_audit_feeds``, ``test_record_readers``, the console's), plus
+    ``extra_toml`` and a further ``workdir_setup``, when given."""
+    extra_toml = KBS_TOML + kwargs.pop("extra_toml", "")
+    return await identity_broker(
+        start_broker,
+        extra_toml=extra_toml,
+        workdir_setup=kbs_setup(kwargs.pop("workdir_setup", None)),
+        **kwargs,
     )
 
 

@@ -11,29 +11,25 @@ import asyncio
 import hashlib
 import json
 import re
-import shutil
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import pytest
-from cryptography.hazmat.primitives.asymmetric import ed25519
-
-from broker.audit.identity import adopt_signing_key, claim_origin
-from broker.audit.log import DecisionLog
 from broker.audit.ocsf import MAPPINGS
-from broker.audit.segments import repair_torn_tail
-from broker.client import BrokerClientError
 from broker.core.records import RecordType
-from broker.crypto.checkpoint import NoteSigner
-from tests.integration.attested import ADMIN, DENIED_KEY, Runner, admin_post
-from tests.integration.conftest import RunningBroker
-from tests.integration.identity import SPIFFE_ID, ask_identity, make_csr
-from tests.integration.kbs import RESOURCE, UNMAPPED, every_record_broker, kbs_records
+from tests.integration.attested import ADMIN, DENIED_KEY
+from tests.integration.every_record import (
+    EXTRA_KEY,
+    every_kind_of_record,
+    with_a_key_rotation,
+    with_a_repair,
+)
+from tests.integration.identity import SPIFFE_ID
+from tests.integration.kbs import RESOURCE, UNMAPPED, every_record_broker
 from tests.support.cli import run
 from tests.support.constants import ALLOWED, KEY
+from tests.support.syslog import syslog_collector
 
 BROKER_SOURCE = Path(__file__).parents[2] / "broker"
 # a record's type as its writers spell it: {"type": "…"} literals, {"type": RecordType.X} and
@@ -43,7 +39,6 @@ TYPE_LITERAL = re.compile(
     r'|"type": RecordType\.([A-Z_]+)|RECORD_TYPE = RecordType\.([A-Z_]+)'
 )
 NOT_RECORDS = {"object", "string", "integer", "array", "boolean", "number", "null"}
-EXTRA_KEY = "models/feeds-extra"
 
 
 def written_types() -> set[str]:
@@ -66,79 +61,6 @@ def test_every_record_type_a_writer_writes_has_an_ocsf_mapping() -> None:
     assert set(CHECKS) == set(MAPPINGS)  # and the test below checks each mapping
 
 
-async def _syslog(messages: list[bytes]) -> tuple[asyncio.DatagramTransport, int]:
-    class Collector(asyncio.DatagramProtocol):
-        def datagram_received(self, data: bytes, addr: Any) -> None:
-            messages.append(data)
-
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(Collector, local_addr=("127.0.0.1", 0))
-    return transport, transport.get_extra_info("sockname")[1]
-
-
-async def _every_kind_of_record(broker: RunningBroker) -> str:
-    """Drive a live broker through every decision and change it records; the attestation's
-    jti."""
-    async with broker.client() as client:
-        await client.release(KEY, broker.token_source())  # release allow
-        with pytest.raises(BrokerClientError):
-            await client.release(DENIED_KEY, broker.token_source())  # release deny
-        attestation = await client.attest(broker.token_source())  # attestation allow
-        await attestation.release(KEY)  # attested_release allow
-        await attestation.release_many([KEY, DENIED_KEY])  # attested_release partial
-        with pytest.raises(BrokerClientError):
-            await attestation.release(DENIED_KEY)  # attested_release deny (a key's)
-    async with aiohttp.ClientSession() as session:  # refused before any key: no proof
-        runner = Runner(broker)
-        await runner.attest(session)
-        status, _, _ = await runner.release(session, keys=(KEY,))
-        assert status == 401
-        if broker.settings.identity.enabled:  # identity allow: a workload certificate
-            status, body, _ = await ask_identity(runner, session, make_csr()[1])
-            assert status == 201, body
-    if broker.settings.kbs.enabled:  # kbs_auth, kbs_attest, kbs_resource allow and deny
-        await kbs_records(broker)
-    status, body = await admin_post(
-        broker, "/v1/admin/keys", {"name": EXTRA_KEY, "purpose": "model-weights"}
-    )
-    assert status == 201, body  # key_admin
-    status, body = await admin_post(
-        broker, f"/v1/admin/attestations/{attestation.jti}/revoke", {"reason": "feeds test"}
-    )
-    assert status == 200, body  # attestation_revoked
-    broken = broker.workdir / "policies" / "broker" / "broken.rego"
-    broken.write_text("package broker.release\nthis is not rego\n")
-    status, body = await admin_post(broker, "/v1/admin/policy/reload")
-    assert status >= 400, body  # policy_reload_failed
-    broken.unlink()
-    return attestation.jti
-
-
-def _with_a_repair(log: Path, into: Path) -> list[dict[str, Any]]:
-    """The broker's records, then a torn final line repaired by the real repair writer."""
-    shutil.copyfile(log, into)
-    with into.open("ab") as handle:
-        handle.write(b'{"type":"release","torn')
-    assert repair_torn_tail(into, now="2026-12-02T12:00:00+00:00") is not None
-    return [json.loads(line) for line in into.read_bytes().splitlines()]
-
-
-async def _with_a_key_rotation(log: Path) -> None:
-    """A checkpoint-key hand-over appended by the real writer (``audit/identity.py``)."""
-    origin = "feeds.it.invalid/decisions"
-    await asyncio.to_thread(claim_origin, log, origin=origin, replica="feeds")
-    decisions = DecisionLog(log, replica="feeds")
-    await decisions.open()
-    try:
-        old = NoteSigner(origin, ed25519.Ed25519PrivateKey.generate())
-        new = NoteSigner(origin, ed25519.Ed25519PrivateKey.generate())
-        now = "2026-12-02T12:00:01+00:00"
-        assert await adopt_signing_key(decisions, old, None, now=now) is None  # known from now
-        assert await adopt_signing_key(decisions, new, old, now=now) is not None  # handed over
-    finally:
-        await decisions.close()
-
-
 def _export(log: Path) -> list[dict[str, Any]]:
     exported = run("audit", "export", str(log), "--format", "ocsf")
     assert exported.returncode == 0, exported.stderr
@@ -153,12 +75,12 @@ async def test_feeds_report_each_key_and_every_record_type(
     start_broker: Callable[..., Any], tmp_path: Path
 ) -> None:
     messages: list[bytes] = []
-    transport, port = await _syslog(messages)
+    transport, port = await syslog_collector(messages)
     try:
         broker = await every_record_broker(
             start_broker, environ={"BROKER_AUDIT_SINK": f"syslog://127.0.0.1:{port}"}
         )
-        jti = await _every_kind_of_record(broker)
+        jti = await every_kind_of_record(broker)
         written = len(broker.records())
         for _ in range(200):  # the sink is best effort and asynchronous: wait for it
             if len(messages) >= written:
@@ -166,8 +88,8 @@ async def test_feeds_report_each_key_and_every_record_type(
             await asyncio.sleep(0.05)
     finally:
         transport.close()
-    await asyncio.to_thread(_with_a_repair, broker.settings.audit.log, tmp_path / "l")
-    await _with_a_key_rotation(tmp_path / "l")
+    await asyncio.to_thread(with_a_repair, broker.settings.audit.log, tmp_path / "l")
+    await with_a_key_rotation(tmp_path / "l")
     records = [json.loads(line) for line in (tmp_path / "l").read_bytes().splitlines()]
     assert {r["type"] for r in records} == written_types()  # the log holds every type
     events = await asyncio.to_thread(_export, tmp_path / "l")
@@ -307,37 +229,6 @@ def _check_identity_ca(record: dict[str, Any], produced: list[dict[str, Any]], _
     assert event["unmapped"]["subject"] == issuer["subject"]
 
 
-def _check_kbs_auth(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
-    event = _one(produced)
-    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
-    session = record["kbs"]["session"]
-    assert session is not None
-    assert event["resources"] == [{"type": "kbs_session", "uid": session}]
-    assert event["actor"] == {"user": {"uid": None, "name": "sample"}, "session": {"uid": session}}
-    assert event["unmapped"]["kbs"] == record["kbs"]
-
-
-def _check_kbs_attest(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
-    event = _one(produced)
-    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
-    assert event["resources"] == [{"type": "attestation", "uid": record["jti"]}]
-    assert event["actor"]["session"] == {"uid": record["jti"]}
-    assert event["unmapped"]["kbs"]["tee"] == "sample"
-    assert event["unmapped"]["expires_at"] == record["expires_at"]
-
-
-def _check_kbs_resource(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
-    event = _one(produced)
-    allowed = record["result"] == "allow"
-    assert (event["activity_id"], event["status_id"]) == (2, 1 if allowed else 2)
-    assert event["status_code"] == record["code"]
-    named = [{"type": "key", "name": KEY, "version": "1", "uid": record["kid"]}]
-    assert event["resources"] == (named if allowed else [])  # refused before its key: none
-    assert event["actor"]["session"] == {"uid": record["attestation"]["jti"]}
-    assert event["unmapped"]["kbs"]["path"] == (RESOURCE if allowed else UNMAPPED)
-    assert event["unmapped"]["attestation_log_index"] == record["attestation"]["log_index"]
-
-
 def _check_revoked(record: dict[str, Any], produced: list[dict[str, Any]], jti: str) -> None:
     event = _one(produced)
     assert record["jti"] == jti
@@ -404,6 +295,37 @@ def _check_repair(record: dict[str, Any], produced: list[dict[str, Any]], _: str
     assert (event["activity_id"], event["status_id"], event["severity_id"]) == (3, 1, 3)
     assert str(record["removed_bytes"]) in event["message"]
     assert event["unmapped"]["removed_sha256"] == record["removed_sha256"]
+
+
+def _check_kbs_auth(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
+    session = record["kbs"]["session"]
+    assert session is not None
+    assert event["resources"] == [{"type": "kbs_session", "uid": session}]
+    assert event["actor"] == {"user": {"uid": None, "name": "sample"}, "session": {"uid": session}}
+    assert event["unmapped"]["kbs"] == record["kbs"]
+
+
+def _check_kbs_attest(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    assert (event["activity_id"], event["status_id"], event["severity_id"]) == (1, 1, 1)
+    assert event["resources"] == [{"type": "attestation", "uid": record["jti"]}]
+    assert event["actor"]["session"] == {"uid": record["jti"]}
+    assert event["unmapped"]["kbs"]["tee"] == "sample"
+    assert event["unmapped"]["expires_at"] == record["expires_at"]
+
+
+def _check_kbs_resource(record: dict[str, Any], produced: list[dict[str, Any]], _: str) -> None:
+    event = _one(produced)
+    allowed = record["result"] == "allow"
+    assert (event["activity_id"], event["status_id"]) == (2, 1 if allowed else 2)
+    assert event["status_code"] == record["code"]
+    named = [{"type": "key", "name": KEY, "version": "1", "uid": record["kid"]}]
+    assert event["resources"] == (named if allowed else [])  # refused before its key: none
+    assert event["actor"]["session"] == {"uid": record["attestation"]["jti"]}
+    assert event["unmapped"]["kbs"]["path"] == (RESOURCE if allowed else UNMAPPED)
+    assert event["unmapped"]["attestation_log_index"] == record["attestation"]["log_index"]
 
 
 CHECKS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], str], None]] = {

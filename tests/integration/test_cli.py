@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -231,14 +232,41 @@ def test_the_demo_workspace_mints_dev_tokens_and_releases_when_served(
         text=True,
     )
     tls = ssl.create_default_context(cafile=str(workdir / "tls" / "ca.pem"))
+    printed = re.search(r"\[console\] log in with the auditor token (\S+)\n", stdout)
+    assert printed is not None, stdout
+    assert "[console] served as above: https://127.0.0.1:8443/console/" in stdout
     try:
         wait_ready(port, tls)
         released, curl_status = asyncio.run(_release_from_workspace(workdir, port, tls))
+        console = asyncio.run(_console_opens(f"https://127.0.0.1:{port}", tls, printed.group(1)))
     finally:
         process.terminate()
         _, stderr = process.communicate(timeout=60)
     assert (released.key, released.version, len(released.dek)) == (DEMO_KEY, 1, 32), stderr
     assert curl_status == 200, stderr
+    assert console == (303, 200), stderr
+
+
+async def _console_opens(url: str, tls: ssl.SSLContext, token: str) -> tuple[int, int]:
+    """The demo's printed auditor token logs in to the served workspace's console: the log-in's
+    status, then the log health page's."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{url}/console/login",
+            data={"token": token},
+            headers={"Origin": url},
+            ssl=tls,
+            allow_redirects=False,
+        ) as response:
+            login = response.status
+            cookie = response.cookies["__Host-console-session"].value
+        async with session.get(
+            f"{url}/console/",
+            headers={"Cookie": f"__Host-console-session={cookie}"},
+            ssl=tls,
+            allow_redirects=False,
+        ) as response:
+            return login, response.status
 
 
 async def _release_from_workspace(

@@ -133,6 +133,10 @@ async def test_readyz_of_a_broken_broker_names_the_problem_only_to_admins(
         assert "nonce" not in text
         assert "redis" not in text
         status, body = await readyz(session, broker.url, broker.client_tls)
+        async with session.get(broker.url + "/metrics", ssl=broker.client_tls) as response:
+            metrics = await response.text()  # what deploy/prometheus/alerts.yml reads
+    assert 'broker_store_up{store="nonce"} 0.0' in metrics
+    assert 'broker_store_up{store="key"} 1.0' in metrics
     assert status == 503
     assert body["status"] == "not_ready"
     assert body["checks"]["nonce_store"] == "does not answer"

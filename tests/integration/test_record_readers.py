@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
@@ -32,17 +31,16 @@ from broker.audit.publisher import CheckpointPublisher
 from broker.audit.sink import syslog_message
 from broker.core.records import RecordType
 from broker.crypto.checkpoint import NoteSigner
-from broker.keys.service import KeyService
-from broker.keys.store.base import KeyVersionRecord
-from tests.integration.attested import DENIED_KEY, Runner
-from tests.integration.conftest import RunningBroker
-from tests.integration.kbs import every_record_broker
-from tests.integration.test_audit_feeds import (
-    CHECKS,
-    _every_kind_of_record,
-    _with_a_repair,
-    written_types,
+from tests.integration.attested import DENIED_KEY
+from tests.integration.every_record import (
+    NEWER_TYPE,
+    a_bug_after_the_first_key,
+    append_record,
+    every_kind_of_record,
+    with_a_repair,
 )
+from tests.integration.kbs import every_record_broker
+from tests.integration.test_audit_feeds import CHECKS, written_types
 from tests.support.cli import Ran, run
 from tests.support.constants import KEY
 
@@ -75,29 +73,6 @@ SEVERITY = {
 }
 
 
-async def _a_bug_after_the_first_key(
-    broker: RunningBroker, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A release on a result of two keys whose second key's lookup hits a bug: the first key
-    was decided (and withdrawn), the second never was; the record says so (``error``)."""
-    resolve = KeyService.resolve
-
-    async def faulty(self: KeyService, name: str, version: int | None) -> KeyVersionRecord:
-        if name == DENIED_KEY:
-            raise RuntimeError("injected: a bug while looking up the second key")
-        return await resolve(self, name, version)
-
-    async with aiohttp.ClientSession() as session:
-        runner = Runner(broker)
-        await runner.attest(session)
-        with monkeypatch.context() as patched:
-            patched.setattr(KeyService, "resolve", faulty)
-            status, body, _ = await runner.release(
-                session, proof=runner.proof(), keys=(KEY, DENIED_KEY)
-            )
-    assert (status, body["error"]["code"]) == (500, "internal_error")
-
-
 async def _rotate_and_publish(log: Path) -> str:
     """A checkpoint-key hand-over (the real writer), then a checkpoint of the whole log signed
     by the new key; that key's note verifier key."""
@@ -115,23 +90,14 @@ async def _rotate_and_publish(log: Path) -> str:
     return new.verifier_key()
 
 
-async def _append(log: Path, record: dict[str, Any]) -> None:
-    decisions = DecisionLog(log, replica="readers")
-    await decisions.open()
-    try:
-        await decisions.append(record)
-    finally:
-        await decisions.close()
-
-
 async def test_every_reader_reads_every_record_type(
     start_broker: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     broker = await every_record_broker(start_broker)
-    jti = await _every_kind_of_record(broker)
-    await _a_bug_after_the_first_key(broker, monkeypatch)
+    jti = await every_kind_of_record(broker)
+    await a_bug_after_the_first_key(broker, monkeypatch)
     log = tmp_path / "decisions.log"
-    await asyncio.to_thread(_with_a_repair, broker.settings.audit.log, log)
+    await asyncio.to_thread(with_a_repair, broker.settings.audit.log, log)
     verifier_key = await _rotate_and_publish(log)
     records = [json.loads(line) for line in (await asyncio.to_thread(log.read_bytes)).splitlines()]
     assert {r["type"] for r in records} == written_types()  # every type a writer writes
@@ -140,7 +106,7 @@ async def test_every_reader_reads_every_record_type(
     await asyncio.to_thread(_every_reader, log, records, jti, policies, verifier_key)
     newer = tmp_path / "newer.log"
     await asyncio.to_thread(shutil.copyfile, log, newer)
-    await _append(newer, {"type": "from_a_newer_broker", "time": NOW, "who": "broker v99"})
+    await append_record(newer, {"type": NEWER_TYPE, "time": NOW, "who": "broker v99"})
     await asyncio.to_thread(_an_unknown_type_is_read_as_unknown, newer, len(records), policies)
 
 

@@ -72,6 +72,7 @@ LAYER_OF: dict[str, int] = {
     "broker.dev": ENTRY,
     "broker.api": ENTRY,
     "broker.app": ENTRY,
+    "broker.console": ENTRY,  # the auditor console (/console): pages, session, static files
     "broker.decisions": ENTRY,  # the decision kernel and its plans (release, attest, …)
     "broker.demo": ENTRY,
     "broker.supervisor": ENTRY,

@@ -8,6 +8,7 @@ import pytest
 
 from broker.crypto.merkle import (
     EMPTY_ROOT,
+    CompactRange,
     MerkleTree,
     leaf_hash,
     node_hash,
@@ -88,3 +89,20 @@ def test_bulk_build_equals_appending(tree: MerkleTree) -> None:
             assert [level for level in bulk.levels if level] == [
                 level for level in appended.levels if level
             ]
+
+
+def test_a_compact_range_extends_from_any_size_to_the_definitions_root() -> None:
+    """A monitor's state: the range saved at size m, extended leaf by leaf, gives MTH of every
+    later size; a range whose hashes do not fit its size is refused."""
+    for start in (0, 1, 2, 3, 7, 8, 33):
+        carried = CompactRange()
+        for line in LINES[:start]:
+            carried.append(leaf_hash(line))
+        resumed = CompactRange(carried.size, carried.hashes)  # as read back from a state
+        for n in range(start, len(LINES)):
+            assert resumed.root() == mth(LINES[:n]), (start, n)
+            resumed.append(leaf_hash(LINES[n]))
+    with pytest.raises(ValueError, match="has 2 hashes"):
+        CompactRange(3, [b"\0" * 32])
+    with pytest.raises(ValueError, match="has 1 hashes"):
+        CompactRange(1, [b"\0" * 31])

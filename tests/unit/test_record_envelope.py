@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from broker.audit.envelope import RecordError, parse_record
 from broker.audit.ocsf import ocsf_events
+from broker.audit.query import rows
 from broker.audit.sink import syslog_severity
-from broker.cli.audit_query import rows
 from broker.core.records import RecordType, record_head
 
 # the records each plan writes per outcome, pinned byte for byte (test_decision_records.py)
