@@ -34,6 +34,7 @@ from tests.integration.console import (
     console_broker,
     with_xss_reason,
 )
+from tests.integration.watch import log_key, monitor
 from tests.support.browser import (
     CHROMEDRIVER,
     CHROMIUM,
@@ -42,9 +43,16 @@ from tests.support.browser import (
     resources,
     wait_for,
 )
-from tests.support.constants import KEY
+from tests.support.constants import ALLOWED, KEY
 
 SHOTS = os.environ.get("CONSOLE_SCREENSHOTS", "")
+WATCH_RULES = f"""
+[[rule]]
+name = "llama only to the other image"
+kind = "key_images"
+key = "{KEY}"
+images = ["{OTHER_IMAGE}"]
+"""
 VERDICT = """const v = document.querySelector('tr.log .verdict');
 return v && /^(verified|FAILED)/.test(v.textContent) ? v.textContent : null;"""
 PROOF = """const p = document.getElementById('proof');
@@ -244,6 +252,12 @@ def _browse(
         seen += resources(driver)
         _shot(driver, "policy")
 
+        driver.get(broker.url + "/console/watch")  # the monitor's hits, as it left them
+        hits = driver.find_elements(By.CSS_SELECTOR, "#hits tbody td.detail")
+        assert [e.text for e in hits] == [f"{KEY} released to image {ALLOWED}, not in the list"]
+        seen += resources(driver)
+        _shot(driver, "watch")
+
         driver.find_element(By.ID, "logout").click()
         wait_for(driver, "return location.pathname === '/console/login'")
         driver.get(broker.url + "/console/")
@@ -258,7 +272,12 @@ async def test_the_console_verifies_in_a_real_browser(
 ) -> None:
     assert CHROMIUM.exists(), "install Debian's chromium (`make test` does)"
     assert CHROMEDRIVER.exists(), "install Debian's chromium-driver (`make test` does)"
-    broker = await console_broker(start_broker, workdir_setup=with_xss_reason)
+    state = tmp_path / "monitor.json"  # the watch monitor's, shown on the Watch page
+    broker = await console_broker(
+        start_broker,
+        workdir_setup=with_xss_reason,
+        environ={"BROKER_AUDIT_WATCH_STATE": str(state)},
+    )
     await _records(broker)
     history = broker.settings.audit.log.with_name(broker.settings.audit.log.name + ".checkpoints")
     for _ in range(100):  # a checkpoint covering the records (checkpoint_seconds = 0.2)
@@ -270,6 +289,13 @@ async def test_the_console_verifies_in_a_real_browser(
     signer = await asyncio.to_thread(  # what `broker audit key` prints, pinned out of band
         NoteSigner.from_pem, broker.settings.audit.origin, broker.workdir / "log-ed25519.pem"
     )
+    rules = tmp_path / "rules.toml"
+    rules.write_text(WATCH_RULES)
+    log = str(broker.settings.audit.log)
+    code, _, report = await asyncio.to_thread(
+        monitor, "--state", str(state), "--rules", str(rules), log, "--key", await log_key(broker)
+    )
+    assert code == 4, report  # the allowed release is a hit: its image is not in the list
     loop = asyncio.get_running_loop()
 
     def run(coroutine: Coroutine[Any, Any, None]) -> None:
