@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -20,12 +20,16 @@ from broker.attestation.stored import AttestationEntry
 from broker.core.errors import BrokerError, ErrorCode, Unauthorized
 from broker.decisions.attest import ATTEST_FIELDS
 from broker.decisions.attested_release import TIMED_STAGES, AttestedRelease, ReleasedOnResult
-from broker.decisions.attested_request import ATTESTED_FIELDS, ATTESTED_OPTIONAL, Presented
+from broker.decisions.attested_request import (
+    ATTESTED_FIELDS,
+    ATTESTED_OPTIONAL,
+    Presented,
+    Unverified,
+)
 from broker.decisions.kernel import Plan
 from broker.decisions.release import RELEASE_FIELDS, RELEASE_OPTIONAL
 
 Answer = TypeVar("Answer")
-Unverified = tuple[Mapping[str, Any], Presented]  # the body, and what the headers present
 
 
 async def challenge(request: web.Request) -> web.Response:

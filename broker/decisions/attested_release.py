@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -42,7 +42,7 @@ from broker.decisions.attested_request import (
     RELEASE_PATH,
     AttestedRequest,
     KeyAsk,
-    Presented,
+    Unverified,
     check_host,
     parse_attested_request,
 )
@@ -107,7 +107,6 @@ class AttestedFacts(Admitted):
     keys: list[KeyOnResult] = field(default_factory=list)
 
 
-Unverified = tuple[Mapping[str, Any], Presented]  # the body, and what the headers present
 AttestedCase = Case[Unverified, AttestedRequest, AttestedFacts]
 
 

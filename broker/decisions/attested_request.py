@@ -94,6 +94,10 @@ class Presented:
     host: str | None = None
 
 
+# A plan on an attestation result reads, unverified: the JSON body, and what the headers present.
+Unverified = tuple[Mapping[str, Any], Presented]
+
+
 def check_host(host: str | None) -> None:
     """A ``Host`` header must be ``host[:port]`` (RFC 9112 §3.2, RFC 3986 §3.2.2): printable
     ASCII, a port of at most 65535. It decides nothing here; a malformed one is still refused

@@ -33,7 +33,6 @@ withdraws it): it stays listed, harmless, as no one holds it (docs/decisions.md)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -61,7 +60,7 @@ from broker.crypto.svid import (
     new_serial,
     pem,
 )
-from broker.decisions.attested_request import Presented, check_host
+from broker.decisions.attested_request import Unverified, check_host
 from broker.decisions.kernel import Case, Family, Plan
 from broker.decisions.policy import Evaluation, PolicyGate
 from broker.decisions.result_admission import Admitted, ResultAdmission
@@ -117,7 +116,6 @@ class IdentityFacts(Admitted):
     issued: bool = False
 
 
-Unverified = tuple[Mapping[str, Any], Presented]
 IdentityCase = Case[Unverified, IdentityRequest, IdentityFacts]
 
 
